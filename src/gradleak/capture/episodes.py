@@ -1,0 +1,73 @@
+"""One episode at a frozen θ0, with the capture protocol's advantages (paper §3, public code).
+
+GAE (γ, λ) over the episode, bootstrapped with V(s_T) when the episode is cut, normalised per
+episode; returns = A_raw + V.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import gymnasium as gym
+import numpy as np
+import torch
+
+from gradleak.rl.advantages import episode_advantages, normalise
+from gradleak.rl.rollout import act, single_threaded_torch, value_of
+from gradleak.victims.base import Victim
+
+
+@dataclass
+class Episode:
+    images: np.ndarray  # (T, H, W, 3) uint8: s_0 .. s_{T-1}
+    goals: np.ndarray
+    actions: np.ndarray
+    rewards: np.ndarray
+    values: np.ndarray
+    log_probs: np.ndarray
+    probs: np.ndarray  # (T, K)
+    terminated: bool  # ended by success (no bootstrap)
+
+    def __len__(self) -> int:
+        return len(self.actions)
+
+
+def run_episode(env: gym.Env, victim: Victim, seed: int, scene: str, max_steps: int,
+                generator: torch.Generator) -> tuple[Episode, float]:
+    """Roll out one episode with sampled actions; returns it and its bootstrap value."""
+    with single_threaded_torch():
+        return _run_episode(env, victim, seed, scene, max_steps, generator)
+
+
+def _run_episode(env: gym.Env, victim: Victim, seed: int, scene: str, max_steps: int,
+                 generator: torch.Generator) -> tuple[Episode, float]:
+    observation, _ = env.reset(seed=seed, options={"scene": scene})
+    frames, goals, actions, rewards, values, log_probs, probs = [], [], [], [], [], [], []
+    terminated = truncated = False
+    while len(actions) < max_steps and not (terminated or truncated):
+        image, goal = observation["image"][None], observation["goal"][None].astype(np.float32)
+        action, log_prob, value, pi = act(victim, image, goal, generator)
+        frames.append(observation["image"])
+        goals.append(goal[0])
+        observation, reward, terminated, truncated, _ = env.step(int(action[0]))
+        actions.append(int(action[0]))
+        rewards.append(reward)
+        values.append(float(value[0]))
+        log_probs.append(float(log_prob[0]))
+        probs.append(pi[0])
+    bootstrap = 0.0 if terminated else float(
+        value_of(victim, observation["image"][None], observation["goal"][None].astype(np.float32))[0])
+    episode = Episode(images=np.stack(frames), goals=np.stack(goals),
+                      actions=np.array(actions, np.int64), rewards=np.array(rewards, np.float32),
+                      values=np.array(values, np.float32),
+                      log_probs=np.array(log_probs, np.float32),
+                      probs=np.stack(probs).astype(np.float32), terminated=bool(terminated))
+    return episode, bootstrap
+
+
+def episode_targets(episode: Episode, bootstrap: float, gamma: float, lam: float
+                    ) -> dict[str, np.ndarray]:
+    raw = episode_advantages(episode.rewards, episode.values, bootstrap, gamma, lam)
+    return {"advantages_raw": raw.astype(np.float32),
+            "advantages": normalise(raw).astype(np.float32),
+            "returns": (raw + episode.values).astype(np.float32)}

@@ -1,0 +1,254 @@
+"""Reading and validating capture files; several shards read as one capture.
+
+Every check names the file and the field, so a truncated, foreign or inconsistent file is
+reported as such rather than as an h5py traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+
+from gradleak.capture.schema import (
+    FORMAT,
+    FORMAT_VERSION,
+    GRADIENTS,
+    PARTIAL_SUFFIX,
+    REQUIRED_ATTRS,
+    THETA0_GROUP,
+    layers_from_json,
+    step_columns,
+)
+from gradleak.errors import CaptureFileError
+from gradleak.threat import Observation, Target
+from gradleak.victims.base import LayerInfo, VictimConfig
+
+SCAN_ROWS = 256
+
+
+class CaptureFile:
+    """One complete capture file, opened read-only and checked on open."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        if self.path.name.endswith(PARTIAL_SUFFIX):
+            raise CaptureFileError(f"{self.path} is an interrupted capture: continue it with "
+                                   "`gradleak capture ... --resume`")
+        if not self.path.is_file():
+            raise CaptureFileError(f"capture file {self.path} does not exist")
+        try:
+            self._h5 = h5py.File(self.path, "r")
+        except OSError:
+            raise CaptureFileError(f"{self.path} is not a readable HDF5 file (truncated, or not "
+                                   "a capture)") from None
+        try:
+            self._check_header()
+            self._check_layout()
+        except CaptureFileError:
+            self._h5.close()
+            raise
+
+    # -- checks --------------------------------------------------------------------------------
+    def _check_header(self) -> None:
+        attrs = self._h5.attrs
+        if attrs.get("format") != FORMAT:
+            raise CaptureFileError(f"{self.path} is not a gradleak capture: attribute 'format' "
+                                   f"is {attrs.get('format')!r}, expected {FORMAT!r}")
+        if int(attrs.get("format_version", -1)) != FORMAT_VERSION:
+            raise CaptureFileError(f"{self.path}: format_version {attrs.get('format_version')}, "
+                                   f"this gradleak reads version {FORMAT_VERSION}")
+        missing = [key for key in REQUIRED_ATTRS if key not in attrs]
+        if missing:
+            raise CaptureFileError(f"{self.path}: missing attribute(s) {', '.join(missing)}")
+        if not bool(attrs["complete"]):
+            raise CaptureFileError(f"{self.path}: attribute 'complete' is false (the capture "
+                                   "did not finish)")
+        self.victim = VictimConfig.from_dict(json.loads(attrs["victim_config"]),
+                                             f"{self.path} attribute 'victim_config'")
+        self.layers = layers_from_json(attrs["layer_table"])
+
+    def _check_layout(self) -> None:
+        rows = self.num_rows
+        offset = 0
+        for layer in self.layers:
+            if layer.offset != offset:
+                raise CaptureFileError(f"{self.path}: layer_table entry {layer.name} starts at "
+                                       f"{layer.offset}, expected {offset}")
+            offset += layer.size
+        if GRADIENTS not in self._h5:
+            raise CaptureFileError(f"{self.path}: dataset '{GRADIENTS}' is missing")
+        width = self._h5[GRADIENTS].shape[1]
+        if width != offset or width != int(self._h5.attrs["gradient_dim"]):
+            raise CaptureFileError(f"{self.path}: dataset 'gradients' has {width} columns but the "
+                                   f"layer_table describes {offset} (gradient_dim "
+                                   f"{int(self._h5.attrs['gradient_dim'])})")
+        for column in step_columns(self.victim.frame_size, self.victim.num_actions) + (None,):
+            name = GRADIENTS if column is None else column.name
+            if name not in self._h5:
+                raise CaptureFileError(f"{self.path}: dataset '{name}' is missing")
+            data = self._h5[name]
+            if data.shape[0] != rows:
+                raise CaptureFileError(f"{self.path}: dataset '{name}' has {data.shape[0]} rows, "
+                                       f"attribute num_rows says {rows} (truncated file?)")
+            if column is not None and tuple(data.shape[1:]) != column.shape:
+                raise CaptureFileError(f"{self.path}: dataset '{name}' has shape "
+                                       f"{data.shape}, expected (N, *{column.shape})")
+
+    # -- metadata ------------------------------------------------------------------------------
+    @property
+    def num_rows(self) -> int:
+        return int(self._h5.attrs["num_rows"])
+
+    def __len__(self) -> int:
+        return self.num_rows
+
+    @property
+    def attrs(self) -> dict[str, Any]:
+        return {k: (v.item() if isinstance(v, np.generic) else v)
+                for k, v in self._h5.attrs.items()}
+
+    @property
+    def hyperparameters(self) -> dict[str, Any]:
+        return {"algorithm": str(self._h5.attrs["algorithm"]),
+                **json.loads(self._h5.attrs["loss"])}
+
+    @property
+    def scenes(self) -> list[str]:
+        return json.loads(self._h5.attrs.get("all_scenes", self._h5.attrs["scenes"]))
+
+    def column(self, name: str, rows: Any = slice(None)) -> np.ndarray:
+        return self._h5[name][rows]
+
+    def theta0(self) -> dict[str, np.ndarray]:
+        return {name: np.asarray(data[()]) for name, data in self._h5[THETA0_GROUP].items()} \
+            if THETA0_GROUP in self._h5 else {}
+
+    # -- the two sides of the threat model -----------------------------------------------------
+    def observation(self, rows: Any = slice(None), layers: Sequence[str] | None = None,
+                    with_theta0: bool = True) -> Observation:
+        """What the server sees; `layers` limits the gradient columns read (and held)."""
+        chosen = self.layers if layers is None else [self._layer(n) for n in layers]
+        gradients, rebased, offset = [], [], 0
+        for layer in chosen:
+            block = self._h5[GRADIENTS][rows, layer.offset:layer.offset + layer.size]
+            gradients.append(block.astype(np.float32))
+            rebased.append(replace(layer, offset=offset))
+            offset += layer.size
+        matrix = np.concatenate(gradients, axis=1) if gradients else np.zeros((0, 0), np.float32)
+        self._check_finite(matrix, rows)
+        return Observation(gradients=matrix, layers=tuple(rebased), victim=self.victim,
+                           hyperparameters=self.hyperparameters,
+                           episode_ids=self.column("episode_ids", rows),
+                           step_in_episode=self.column("step_in_episode", rows),
+                           theta0=self.theta0() if with_theta0 else {})
+
+    def target(self, rows: Any = slice(None), images: bool = True) -> Target:
+        """Private ground truth: auxiliary training targets and scoring only."""
+        return Target(images=self.column("images", rows) if images else None,
+                      actions=self.column("actions", rows),
+                      advantages=self.column("advantages", rows),
+                      returns=self.column("returns", rows), values=self.column("values", rows),
+                      probs=self.column("probs", rows), rewards=self.column("rewards", rows))
+
+    def _layer(self, name: str) -> LayerInfo:
+        for layer in self.layers:
+            if layer.name == name:
+                return layer
+        raise CaptureFileError(f"{self.path}: layer {name!r} is not in the capture (components "
+                               f"{self._h5.attrs['components']})")
+
+    def _check_finite(self, matrix: np.ndarray, rows: Any) -> None:
+        if not np.isfinite(matrix).all():
+            bad = np.nonzero(~np.isfinite(matrix).all(axis=1))[0]
+            base = (rows.start or 0) if isinstance(rows, slice) else 0
+            raise CaptureFileError(f"{self.path}: dataset 'gradients' holds NaN/Inf in "
+                                   f"{len(bad)} row(s), first at row {int(bad[0]) + base}")
+
+    def validate(self) -> dict[str, Any]:
+        """Full scan: finite gradients, episodes contiguous and closed by a done flag."""
+        for start in range(0, self.num_rows, SCAN_ROWS):
+            rows = slice(start, min(start + SCAN_ROWS, self.num_rows))
+            self._check_finite(self._h5[GRADIENTS][rows].astype(np.float32), rows)
+        episodes = self.column("episode_ids")
+        steps = self.column("step_in_episode")
+        dones = self.column("dones")
+        starts = np.r_[True, episodes[1:] != episodes[:-1]]
+        if (steps[starts] != 0).any() or (np.diff(steps)[~starts[1:]] != 1).any():
+            raise CaptureFileError(f"{self.path}: 'step_in_episode' does not count 0, 1, 2, ... "
+                                   "inside each episode")
+        ends = np.r_[starts[1:], True]
+        if not np.array_equal(dones, ends):
+            raise CaptureFileError(f"{self.path}: 'dones' does not mark exactly the last step of "
+                                   "each episode")
+        return {"rows": self.num_rows, "episodes": int(starts.sum()), "finite": True}
+
+    def summary(self) -> dict[str, Any]:
+        attrs = self.attrs
+        episodes = self.column("episode_ids")
+        lengths = np.bincount(np.unique(episodes, return_inverse=True)[1])
+        rewards = self.column("rewards")
+        terminated = self.column("terminated")
+        return {"file": str(self.path), "victim": attrs["victim"],
+                "frame_size": self.victim.frame_size, "num_actions": self.victim.num_actions,
+                "algorithm": attrs["algorithm"], "split": attrs["split"],
+                "shard": attrs.get("shard", "0/1"), "rows": self.num_rows,
+                "episodes": len(lengths), "mean_episode_length": float(lengths.mean()),
+                "success_rate": float(terminated.sum() / max(len(lengths), 1)),
+                "mean_reward": float(rewards.mean()) if len(rewards) else 0.0,
+                "gradient_dim": int(attrs["gradient_dim"]),
+                "components": json.loads(attrs["components"]),
+                "scenes": len(json.loads(attrs["scenes"])),
+                "theta0_sha256": attrs["theta0_sha256"],
+                "size_mb": round(self.path.stat().st_size / 2**20, 2)}
+
+    def close(self) -> None:
+        self._h5.close()
+
+    def __enter__(self) -> CaptureFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def open_captures(paths: Sequence[str | os.PathLike[str]]) -> list[CaptureFile]:
+    """Open several shards of one capture; they must share θ0, the victim and the layout."""
+    if not paths:
+        raise CaptureFileError("no capture files given")
+    files = [CaptureFile(p) for p in paths]
+    first = files[0]
+    for other in files[1:]:
+        for key in ("theta0_sha256", "layer_table", "victim_config", "algorithm"):
+            if other.attrs[key] != first.attrs[key]:
+                for handle in files:
+                    handle.close()
+                raise CaptureFileError(f"{other.path} and {first.path} differ in '{key}': shards "
+                                       "of one capture must share the victim, θ0 and layout")
+    return files
+
+
+def concat_observations(observations: list[Observation]) -> Observation:
+    """One observation over several shards; episode ids are made unique across files."""
+    first = observations[0]
+    offset, episode_ids = 0, []
+    for observation in observations:
+        episode_ids.append(observation.episode_ids + offset)
+        offset += int(observation.episode_ids.max()) + 1 if len(observation) else 0
+    return replace(first, gradients=np.concatenate([o.gradients for o in observations]),
+                   episode_ids=np.concatenate(episode_ids),
+                   step_in_episode=np.concatenate([o.step_in_episode for o in observations]))
+
+
+def concat_targets(targets: list[Target]) -> Target:
+    def join(name: str) -> Any:
+        parts = [getattr(t, name) for t in targets]
+        return None if any(p is None for p in parts) else np.concatenate(parts)
+
+    return Target(**{name: join(name) for name in Target.__dataclass_fields__})

@@ -1,0 +1,261 @@
+"""The capture job: episodes at θ0 → per-step gradients → one HDF5 file per shard."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from gradleak import __version__
+from gradleak.capture.episodes import episode_targets, run_episode
+from gradleak.capture.grads import StepBatch, per_step_gradients
+from gradleak.capture.schema import FORMAT, FORMAT_VERSION, layers_to_json, step_columns
+from gradleak.capture.writer import CaptureWriter
+from gradleak.envs.factory import make_env, num_actions, scene_names
+from gradleak.errors import CaptureFileError, CheckpointError, ConfigError, GradleakError
+from gradleak.io import load_victim, theta_sha256, write_json
+from gradleak.presets import Preset
+from gradleak.rl.losses import LossCoefficients
+from gradleak.rl.trainer import ALGORITHMS, loss_coefficients
+from gradleak.victims.base import VICTIMS, Victim, VictimConfig, create_victim, layer_table
+
+SPLITS = ("train", "heldout")
+FLOAT16_MAX = 65504.0
+
+
+@dataclass
+class CaptureJob:
+    victim: str  # a checkpoint directory, or a registry name with random_init
+    split: str
+    steps: int
+    out: Path
+    preset: Preset
+    random_init: bool = False
+    algorithm: str = "ppo"  # used with random_init; a checkpoint carries its own
+    shard: tuple[int, int] = (0, 1)
+    resume: bool = False
+    overwrite: bool = False
+    progress: bool = True
+    seed: int | None = None  # None: the preset's capture seed
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    index, sep, count = text.partition("/")
+    if not (sep and index.isdigit() and count.isdigit()) or not 0 <= int(index) < int(count):
+        raise ConfigError(f"--shard {text!r}: expected i/n with 0 <= i < n, e.g. 0/4")
+    return int(index), int(count)
+
+
+def shard_output(out: Path, shard: tuple[int, int]) -> Path:
+    if shard[1] == 1:
+        return out
+    return out.with_name(f"{out.stem}.shard-{shard[0]}-of-{shard[1]}{out.suffix}")
+
+
+def _victim_and_rule(job: CaptureJob) -> tuple[Victim, str, LossCoefficients, float, float]:
+    preset = job.preset
+    if job.random_init:
+        if job.victim not in VICTIMS:
+            raise ConfigError(f"--random-init needs a victim name ({', '.join(VICTIMS.names())}), "
+                              f"got {job.victim!r}")
+        if job.algorithm not in ALGORITHMS:
+            raise ConfigError(f"--algo {job.algorithm!r}: expected one of {', '.join(ALGORITHMS)}")
+        torch.manual_seed(job.seed if job.seed is not None else preset.capture.seed)
+        config = VictimConfig(job.victim, preset.env.doomnav.frame_size, num_actions(preset.env))
+        return (create_victim(config).eval(), job.algorithm, loss_coefficients(preset),
+                preset.train.gamma, preset.train.lam)
+    victim, meta = load_victim(job.victim)
+    for name, tensor in victim.state_dict().items():
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise CheckpointError(f"victim checkpoint {job.victim}: tensor {name} holds NaN/Inf "
+                                  "values (a diverged training run?)")
+    train = meta.get("preset", {}).get("train", {})
+    coefficients = LossCoefficients(value=train.get("value_coef", 0.5),
+                                    entropy=train.get("entropy_coef", 0.01),
+                                    clip=train.get("clip", 0.2))
+    if victim.config.frame_size != preset.env.doomnav.frame_size:
+        raise ConfigError(f"victim {job.victim} takes {victim.config.frame_size}x"
+                          f"{victim.config.frame_size} frames but the preset renders "
+                          f"{preset.env.doomnav.frame_size}x{preset.env.doomnav.frame_size}")
+    return (victim, meta.get("algorithm", "ppo"), coefficients, train.get("gamma", 0.99),
+            train.get("lam", 0.95))
+
+
+def _shard_scenes(scenes: list[str], shard: tuple[int, int]) -> list[str]:
+    index, count = shard
+    # Fewer scenes than shards (one generic environment): every shard uses all of them and
+    # differs only in its seeds.
+    return scenes[index::count] if len(scenes) >= count else scenes
+
+
+def episode_seed(seed: int, shard: int, episode: int) -> int:
+    return int(np.random.SeedSequence([seed, shard, episode]).generate_state(1)[0])
+
+
+@dataclass
+class _Plan:
+    """Everything a capture decides before touching the environment or the file."""
+
+    victim: Victim
+    algorithm: str
+    coefficients: LossCoefficients
+    gamma: float
+    lam: float
+    layers: list[Any]
+    scenes: list[str]  # this shard's scenes
+    all_scenes: list[str]  # the split's scenes: scene_ids index into these
+    steps: int  # this shard's steps
+    seed: int
+    shard_index: int
+    out: Path
+    attrs: dict[str, Any]
+
+
+def _plan(job: CaptureJob) -> _Plan:
+    if job.split not in SPLITS:
+        raise ConfigError(f"--scenes {job.split!r}: expected one of {', '.join(SPLITS)}")
+    if job.steps <= 0:
+        raise ConfigError(f"--steps {job.steps}: expected a positive number of steps")
+    preset, (shard_index, shard_count) = job.preset, job.shard
+    victim, algorithm, coefficients, gamma, lam = _victim_and_rule(job)
+    layers = layer_table(victim, tuple(preset.capture.components))
+    all_scenes = scene_names(preset.env, job.split)
+    scenes = _shard_scenes(all_scenes, job.shard)
+    seed = job.seed if job.seed is not None else preset.capture.seed
+    settings = {"theta0_sha256": theta_sha256(victim), "victim_config": victim.config.to_dict(),
+                "algorithm": algorithm, "loss": coefficients.to_dict(), "gamma": gamma,
+                "lam": lam, "split": job.split, "scenes": scenes,
+                "components": list(preset.capture.components), "seed": seed,
+                "shard": [shard_index, shard_count], "env": _env_settings(preset)}
+    attrs = {"format": FORMAT, "format_version": FORMAT_VERSION, "victim": victim.config.name,
+             "victim_config": json.dumps(victim.config.to_dict()),
+             "theta0_sha256": settings["theta0_sha256"], "algorithm": algorithm,
+             "loss": json.dumps({**coefficients.to_dict(), "gamma": gamma, "lam": lam,
+                                 "advantage_normalisation": "per-episode, population std"}),
+             "layer_table": layers_to_json(layers),
+             "components": json.dumps(list(preset.capture.components)),
+             "scenes": json.dumps(scenes), "all_scenes": json.dumps(all_scenes),
+             "split": job.split, "shard": f"{shard_index}/{shard_count}",
+             "gradient_dim": sum(layer.size for layer in layers),
+             "env_config": json.dumps(settings["env"]), "seed": seed,
+             "gradleak_version": __version__, "source": str(job.victim),
+             "settings": json.dumps(settings, sort_keys=True)}
+    steps = job.steps // shard_count + (1 if shard_index < job.steps % shard_count else 0)
+    return _Plan(victim, algorithm, coefficients, gamma, lam, layers, scenes, all_scenes, steps,
+                 seed, shard_index, shard_output(job.out, job.shard), attrs)
+
+
+def run_capture(job: CaptureJob) -> dict[str, Any]:
+    plan = _plan(job)
+    env = make_env(job.preset.env, plan.scenes, job.preset.env.doomnav.max_steps)
+    try:
+        # Start the engine before the HDF5 file is opened: its process would otherwise inherit
+        # the file's descriptor and lock, and outlive a killed capture holding both.
+        env.reset(seed=plan.seed)
+        theta0 = {k: v.detach().numpy() for k, v in plan.victim.state_dict().items()}
+        columns = step_columns(plan.victim.config.frame_size, plan.victim.config.num_actions)
+        writer = CaptureWriter(plan.out, plan.attrs, columns, plan.attrs["gradient_dim"],
+                               theta0, job.resume, job.overwrite)
+        if writer.already_complete:
+            return {"out": str(plan.out), "status": "already complete"}
+        try:
+            timings = _capture_loop(plan, env, writer, job)
+        except GradleakError:
+            writer.discard()  # a deterministic failure: resuming would only repeat it
+            raise
+        finally:
+            writer.close()  # after a crash or Ctrl-C the partial file stays, resumable
+    finally:
+        env.close()
+    writer.finish()
+    result = {"out": str(plan.out), "status": "complete", "steps": plan.steps,
+              "episodes": _count_episodes(plan.out), **timings}
+    write_json(plan.out.with_name(plan.out.name + ".json"),
+               {"command": "capture", "victim": job.victim, "random_init": job.random_init,
+                "split": job.split, "steps": job.steps, "shard": list(job.shard),
+                "seed": plan.seed, "preset": job.preset.to_dict(), "result": result})
+    return result
+
+
+def _capture_loop(plan: _Plan, env: Any, writer: CaptureWriter, job: CaptureJob
+                  ) -> dict[str, float]:
+    max_steps = job.preset.env.doomnav.max_steps
+    timings = {"episode_s": 0.0, "gradient_s": 0.0, "write_s": 0.0}
+    with tqdm(total=plan.steps, initial=min(writer.num_rows, plan.steps), unit="step",
+              disable=not job.progress, desc=f"capture {job.split}") as bar:
+        while writer.num_rows < plan.steps:
+            index = writer.num_episodes
+            scene = plan.scenes[index % len(plan.scenes)]
+            seed = episode_seed(plan.seed, plan.shard_index, index)
+            tick = time.perf_counter()
+            episode, bootstrap = run_episode(env, plan.victim, seed, scene,
+                                             min(max_steps, plan.steps - writer.num_rows),
+                                             torch.Generator().manual_seed(seed))
+            targets = episode_targets(episode, bootstrap, plan.gamma, plan.lam)
+            tock = time.perf_counter()
+            gradients = _gradients(plan, episode, targets, job.preset.capture.chunk, index)
+            tack = time.perf_counter()
+            writer.append_episode(_rows(episode, targets, index, plan.all_scenes.index(scene)),
+                                  gradients)
+            timings["episode_s"] += tock - tick
+            timings["gradient_s"] += tack - tock
+            timings["write_s"] += time.perf_counter() - tack
+            bar.update(len(episode))
+    return {key: round(value, 3) for key, value in timings.items()}
+
+
+def _env_settings(preset: Preset) -> dict[str, Any]:
+    env = preset.env
+    return {"backend": env.backend, "gym_id": env.gym_id, "doomnav": env.doomnav.to_dict()}
+
+
+def _gradients(plan: _Plan, episode: Any, targets: dict[str, np.ndarray], chunk: int,
+               episode_index: int) -> np.ndarray:
+    batch = StepBatch(images=torch.from_numpy(episode.images),
+                      actions=torch.from_numpy(episode.actions),
+                      advantages=torch.from_numpy(targets["advantages"]),
+                      returns=torch.from_numpy(targets["returns"]),
+                      old_log_probs=torch.from_numpy(episode.log_probs),
+                      goals=torch.from_numpy(episode.goals))
+    gradients = per_step_gradients(plan.victim, batch, plan.coefficients, plan.layers,
+                                   ppo=plan.algorithm == "ppo", chunk=chunk)
+    out = plan.out
+    peak = float(gradients.abs().amax()) if gradients.numel() else 0.0  # NaN/Inf propagate
+    if not math.isfinite(peak):
+        raise CaptureFileError(f"{out}: episode {episode_index} produced non-finite gradients; "
+                               "the victim checkpoint θ0 is probably diverged")
+    if peak > FLOAT16_MAX:
+        raise CaptureFileError(f"{out}: episode {episode_index} has a gradient entry of "
+                               f"{peak:.3g}, beyond float16's range")
+    return gradients.to(torch.float16).numpy()  # torch's cast is ~5x faster than numpy's
+
+
+def _rows(episode: Any, targets: dict[str, np.ndarray], episode_index: int, scene_id: int
+          ) -> dict[str, np.ndarray]:
+    n = len(episode)
+    dones = np.zeros(n, bool)
+    dones[-1] = True
+    terminated = np.zeros(n, bool)
+    terminated[-1] = episode.terminated
+    return {"images": episode.images, "goals": episode.goals, "actions": episode.actions,
+            "rewards": episode.rewards, "values": episode.values,
+            "log_probs": episode.log_probs, "probs": episode.probs, **targets,
+            "dones": dones, "terminated": terminated,
+            "episode_ids": np.full(n, episode_index, np.int64),
+            "scene_ids": np.full(n, scene_id, np.int32),
+            "step_in_episode": np.arange(n, dtype=np.int32)}
+
+
+def _count_episodes(path: Path) -> int:
+    import h5py
+
+    with h5py.File(path, "r") as handle:
+        return int(handle.attrs["num_episodes"])

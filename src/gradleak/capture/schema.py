@@ -1,0 +1,61 @@
+"""The capture file's schema, in one place (documented in docs/data-format.md)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from gradleak.victims.base import LayerInfo
+
+FORMAT = "gradleak-capture"
+FORMAT_VERSION = 1
+PARTIAL_SUFFIX = ".partial"
+
+
+@dataclass(frozen=True)
+class Column:
+    """One per-step dataset: (N, *shape) of dtype."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...] = ()
+    private: bool = True  # ground truth: read for training on auxiliary data and scoring only
+
+
+def step_columns(frame_size: int, num_actions: int) -> tuple[Column, ...]:
+    return (
+        Column("images", "uint8", (frame_size, frame_size, 3)),
+        Column("goals", "float32", (3,)),
+        Column("actions", "int64"),
+        Column("rewards", "float32"),
+        Column("values", "float32"),
+        Column("log_probs", "float32"),
+        Column("probs", "float32", (num_actions,)),
+        Column("advantages", "float32"),
+        Column("advantages_raw", "float32"),
+        Column("returns", "float32"),
+        Column("dones", "bool"),
+        Column("terminated", "bool"),
+        Column("episode_ids", "int64", private=False),
+        Column("scene_ids", "int32", private=False),
+        Column("step_in_episode", "int32", private=False),
+    )
+
+
+GRADIENTS = "gradients"
+THETA0_GROUP = "theta0"
+REQUIRED_ATTRS = ("format", "format_version", "victim", "victim_config", "theta0_sha256",
+                  "algorithm", "loss", "layer_table", "components", "scenes", "split",
+                  "num_rows", "num_episodes", "complete", "gradient_dim", "settings")
+
+
+def layers_to_json(layers: list[LayerInfo]) -> str:
+    return json.dumps([{"name": layer.name, "shape": list(layer.shape), "offset": layer.offset,
+                        "component": layer.component} for layer in layers])
+
+
+def layers_from_json(text: str) -> list[LayerInfo]:
+    rows: list[dict[str, Any]] = json.loads(text)
+    return [LayerInfo(row["name"], tuple(row["shape"]), int(row["offset"]), row["component"])
+            for row in rows]

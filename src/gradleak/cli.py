@@ -1,0 +1,271 @@
+"""The `gradleak` command. Each subcommand is a thin shell around a library function."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from gradleak.errors import ConfigError, GradleakError
+
+
+def _emit(args: argparse.Namespace, data: Any, text: str) -> None:
+    if args.json:
+        print(json.dumps(data, indent=2, default=str))
+    elif not args.quiet:
+        print(text)
+
+
+def _preset(args: argparse.Namespace, base: str | None = None) -> Any:
+    from gradleak.presets import load_preset
+
+    return _apply_env_flags(args, load_preset(args.preset or base or "cpu-quick"))
+
+
+def _apply_env_flags(args: argparse.Namespace, preset: Any) -> Any:
+    """--set overrides, then --wad and --env, which replace the preset's environment."""
+    from gradleak.presets import apply_override
+
+    for assignment in getattr(args, "set", None) or []:
+        apply_override(preset, assignment)
+    wad = getattr(args, "wad", None)
+    if wad:
+        if not Path(wad).is_file():
+            raise ConfigError(f"--wad {wad}: no such file (expected a Doom IWAD or PWAD)")
+        preset.env.doomnav.wad = str(Path(wad).resolve())
+        preset.env.train_maps, preset.env.heldout_maps = [], []
+    env = getattr(args, "env", None)
+    if env:
+        backend, _, gym_id = env.partition(":")
+        apply_override(preset, f"env.backend={backend}")
+        preset.env.gym_id = gym_id or None
+    return preset
+
+
+# -- scenes -----------------------------------------------------------------------------------
+def cmd_scenes(args: argparse.Namespace) -> None:
+    from gradleak.envs.scenes import SceneCatalog
+
+    catalog = SceneCatalog(args.wad)
+    rows = []
+    for split in ("train", "heldout"):
+        for map_name in catalog.split_maps(split):
+            geometry = catalog.geometry(map_name)
+            rows.append({"map": map_name, "split": split, "regions": geometry.num_regions,
+                         "largest_region_m2": round(max(geometry.region_sizes(), default=0)
+                                                    * 0.25, 1)})
+    excluded = catalog.excluded_maps()
+    data = {"wad": str(catalog.wad.path), "maps": rows, "excluded": excluded,
+            "train_scenes": sum(r["regions"] for r in rows if r["split"] == "train"),
+            "heldout_scenes": sum(r["regions"] for r in rows if r["split"] == "heldout")}
+    from gradleak.report.tables import text_table
+
+    text = (f"{catalog.wad.path}\n" + text_table(rows, ["map", "split", "regions",
+                                                        "largest_region_m2"])
+            + f"\n{data['train_scenes']} training scenes, {data['heldout_scenes']} held-out "
+            f"scenes; excluded maps: {', '.join(excluded) or 'none'}")
+    _emit(args, data, text)
+
+
+# -- train-victim -----------------------------------------------------------------------------
+def cmd_train_victim(args: argparse.Namespace) -> None:
+    from gradleak.rl.trainer import train_victim
+
+    preset = _preset(args)
+    preset.train.algo = args.algo
+    if args.victim:
+        preset.train.victim = args.victim
+    if args.updates is not None:
+        preset.train.updates = args.updates
+    if args.seed is not None:
+        preset.train.seed = args.seed
+    result = train_victim(preset, Path(args.out), resume=args.resume,
+                          progress=not (args.quiet or args.json))
+    text = (f"trained {preset.train.victim} with {preset.train.algo.upper()}: "
+            f"{result['updates']} updates, {result['env_steps']} steps, success rate "
+            f"{result['final_success_rate']:.2f} (last 20% of updates) -> {args.out}")
+    _emit(args, result, text)
+
+
+# -- capture ----------------------------------------------------------------------------------
+def _capture_preset(args: argparse.Namespace) -> Any:
+    from gradleak.io import read_json, victim_directory
+    from gradleak.presets import load_preset, preset_from_dict
+
+    if args.random_init or args.preset:
+        preset = _preset(args)
+    else:  # capture in the environment the checkpoint was trained in
+        meta = read_json(victim_directory(args.victim) / "victim.json", "victim config")
+        preset = preset_from_dict(meta["preset"]) if "preset" in meta else load_preset("cpu-quick")
+        args.preset = preset.name
+        preset = _apply_env_flags(args, preset)
+    if args.components:
+        preset.capture.components = [c for c in args.components.split(",") if c]
+    return preset
+
+
+def cmd_capture(args: argparse.Namespace) -> None:
+    from gradleak.capture.run import CaptureJob, parse_shard, run_capture, shard_output
+
+    preset = _capture_preset(args)
+    job = CaptureJob(victim=args.victim, split=args.scenes, steps=args.steps, out=Path(args.out),
+                     preset=preset, random_init=args.random_init, algorithm=args.algo,
+                     shard=parse_shard(args.shard), resume=args.resume,
+                     overwrite=args.overwrite, progress=not (args.quiet or args.json),
+                     seed=args.seed)
+    start = time.perf_counter()
+    result = run_capture(job)
+    result["seconds"] = round(time.perf_counter() - start, 2)
+    out = shard_output(job.out, job.shard)
+    text = f"capture {result['status']}: {out}"
+    if result["status"] == "complete":
+        text += f" ({result['steps']} steps, {result['episodes']} episodes, " \
+                f"{result['seconds']} s)"
+    _emit(args, result, text)
+
+
+# -- info -------------------------------------------------------------------------------------
+def cmd_info(args: argparse.Namespace) -> None:
+    from gradleak.capture.reader import CaptureFile
+
+    summaries = []
+    for path in args.files:
+        with CaptureFile(path) as capture:
+            summary = capture.summary()
+            if not args.no_validate:
+                summary["validation"] = capture.validate()
+            summaries.append(summary)
+    text = "\n\n".join("\n".join(f"{k:>20}: {v}" for k, v in s.items()) for s in summaries)
+    _emit(args, summaries if len(summaries) > 1 else summaries[0], text)
+
+
+# -- recover-actions --------------------------------------------------------------------------
+def cmd_recover_actions(args: argparse.Namespace) -> None:
+    from gradleak.evaluation import evaluate_action_rules
+    from gradleak.report.tables import text_table
+
+    rules = [r for r in args.rule.split(",") if r]
+    results = evaluate_action_rules(args.files, rules)
+    data = results[rules[0]] if len(rules) == 1 else results
+    text = _action_table(results) + "\n\n" + text_table(
+        [row for row in results[rules[0]]["by_confidence"]], ["by", "low", "high", "n",
+                                                             "accuracy"])
+    _emit(args, data, text)
+
+
+def _action_table(results: dict[str, dict[str, Any]]) -> str:
+    from gradleak.report.tables import text_table
+
+    rows = [{"rule": rule + (" (oracle sign of A)" if r["oracle_advantage_sign"] else ""),
+             "accuracy": r["accuracy"], "n": r["n"]} for rule, r in results.items()]
+    return text_table(rows, ["rule", "accuracy", "n"])
+
+
+# -- demo -------------------------------------------------------------------------------------
+def cmd_demo(args: argparse.Namespace) -> None:
+    from gradleak.demo import run_demo
+
+    out = Path(args.out)
+    if out.exists():
+        shutil.rmtree(out)
+    progress = not (args.quiet or args.json)
+    result = run_demo(_preset(args, "cpu-quick"), out, progress=progress)
+    _emit(args, result, result.pop("text"))
+
+
+# -- parser -----------------------------------------------------------------------------------
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quiet", action="store_true", help="print nothing but errors")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
+def _preset_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--preset", default=None, help="cpu-quick, cpu-bench or paper")
+    parser.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE",
+                        help="override one preset field, e.g. train.updates=3 (repeatable)")
+    parser.add_argument("--wad", default=None, help="another Doom IWAD/PWAD (default: "
+                        "freedoom2.wad shipped with vizdoom)")
+    parser.add_argument("--env", default=None, help="gym:ENV_ID to use any RGB Gymnasium "
+                        "environment instead of DoomNav")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gradleak", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("demo", help="train a small victim, capture, recover actions")
+    _common(p)
+    p.add_argument("--preset", default="cpu-quick")
+    p.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE")
+    p.add_argument("--out", default="runs/demo")
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("scenes", help="list the maps, regions and the train/held-out split")
+    _common(p)
+    p.add_argument("--wad", default=None)
+    p.set_defaults(func=cmd_scenes)
+
+    p = sub.add_parser("train-victim", help="train a victim policy with PPO or A2C")
+    _common(p)
+    _preset_flags(p)
+    p.add_argument("--algo", choices=["ppo", "a2c"], default="ppo")
+    p.add_argument("--victim", default=None, help="registry name (default: the preset's)")
+    p.add_argument("--updates", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--out", required=True)
+    p.add_argument("--resume", action="store_true")
+    p.set_defaults(func=cmd_train_victim)
+
+    p = sub.add_parser("capture", help="record per-step gradients at θ0 to HDF5")
+    _common(p)
+    _preset_flags(p)
+    p.add_argument("--victim", required=True, help="checkpoint directory, or a registry name "
+                   "with --random-init")
+    p.add_argument("--random-init", action="store_true")
+    p.add_argument("--algo", choices=["ppo", "a2c"], default="ppo",
+                   help="learning rule for --random-init (a checkpoint carries its own)")
+    p.add_argument("--scenes", choices=["train", "heldout"], required=True)
+    p.add_argument("--steps", type=int, required=True, help="steps in all (split over shards)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--components", default=None, help="subset of cnn,fc,heads")
+    p.add_argument("--shard", default="0/1", help="i/n: this process's part of the capture")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--overwrite", action="store_true")
+    p.set_defaults(func=cmd_capture)
+
+    p = sub.add_parser("info", help="summarise and validate capture files")
+    _common(p)
+    p.add_argument("files", nargs="+")
+    p.add_argument("--no-validate", action="store_true", help="skip the full NaN/Inf scan")
+    p.set_defaults(func=cmd_info)
+
+    p = sub.add_parser("recover-actions", help="closed-form action recovery and its accuracy")
+    _common(p)
+    p.add_argument("files", nargs="+")
+    p.add_argument("--rule", default="odd-sign",
+                   help="odd-sign, sign-agnostic, sign-aware (oracle sign), comma-separated")
+    p.set_defaults(func=cmd_recover_actions)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except GradleakError as err:
+        print(f"gradleak: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("gradleak: interrupted (an interrupted capture resumes with --resume)",
+              file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""Atomic writes and safetensors + JSON checkpoints (never pickle)."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from gradleak.errors import CheckpointError
+from gradleak.victims.base import Victim, VictimConfig, create_victim
+
+VICTIM_FORMAT = "gradleak-victim"
+VICTIM_WEIGHTS = "victim.safetensors"
+VICTIM_META = "victim.json"
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
+    """Yield a temporary path beside `path`; rename it over `path` only if the block succeeds."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def write_json(path: str | os.PathLike[str], data: Any) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def read_json(path: str | os.PathLike[str], what: str) -> dict[str, Any]:
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{what} {path} does not exist") from None
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{what} {path} is not readable JSON: {err}") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{what} {path}: expected a JSON object")
+    return data
+
+
+def save_tensors(path: str | os.PathLike[str], tensors: dict[str, torch.Tensor]) -> None:
+    with atomic_path(path) as tmp:
+        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp))
+
+
+def load_tensors(path: str | os.PathLike[str], what: str) -> dict[str, torch.Tensor]:
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{what} {path} does not exist")
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError) as err:
+        raise CheckpointError(f"{what} {path} is not a readable safetensors file: {err}") from None
+
+
+def theta_sha256(victim: Victim) -> str:
+    """Fingerprint of θ0: parameters and buffers, in name order, as little-endian float32."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(victim.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().to(torch.float32).contiguous().cpu().numpy()
+                      .astype("<f4").tobytes())
+    return digest.hexdigest()
+
+
+def save_victim(directory: str | os.PathLike[str], victim: Victim,
+                extra: dict[str, Any] | None = None) -> None:
+    directory = Path(directory)
+    save_tensors(directory / VICTIM_WEIGHTS, victim.state_dict())
+    meta = {"format": VICTIM_FORMAT, "version": 1, "victim": victim.config.to_dict(),
+            "theta_sha256": theta_sha256(victim), **(extra or {})}
+    write_json(directory / VICTIM_META, meta)
+
+
+def victim_directory(path: str | os.PathLike[str]) -> Path:
+    path = Path(path)
+    return path.parent if path.suffix in (".safetensors", ".json") else path
+
+
+def load_victim(path: str | os.PathLike[str]) -> tuple[Victim, dict[str, Any]]:
+    """A victim in eval mode from a checkpoint directory (or its .safetensors / .json file)."""
+    directory = victim_directory(path)
+    meta = read_json(directory / VICTIM_META, "victim config")
+    if meta.get("format") != VICTIM_FORMAT:
+        raise CheckpointError(f"{directory / VICTIM_META}: field 'format' is "
+                              f"{meta.get('format')!r}, expected {VICTIM_FORMAT!r}")
+    config = VictimConfig.from_dict(meta.get("victim", {}), f"{directory / VICTIM_META} 'victim'")
+    victim = create_victim(config)
+    state = load_tensors(directory / VICTIM_WEIGHTS, "victim weights")
+    expected = victim.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{directory / VICTIM_WEIGHTS} does not match victim {config.name!r} "
+            f"(frame {config.frame_size}, {config.num_actions} actions): missing "
+            f"{missing[:3] or 'none'}, unexpected {unexpected[:3] or 'none'}")
+    for name, tensor in expected.items():
+        if tuple(state[name].shape) != tuple(tensor.shape):
+            raise CheckpointError(
+                f"{directory / VICTIM_WEIGHTS}: tensor {name} has shape "
+                f"{tuple(state[name].shape)}, victim {config.name!r} with frame "
+                f"{config.frame_size} and {config.num_actions} actions expects "
+                f"{tuple(tensor.shape)}")
+    victim.load_state_dict(state)
+    return victim.eval(), meta

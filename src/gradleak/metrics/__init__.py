@@ -1,0 +1,1 @@
+"""Metrics: action accuracy (here), image metrics (MSE, PSNR, SSIM, LPIPS) later."""

@@ -1,0 +1,150 @@
+"""Typed configs and the named presets (`cpu-quick`, `cpu-bench`, `paper`).
+
+Every command writes the resolved config as JSON next to its output, so a run can be repeated
+from that file alone.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from gradleak.envs.doomnav import DoomNavConfig
+from gradleak.errors import ConfigError
+from gradleak.registry import Registry
+from gradleak.victims.base import COMPONENTS
+
+
+@dataclass
+class EnvConfig:
+    backend: str = "doomnav"  # "doomnav" or "gym" (any RGB Gymnasium env, through the adapter)
+    gym_id: str | None = None
+    doomnav: DoomNavConfig = field(default_factory=DoomNavConfig)
+    train_maps: list[str] = field(default_factory=list)  # a subset of the train split; [] = all
+    heldout_maps: list[str] = field(default_factory=list)
+    max_regions_per_map: int | None = None
+
+
+@dataclass
+class TrainConfig:
+    algo: str = "ppo"  # "ppo" or "a2c"
+    victim: str = "cnn-small"
+    num_envs: int = 8
+    rollout_steps: int = 128
+    updates: int = 100
+    epochs: int = 4  # PPO only; A2C takes one step per rollout
+    minibatch: int = 64
+    lr: float = 2.5e-4
+    gamma: float = 0.99
+    lam: float = 0.95
+    clip: float = 0.2
+    value_coef: float = 0.5
+    entropy_coef: float = 0.01
+    max_grad_norm: float = 0.5
+    max_episode_steps: int | None = None  # None: the environment's own limit
+    seed: int = 0
+
+
+@dataclass
+class CaptureConfig:
+    steps_train: int = 1024
+    steps_heldout: int = 512
+    components: list[str] = field(default_factory=lambda: list(COMPONENTS))
+    chunk: int = 32  # steps per vmap call: bounds memory
+    seed: int = 0
+
+
+@dataclass
+class Preset:
+    name: str
+    env: EnvConfig
+    train: TrainConfig
+    capture: CaptureConfig
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+PRESETS: Registry[Any] = Registry("preset")
+
+
+@PRESETS.register("cpu-quick")
+def cpu_quick() -> Preset:
+    """The demo: a few minutes on 2 CPU cores end to end."""
+    env = EnvConfig(doomnav=DoomNavConfig(frame_size=64),
+                    train_maps=["MAP01", "MAP04", "MAP07"], heldout_maps=["MAP05", "MAP11"],
+                    max_regions_per_map=3)
+    train = TrainConfig(num_envs=4, rollout_steps=128, updates=6, epochs=4, minibatch=64)
+    return Preset("cpu-quick", env, train, CaptureConfig(steps_train=1024, steps_heldout=1024))
+
+
+@PRESETS.register("cpu-bench")
+def cpu_bench() -> Preset:
+    """Benchmarks: every training and held-out map at 64x64, about an hour of CPU in all."""
+    env = EnvConfig(doomnav=DoomNavConfig(frame_size=64))
+    train = TrainConfig(num_envs=8, rollout_steps=128, updates=150)
+    return Preset("cpu-bench", env, train, CaptureConfig(steps_train=20_000, steps_heldout=4_000))
+
+
+@PRESETS.register("paper")
+def paper() -> Preset:
+    """The paper's setting: 84x84, the full CNN, 500 PPO updates of 1024 steps."""
+    env = EnvConfig(doomnav=DoomNavConfig(frame_size=84))
+    train = TrainConfig(victim="cnn", num_envs=8, rollout_steps=128, updates=500,
+                        max_episode_steps=200)
+    return Preset("paper", env, train, CaptureConfig(steps_train=108_000, steps_heldout=12_000))
+
+
+def load_preset(name: str, overrides: list[str] | None = None) -> Preset:
+    preset = PRESETS.get(name)()
+    for assignment in overrides or []:
+        apply_override(preset, assignment)
+    return preset
+
+
+def apply_override(config: Any, assignment: str) -> None:
+    """`train.updates=3` or `env.doomnav.frame_size=84`: typed by the field's current value."""
+    path, sep, text = assignment.partition("=")
+    if not sep:
+        raise ConfigError(f"override {assignment!r}: expected section.field=value")
+    *parents, leaf = path.strip().split(".")
+    target = config
+    for part in parents:
+        target = _field(target, part, path)
+    current = _field(target, leaf, path)
+    setattr(target, leaf, _parse_like(current, text.strip(), path))
+
+
+def _field(obj: Any, name: str, path: str) -> Any:
+    if not dataclasses.is_dataclass(obj) or name not in {f.name for f in dataclasses.fields(obj)}:
+        raise ConfigError(f"override {path!r}: no field {name!r} there")
+    return getattr(obj, name)
+
+
+def _parse_like(current: Any, text: str, path: str) -> Any:
+    try:
+        if isinstance(current, bool):
+            if text.lower() not in ("true", "false", "1", "0"):
+                raise ValueError(text)
+            return text.lower() in ("true", "1")
+        if isinstance(current, list):
+            return [item for item in text.split(",") if item]
+        if current is None:
+            return None if text.lower() == "none" else json.loads(text) if text[:1].isdigit() \
+                else text
+        return type(current)(text)
+    except ValueError:
+        raise ConfigError(f"override {path}={text!r}: expected a value like "
+                          f"{current!r}") from None
+
+
+def preset_from_dict(data: dict[str, Any]) -> Preset:
+    """Rebuild a preset from its saved JSON (the reproducibility path)."""
+    data = copy.deepcopy(data)
+    env = data["env"]
+    env["doomnav"] = DoomNavConfig(**env["doomnav"])
+    return Preset(name=data["name"], env=EnvConfig(**env), train=TrainConfig(**data["train"]),
+                  capture=CaptureConfig(**data["capture"]))

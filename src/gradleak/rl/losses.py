@@ -1,0 +1,52 @@
+"""The actor-critic loss, written once.
+
+The trainer, the capture and the gradient-matching attacks all import `actor_critic_loss`, so
+"the attacker's dummy loss is exactly the victim's" holds by construction.
+
+Per step (paper Eq. 3):  L_t = -A_t log π(a_t|s_t) + c_v (V(s_t) - R_t)² - c_e H(π(·|s_t)).
+PPO replaces the first term by -min(ρ A, clip(ρ, 1-ε, 1+ε) A) with ρ = π/π_old; at θ0 the ratio
+is one and the clip inactive, so PPO and A2C give the same gradient (Proposition 4.1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class LossCoefficients:
+    value: float = 0.5  # c_v, on (V - R)² (F.mse_loss of one step)
+    entropy: float = 0.01  # c_e
+    clip: float = 0.2  # PPO's ε; unused by A2C
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def log_probs_and_entropy(logits: torch.Tensor, actions: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    log_pi = F.log_softmax(logits, dim=-1)
+    # gather, not indexing: vmap cannot trace data-dependent indexing like log_pi[a]
+    taken = log_pi.gather(-1, actions.long().unsqueeze(-1)).squeeze(-1)
+    entropy = -(log_pi.exp() * log_pi).sum(-1)
+    return taken, entropy
+
+
+def actor_critic_loss(logits: torch.Tensor, values: torch.Tensor, actions: torch.Tensor,
+                      advantages: torch.Tensor, returns: torch.Tensor,
+                      coefficients: LossCoefficients,
+                      old_log_probs: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-sample loss, shape (B,). `old_log_probs=None` is A2C; given, it is PPO's clip."""
+    log_prob, entropy = log_probs_and_entropy(logits, actions)
+    if old_log_probs is None:
+        policy = -advantages * log_prob
+    else:
+        ratio = torch.exp(log_prob - old_log_probs)
+        clipped = torch.clamp(ratio, 1.0 - coefficients.clip, 1.0 + coefficients.clip)
+        policy = -torch.minimum(ratio * advantages, clipped * advantages)
+    value = coefficients.value * (values - returns) ** 2
+    return policy + value - coefficients.entropy * entropy

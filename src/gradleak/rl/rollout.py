@@ -1,0 +1,121 @@
+"""Rollouts of a victim in a list of environments (stepped in one process: on 2 cores
+subprocess vector environments were slower, see shared/reference/vizdoom-notes.md)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import gymnasium as gym
+import numpy as np
+import torch
+
+from gradleak.victims.base import Victim
+
+
+@contextlib.contextmanager
+def single_threaded_torch() -> Iterator[None]:
+    """Run torch on one thread while it alternates with the game engine.
+
+    Interleaving engine steps with two-thread forward passes made each forward pass ~30x
+    slower on 2 cores (1.6 vs 31 ms per step measured): the second intra-op thread goes to sleep
+    while the engine runs and every parallel region then waits for it to wake.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@torch.no_grad()
+def act(victim: Victim, images: np.ndarray, goals: np.ndarray, generator: torch.Generator
+        ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Sample a ~ π_θ(·|s) for a batch: (actions, log π(a|s), V(s), π(·|s))."""
+    logits, values = victim(torch.from_numpy(images), torch.from_numpy(goals))
+    log_pi = torch.log_softmax(logits, dim=-1)
+    actions = torch.multinomial(log_pi.exp(), 1, generator=generator).squeeze(-1)
+    taken = log_pi.gather(-1, actions.unsqueeze(-1)).squeeze(-1)
+    return actions.numpy(), taken.numpy(), values.numpy(), log_pi.exp().numpy()
+
+
+@torch.no_grad()
+def value_of(victim: Victim, images: np.ndarray, goals: np.ndarray) -> np.ndarray:
+    return victim(torch.from_numpy(images), torch.from_numpy(goals))[1].numpy()
+
+
+@dataclass
+class Rollout:
+    """(T, N) arrays of one rollout over N environments, plus the finished episodes."""
+
+    images: np.ndarray  # (T, N, H, W, 3) uint8
+    goals: np.ndarray  # (T, N, 3)
+    actions: np.ndarray
+    log_probs: np.ndarray
+    values: np.ndarray
+    rewards: np.ndarray
+    next_values: np.ndarray  # V(s_{t+1}); 0 after success, V(final obs) after a cut
+    continues: np.ndarray  # 1 when s_{t+1} is in the same episode
+    episode_returns: list[float] = field(default_factory=list)
+    episode_lengths: list[int] = field(default_factory=list)
+    episode_successes: list[bool] = field(default_factory=list)
+
+
+class VectorRunner:
+    """Steps N environments in lock-step and keeps their episodes going across rollouts."""
+
+    def __init__(self, envs: list[gym.Env], seed: int) -> None:
+        self.envs = envs
+        observations = [env.reset(seed=seed + i)[0] for i, env in enumerate(envs)]
+        self.images = np.stack([o["image"] for o in observations])
+        self.goals = np.stack([o["goal"] for o in observations]).astype(np.float32)
+        self._returns = np.zeros(len(envs))
+        self._lengths = np.zeros(len(envs), dtype=np.int64)
+
+    def collect(self, victim: Victim, steps: int, generator: torch.Generator) -> Rollout:
+        n = len(self.envs)
+        shape = (steps, n)
+        out = Rollout(images=np.zeros(shape + self.images.shape[1:], np.uint8),
+                      goals=np.zeros(shape + (3,), np.float32),
+                      actions=np.zeros(shape, np.int64), log_probs=np.zeros(shape, np.float32),
+                      values=np.zeros(shape, np.float32), rewards=np.zeros(shape, np.float32),
+                      next_values=np.zeros(shape, np.float32),
+                      continues=np.zeros(shape, np.float32))
+        with single_threaded_torch():
+            for t in range(steps):
+                self._record_step(victim, out, t, generator)
+            out.next_values[-1] += out.continues[-1] * value_of(victim, self.images, self.goals)
+        out.next_values[:-1] += out.continues[:-1] * out.values[1:]
+        return out
+
+    def _record_step(self, victim: Victim, out: Rollout, t: int,
+                     generator: torch.Generator) -> None:
+        out.images[t], out.goals[t] = self.images, self.goals
+        actions, log_probs, values, _ = act(victim, self.images, self.goals, generator)
+        out.actions[t], out.log_probs[t], out.values[t] = actions, log_probs, values
+        self._step_all(victim, actions, out, t)
+
+    def _step_all(self, victim: Victim, actions: np.ndarray, out: Rollout, t: int) -> None:
+        for i, env in enumerate(self.envs):
+            observation, reward, terminated, truncated, info = env.step(int(actions[i]))
+            out.rewards[t, i] = reward
+            self._returns[i] += reward
+            self._lengths[i] += 1
+            if terminated or truncated:
+                if truncated and not terminated:  # bootstrap the cut episode from its last frame
+                    out.next_values[t, i] = value_of(victim, observation["image"][None],
+                                                     observation["goal"][None])[0]
+                out.episode_returns.append(float(self._returns[i]))
+                out.episode_lengths.append(int(self._lengths[i]))
+                out.episode_successes.append(bool(info.get("success", terminated)))
+                self._returns[i], self._lengths[i] = 0.0, 0
+                observation, _ = env.reset()
+            else:
+                out.continues[t, i] = 1.0
+            self.images[i], self.goals[i] = observation["image"], observation["goal"]
+
+    def close(self) -> None:
+        for env in self.envs:
+            env.close()

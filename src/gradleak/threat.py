@@ -1,0 +1,61 @@
+"""The threat model as types.
+
+An attack receives an `Observation`: what an honest-but-curious server legitimately holds (the
+ordered per-step gradients, θ0, the architecture, the learning rule and its hyperparameters,
+and which client/episode and position each gradient came from). It returns a `Reconstruction`.
+The private data lives in a `Target`, which only training on auxiliary data and scoring read.
+Attack code imports this module, never the capture reader's target path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from gradleak.victims.base import LayerInfo, VictimConfig
+
+
+@dataclass(frozen=True)
+class Observation:
+    gradients: np.ndarray  # (N, d) float32, in the order the client sent them
+    layers: tuple[LayerInfo, ...]  # layout of the d columns
+    victim: VictimConfig
+    hyperparameters: dict[str, Any]  # algorithm, loss coefficients, γ, λ, normalisation
+    episode_ids: np.ndarray  # (N,): which episode (client upload) each gradient belongs to
+    step_in_episode: np.ndarray  # (N,): its position in that episode
+    theta0: dict[str, np.ndarray] = field(default_factory=dict)  # broadcast checkpoint
+
+    def __len__(self) -> int:
+        return len(self.gradients)
+
+    def block(self, layer_name: str) -> np.ndarray:
+        """(N, *shape) gradient of one parameter tensor."""
+        for layer in self.layers:
+            if layer.name == layer_name:
+                columns = self.gradients[:, layer.offset:layer.offset + layer.size]
+                return columns.reshape((len(self),) + layer.shape)
+        known = ", ".join(layer.name for layer in self.layers)
+        raise KeyError(f"layer {layer_name!r} is not in this capture's gradients (it holds: "
+                       f"{known})")
+
+
+@dataclass(frozen=True)
+class Target:
+    """Private ground truth: auxiliary training targets and scoring only."""
+
+    images: np.ndarray | None  # (N, H, W, 3) uint8
+    actions: np.ndarray  # (N,)
+    advantages: np.ndarray  # (N,) as used in the loss (normalised per episode)
+    returns: np.ndarray
+    values: np.ndarray
+    probs: np.ndarray  # (N, K) π_θ0(·|s_t)
+    rewards: np.ndarray
+
+
+@dataclass
+class Reconstruction:
+    actions: np.ndarray | None = None  # (N,)
+    images: np.ndarray | None = None  # (N, H, W, 3) uint8
+    extras: dict[str, Any] = field(default_factory=dict)

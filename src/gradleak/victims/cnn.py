@@ -1,0 +1,61 @@
+"""The paper's shared CNN victim and its half-width CPU variant."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from gradleak.victims.base import Victim, VictimConfig, register_victim
+
+
+def conv_output_size(size: int, kernel: int, stride: int, padding: int) -> int:
+    return (size + 2 * padding - kernel) // stride + 1
+
+
+class SharedCNN(Victim):
+    """Four Conv → ReLU → BatchNorm blocks, FC + ReLU, policy and value heads (paper §5)."""
+
+    component_prefixes = {"encoder.": "cnn", "fc.": "fc", "policy_head.": "heads",
+                          "value_head.": "heads"}
+    # (out_channels at full width, kernel, stride, padding)
+    blocks = ((32, 8, 4, 2), (64, 4, 2, 1), (64, 3, 1, 1), (64, 3, 2, 1))
+    width_multiplier = 1.0
+    hidden = 512
+
+    def __init__(self, config: VictimConfig) -> None:
+        super().__init__()
+        self.config = config
+        layers: list[nn.Module] = []
+        channels, size = 3, config.frame_size
+        for out, kernel, stride, padding in self.blocks:
+            out = int(out * self.width_multiplier)
+            layers += [nn.Conv2d(channels, out, kernel, stride, padding), nn.ReLU(),
+                       nn.BatchNorm2d(out)]
+            channels, size = out, conv_output_size(size, kernel, stride, padding)
+        self.encoder = nn.Sequential(*layers)
+        self.fc = nn.Linear(channels * size * size, self.hidden)
+        self.policy_head = nn.Linear(self.hidden, config.num_actions)
+        self.value_head = nn.Linear(self.hidden, 1)
+
+    def features(self, image: torch.Tensor) -> torch.Tensor:
+        """h(s): the non-negative features both heads read."""
+        x = self.encoder(self.prepare_image(image))  # (B, C, h, w)
+        return torch.relu(self.fc(x.flatten(1)))  # (B, hidden)
+
+    def forward(self, image: torch.Tensor, goal: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.features(image)
+        return self.policy_head(h), self.value_head(h).squeeze(-1)
+
+
+@register_victim("cnn")
+class PaperCNN(SharedCNN):
+    """936,102 parameters at 84×84 with K = 5."""
+
+
+@register_victim("cnn-small")
+class SmallCNN(SharedCNN):
+    """Half width (16/32/32/32) and FC 256: about 163k parameters at 64×64, for CPU presets."""
+
+    width_multiplier = 0.5
+    hidden = 256

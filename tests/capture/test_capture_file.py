@@ -1,0 +1,254 @@
+"""Capture files: what is stored equals what a client sends; crash safety; bad files."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+import torch
+from conftest import tiny_preset
+
+from gradleak.capture.grads import StepBatch, per_step_gradients
+from gradleak.capture.reader import CaptureFile, concat_observations, open_captures
+from gradleak.capture.run import CaptureJob, run_capture
+from gradleak.errors import CaptureFileError, CheckpointError, ConfigError
+from gradleak.io import save_victim
+from gradleak.rl.losses import LossCoefficients
+from gradleak.victims import VictimConfig, create_victim
+
+TINY_FLAGS = ["--preset", "cpu-quick", "--set", "env.doomnav.frame_size=32",
+              "--set", "env.doomnav.max_steps=20", "--set", "env.heldout_maps=MAP05",
+              "--set", "env.max_regions_per_map=2"]
+
+
+def victim_from_file(capture: CaptureFile) -> torch.nn.Module:
+    victim = create_victim(capture.victim)
+    victim.load_state_dict({k: torch.from_numpy(v) for k, v in capture.theta0().items()})
+    return victim.eval()
+
+
+def test_stored_gradients_are_the_clients_gradients(random_capture: Path) -> None:
+    with CaptureFile(random_capture) as capture:
+        assert capture.num_rows == 50
+        observation, target = capture.observation(), capture.target()
+        victim = victim_from_file(capture)
+        columns = {name: capture.column(name) for name in ("log_probs", "goals")}
+        loss = json.loads(capture.attrs["loss"])
+    batch = StepBatch(torch.from_numpy(target.images), torch.from_numpy(target.actions),
+                      torch.from_numpy(target.advantages), torch.from_numpy(target.returns),
+                      torch.from_numpy(columns["log_probs"]), torch.from_numpy(columns["goals"]))
+    coefficients = LossCoefficients(loss["value"], loss["entropy"], loss["clip"])
+    fresh = per_step_gradients(victim, batch, coefficients, list(observation.layers)).numpy()
+    # float16 storage: within half a unit in the last place (2^-11 relative), subnormals aside
+    np.testing.assert_allclose(observation.gradients, fresh, rtol=2**-11, atol=6e-8)
+    relative = (np.linalg.norm(observation.gradients - fresh, axis=1)
+                / np.linalg.norm(fresh, axis=1))
+    assert relative.max() < 5e-4  # ~2e-4 is typical for float16
+
+
+def test_advantages_follow_the_capture_protocol(random_capture: Path) -> None:
+    with CaptureFile(random_capture) as capture:
+        episodes = capture.column("episode_ids")
+        advantages, raw = capture.column("advantages"), capture.column("advantages_raw")
+        returns, values = capture.column("returns"), capture.column("values")
+        summary = capture.validate()
+    assert summary["episodes"] == len(np.unique(episodes)) >= 2
+    np.testing.assert_allclose(returns, raw + values, rtol=1e-5, atol=1e-6)
+    for episode in np.unique(episodes):
+        a = advantages[episodes == episode]
+        if len(a) > 1:
+            assert a.mean() == pytest.approx(0.0, abs=1e-5)
+            assert a.std() == pytest.approx(1.0, abs=1e-4)
+
+
+def test_heldout_capture_uses_only_heldout_maps(random_capture: Path) -> None:
+    with CaptureFile(random_capture) as capture:
+        scenes = capture.scenes
+        used = {scenes[i] for i in np.unique(capture.column("scene_ids"))}
+    assert used and all(scene.startswith("MAP05/") for scene in used)
+
+
+def test_components_subset_stores_only_those_layers(tmp_path: Path) -> None:
+    preset = tiny_preset()
+    preset.capture.components = ["heads"]
+    out = tmp_path / "heads.h5"
+    run_capture(CaptureJob(victim="cnn-small", random_init=True, split="train", steps=10,
+                           out=out, preset=preset, progress=False))
+    with CaptureFile(out) as capture:
+        assert [layer.component for layer in capture.layers] == ["heads"] * 4
+        assert capture.observation().gradients.shape == (10, 5 * 257 + 257)
+
+
+def test_shards_split_the_scenes_and_read_as_one(tmp_path: Path) -> None:
+    preset = tiny_preset()
+    outs = []
+    for index in range(2):
+        result = run_capture(CaptureJob(victim="cnn-small", random_init=True, split="train",
+                                        steps=30, out=tmp_path / "train.h5", preset=preset,
+                                        shard=(index, 2), progress=False))
+        outs.append(Path(result["out"]))
+    assert [p.name for p in outs] == ["train.shard-0-of-2.h5", "train.shard-1-of-2.h5"]
+    files = open_captures(outs)
+    scene_sets = [set(json.loads(f.attrs["scenes"])) for f in files]
+    observation = concat_observations([f.observation() for f in files])
+    for f in files:
+        f.close()
+    assert not scene_sets[0] & scene_sets[1]
+    assert len(observation) == 30  # 15 + 15
+    assert len(np.unique(observation.episode_ids)) == sum(
+        len(np.unique(CaptureFile(p).column("episode_ids"))) for p in outs)
+
+
+def cli_capture(out: Path, steps: int, *extra: str) -> subprocess.Popen:
+    command = [sys.executable, "-m", "gradleak.cli", "capture", "--victim", "cnn-small",
+               "--random-init", "--scenes", "heldout", "--steps", str(steps), "--out", str(out),
+               "--quiet", "--seed", "5", *TINY_FLAGS, *extra]
+    # A session of its own, so the kill below takes the engine process too, as a job
+    # scheduler preempting the job would.
+    return subprocess.Popen(command, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                            start_new_session=True)
+
+
+def test_resume_after_a_killed_capture_matches_an_uninterrupted_one(tmp_path: Path) -> None:
+    steps = 400
+    assert cli_capture(tmp_path / "clean.h5", steps).wait(timeout=300) == 0
+    process = cli_capture(tmp_path / "killed.h5", steps)
+    partial = tmp_path / "killed.h5.partial"
+    deadline = time.time() + 120
+    while time.time() < deadline and process.poll() is None:
+        if partial.exists() and partial.stat().st_size > 4 * 2**20:
+            break
+        time.sleep(0.02)
+    assert process.poll() is None, "the capture finished before it could be killed"
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    assert partial.exists() and not (tmp_path / "killed.h5").exists()
+    with pytest.raises(CaptureFileError, match="--resume"):
+        run_capture(CaptureJob(victim="cnn-small", random_init=True, split="heldout",
+                               steps=steps, out=tmp_path / "killed.h5", preset=tiny_preset(),
+                               progress=False, seed=5))
+    assert cli_capture(tmp_path / "killed.h5", steps, "--resume").wait(timeout=300) == 0
+    assert not partial.exists()
+    with h5py.File(tmp_path / "clean.h5", "r") as clean, \
+            h5py.File(tmp_path / "killed.h5", "r") as resumed:
+        assert resumed.attrs["num_rows"] == clean.attrs["num_rows"] == steps
+        for name in clean:
+            if isinstance(clean[name], h5py.Dataset):
+                assert np.array_equal(clean[name][()], resumed[name][()]), name
+
+
+def test_resume_with_other_settings_is_refused(tmp_path: Path, random_capture: Path) -> None:
+    partial = tmp_path / "x.h5.partial"
+    shutil.copy(random_capture, partial)
+    with pytest.raises(CaptureFileError, match="other settings.*seed"):
+        run_capture(CaptureJob(victim="cnn-small", random_init=True, split="heldout", steps=60,
+                               out=tmp_path / "x.h5", preset=tiny_preset(), resume=True,
+                               progress=False, seed=4))
+
+
+def test_existing_output_is_not_overwritten_silently(tmp_path: Path, random_capture: Path) -> None:
+    out = tmp_path / "x.h5"
+    shutil.copy(random_capture, out)
+    with pytest.raises(CaptureFileError, match="--overwrite"):
+        run_capture(CaptureJob(victim="cnn-small", random_init=True, split="heldout", steps=10,
+                               out=out, preset=tiny_preset(), progress=False))
+
+
+def test_a_diverged_checkpoint_fails_and_leaves_nothing(tmp_path: Path) -> None:
+    victim = create_victim(VictimConfig("cnn-small", frame_size=32)).eval()
+    with torch.no_grad():
+        victim.fc.weight.fill_(float("nan"))
+    save_victim(tmp_path / "victim", victim)
+    out = tmp_path / "out.h5"
+    with pytest.raises(CheckpointError, match="fc.weight holds NaN/Inf"):
+        run_capture(CaptureJob(victim=str(tmp_path / "victim"), split="train", steps=10,
+                               out=out, preset=tiny_preset(), progress=False))
+    assert not out.exists() and not (tmp_path / "out.h5.partial").exists()
+
+
+def test_capture_arguments_are_checked(tmp_path: Path) -> None:
+    job = dict(random_init=True, out=tmp_path / "x.h5", preset=tiny_preset(), progress=False)
+    with pytest.raises(ConfigError, match="--scenes 'test'"):
+        run_capture(CaptureJob(victim="cnn-small", split="test", steps=5, **job))
+    with pytest.raises(ConfigError, match="unknown victim|needs a victim name"):
+        run_capture(CaptureJob(victim="resnet", split="train", steps=5, **job))
+    with pytest.raises(ConfigError, match="--steps 0"):
+        run_capture(CaptureJob(victim="cnn-small", split="train", steps=0, **job))
+
+
+# -- bad files ---------------------------------------------------------------------------------
+def copy_with(random_capture: Path, tmp_path: Path, edit) -> Path:
+    path = tmp_path / "edited.h5"
+    shutil.copy(random_capture, path)
+    with h5py.File(path, "a") as handle:
+        edit(handle)
+    return path
+
+
+def test_truncated_file(tmp_path: Path, random_capture: Path) -> None:
+    path = tmp_path / "cut.h5"
+    path.write_bytes(random_capture.read_bytes()[: random_capture.stat().st_size // 2])
+    with pytest.raises(CaptureFileError, match="cut.h5 is not a readable HDF5"):
+        CaptureFile(path)
+
+
+def test_foreign_hdf5_file(tmp_path: Path) -> None:
+    path = tmp_path / "other.h5"
+    with h5py.File(path, "w") as handle:
+        handle["data"] = np.zeros(3)
+    with pytest.raises(CaptureFileError, match="not a gradleak capture: attribute 'format'"):
+        CaptureFile(path)
+
+
+def test_gradient_width_that_does_not_match_the_layer_table(tmp_path: Path,
+                                                            random_capture: Path) -> None:
+    def shrink_table(handle: h5py.File) -> None:
+        table = json.loads(handle.attrs["layer_table"])[:-1]
+        handle.attrs["layer_table"] = json.dumps(table)
+
+    with pytest.raises(CaptureFileError, match="'gradients' has \\d+ columns but the layer_table"):
+        CaptureFile(copy_with(random_capture, tmp_path, shrink_table))
+
+
+def test_rows_missing_from_a_dataset(tmp_path: Path, random_capture: Path) -> None:
+    def drop_rows(handle: h5py.File) -> None:
+        handle["actions"].resize(10, axis=0)
+
+    with pytest.raises(CaptureFileError, match="'actions' has 10 rows, attribute num_rows says"):
+        CaptureFile(copy_with(random_capture, tmp_path, drop_rows))
+
+
+def test_non_finite_gradients_are_reported_with_their_row(tmp_path: Path,
+                                                          random_capture: Path) -> None:
+    def poison(handle: h5py.File) -> None:
+        handle["gradients"][7, 3] = np.inf
+
+    with CaptureFile(copy_with(random_capture, tmp_path, poison)) as capture:
+        with pytest.raises(CaptureFileError, match="NaN/Inf in 1 row.*first at row 7"):
+            capture.validate()
+        with pytest.raises(CaptureFileError, match="NaN/Inf"):
+            capture.observation(slice(0, 20))
+
+
+def test_partial_and_missing_files_are_named(tmp_path: Path) -> None:
+    with pytest.raises(CaptureFileError, match="interrupted capture.*--resume"):
+        CaptureFile(tmp_path / "x.h5.partial")
+    with pytest.raises(CaptureFileError, match="does not exist"):
+        CaptureFile(tmp_path / "x.h5")
+
+
+def test_shards_of_different_captures_are_not_mixed(tmp_path: Path, random_capture: Path) -> None:
+    other = tmp_path / "other.h5"
+    run_capture(CaptureJob(victim="cnn-small", random_init=True, split="heldout", steps=5,
+                           out=other, preset=tiny_preset(), progress=False, seed=99))
+    with pytest.raises(CaptureFileError, match="differ in 'theta0_sha256'"):
+        open_captures([random_capture, other])

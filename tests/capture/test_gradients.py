@@ -1,0 +1,62 @@
+"""Per-step gradients: vmap equals the autograd loop, their mean equals the batch gradient."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gradleak.capture.grads import StepBatch, batch_gradient, loop_gradients, per_step_gradients
+from gradleak.rl.losses import LossCoefficients
+from gradleak.victims import create_victim, layer_table
+
+
+def make_batch(n: int, size: int, generator: torch.Generator) -> StepBatch:
+    return StepBatch(images=torch.randint(0, 256, (n, size, size, 3), dtype=torch.uint8,
+                                          generator=generator),
+                     actions=torch.randint(0, 5, (n,), generator=generator),
+                     advantages=torch.randn(n, generator=generator),
+                     returns=torch.randn(n, generator=generator),
+                     old_log_probs=-torch.rand(n, generator=generator) - 1.0)
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(((a - b).norm(dim=-1) / b.norm(dim=-1)).max())
+
+
+@pytest.mark.parametrize("name, size, ppo", [("cnn-small", 64, True), ("cnn-small", 32, False),
+                                             ("cnn", 84, True)])
+def test_vmap_equals_loop(name: str, size: int, ppo: bool) -> None:
+    torch.manual_seed(1)
+    victim = create_victim(name, frame_size=size).eval()
+    victim.encoder[2].running_var.fill_(2.0)  # eval-mode BatchNorm with non-trivial statistics
+    batch, layers = make_batch(6, size, torch.Generator().manual_seed(2)), layer_table(victim)
+    vmapped = per_step_gradients(victim, batch, LossCoefficients(), layers, ppo=ppo, chunk=4)
+    looped = loop_gradients(victim, batch, LossCoefficients(), layers, ppo=ppo)
+    assert vmapped.shape == (6, sum(layer.size for layer in layers))
+    assert relative_error(vmapped, looped) <= 1e-5
+
+
+def test_mean_of_per_step_gradients_is_the_batch_gradient() -> None:
+    torch.manual_seed(3)
+    victim = create_victim("cnn-small", frame_size=32).eval()
+    batch, layers = make_batch(10, 32, torch.Generator().manual_seed(4)), layer_table(victim)
+    per_step = per_step_gradients(victim, batch, LossCoefficients(), layers, chunk=3)
+    whole = batch_gradient(victim, batch, LossCoefficients(), layers)
+    assert relative_error(per_step.mean(0), whole) <= 1e-5
+
+
+def test_chunk_size_and_component_subset_do_not_change_values() -> None:
+    victim = create_victim("cnn-small", frame_size=32).eval()
+    batch = make_batch(7, 32, torch.Generator().manual_seed(5))
+    full_layers, head_layers = layer_table(victim), layer_table(victim, ("heads",))
+    full = per_step_gradients(victim, batch, LossCoefficients(), full_layers, chunk=7)
+    heads = per_step_gradients(victim, batch, LossCoefficients(), head_layers, chunk=2)
+    start = next(layer.offset for layer in full_layers if layer.name == "policy_head.weight")
+    assert relative_error(full[:, start:], heads) <= 1e-5  # batch size changes conv kernels
+
+
+def test_training_mode_is_refused() -> None:
+    victim = create_victim("cnn-small", frame_size=32)  # nn.Module starts in training mode
+    batch = make_batch(2, 32, torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="victim.eval"):
+        per_step_gradients(victim, batch, LossCoefficients(), layer_table(victim))

@@ -1,0 +1,99 @@
+"""Test helpers: a synthetic Doom PWAD built byte by byte."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+# Two 512x512 rooms joined by a closed door (a sector whose ceiling meets its floor); room B
+# holds a nukage pool, room A a tree (a solid thing) and the player start.
+ROOM_A = [(0, 0), (0, 512), (512, 512), (512, 288), (512, 224), (512, 0)]
+SECTORS = [  # floor, ceiling, floor texture, special
+    (0, 128, b"FLOOR4_8", 0),  # 0: room A
+    (0, 0, b"FLAT20", 0),  # 1: closed door
+    (0, 128, b"FLOOR4_8", 0),  # 2: room B
+    (0, 128, b"NUKAGE1", 0),  # 3: pool inside room B
+]
+
+
+def _lines() -> list[tuple[tuple[int, int], tuple[int, int], int, int]]:
+    """(v1, v2, front sector, back sector or -1); the front side is on the right of v1→v2."""
+    a = [((0, 0), (0, 512), 0, -1), ((0, 512), (512, 512), 0, -1),
+         ((512, 512), (512, 288), 0, -1), ((512, 288), (512, 224), 0, 1),
+         ((512, 224), (512, 0), 0, -1), ((512, 0), (0, 0), 0, -1)]
+    door = [((576, 224), (512, 224), 1, -1), ((512, 288), (576, 288), 1, -1)]
+    b = [((576, 0), (576, 224), 2, -1), ((576, 224), (576, 288), 2, 1),
+         ((576, 288), (576, 512), 2, -1), ((576, 512), (1088, 512), 2, -1),
+         ((1088, 512), (1088, 0), 2, -1), ((1088, 0), (576, 0), 2, -1)]
+    pool = [((800, 200), (800, 300), 3, 2), ((800, 300), (900, 300), 3, 2),
+            ((900, 300), (900, 200), 3, 2), ((900, 200), (800, 200), 3, 2)]
+    return a + door + b + pool
+
+
+def write_test_wad(path: Path) -> Path:
+    lines = _lines()
+    vertices: list[tuple[int, int]] = []
+    for v1, v2, _, _ in lines:
+        for v in (v1, v2):
+            if v not in vertices:
+                vertices.append(v)
+    linedefs, sidedefs = b"", b""
+    for v1, v2, front, back in lines:
+        sides = []
+        for sector in (front, back):
+            if sector < 0:
+                sides.append(0xFFFF)
+                continue
+            sides.append(len(sidedefs) // 30)
+            middle = b"-" if back >= 0 else b"STARTAN3"
+            sidedefs += struct.pack("<hh8s8s8sH", 0, 0, b"-", b"-", middle, sector)
+        flags = 0x0004 if back >= 0 else 0x0001  # two-sided / impassable
+        linedefs += struct.pack("<HHHHHHH", vertices.index(v1), vertices.index(v2), flags, 0, 0,
+                                *sides)
+    vertexes = b"".join(struct.pack("<hh", x, y) for x, y in vertices)
+    sectors = b"".join(struct.pack("<hh8s8shhh", f, c, tex, b"CEIL3_5", 192, special, 0)
+                       for f, c, tex, special in SECTORS)
+    things = (struct.pack("<hhhHH", 96, 96, 0, 1, 7)  # player 1 start
+              + struct.pack("<hhhHH", 256, 256, 0, 54, 7))  # a large tree
+    lumps = [(b"MAP01", b""), (b"THINGS", things), (b"LINEDEFS", linedefs),
+             (b"SIDEDEFS", sidedefs), (b"VERTEXES", vertexes), (b"SECTORS", sectors)]
+    body, directory, offset = b"", b"", 12
+    for name, data in lumps:
+        directory += struct.pack("<ii8s", offset, len(data), name)
+        body += data
+        offset += len(data)
+    path.write_bytes(struct.pack("<4sii", b"PWAD", len(lumps), offset) + body + directory)
+    return path
+
+
+class ColourRoom:
+    """A toy RGB Gymnasium environment: the frame's colour encodes the last action."""
+
+    def __new__(cls, *args, **kwargs):  # built lazily so importing helpers needs no gymnasium
+        import gymnasium as gym
+        import numpy as np
+
+        class _ColourRoom(gym.Env):
+            metadata = {"render_modes": []}
+
+            def __init__(self, height: int = 48, width: int = 40) -> None:
+                self.observation_space = gym.spaces.Box(0, 255, (height, width, 3), np.uint8)
+                self.action_space = gym.spaces.Discrete(4)
+                self._t = 0
+
+            def _frame(self, action: int) -> np.ndarray:
+                frame = np.zeros(self.observation_space.shape, np.uint8)
+                frame[..., action % 3] = 60 * (action + 1)
+                frame[: 4 + self._t % 20] += 30  # something that changes over time
+                return frame
+
+            def reset(self, *, seed=None, options=None):
+                super().reset(seed=seed)
+                self._t = 0
+                return self._frame(int(self.np_random.integers(4))), {}
+
+            def step(self, action):
+                self._t += 1
+                return self._frame(int(action)), float(action == 2), self._t >= 15, False, {}
+
+        return _ColourRoom(*args, **kwargs)

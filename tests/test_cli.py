@@ -1,0 +1,77 @@
+"""The command line: JSON contracts, one-line errors with exit status 2, the demo."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from gradleak.cli import main
+
+TINY = ["--set", "env.doomnav.frame_size=32", "--set", "env.doomnav.max_steps=20",
+        "--set", "env.train_maps=MAP01", "--set", "env.heldout_maps=MAP05",
+        "--set", "env.max_regions_per_map=2", "--set", "train.num_envs=2",
+        "--set", "train.rollout_steps=16", "--set", "train.updates=1",
+        "--set", "train.minibatch=16"]
+
+
+def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> object:
+    assert main([*argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_recover_actions_prints_accuracy_n_and_breakdown(capsys, random_capture: Path) -> None:
+    data = run_json(capsys, "recover-actions", str(random_capture), "--rule", "odd-sign")
+    assert set(data) >= {"accuracy", "n", "by_confidence"}
+    assert data["n"] == 50 and 0.9 <= data["accuracy"] <= 1.0
+    assert sum(row["n"] for row in data["by_confidence"] if row["by"] == "max_pi") == 50
+
+
+def test_info_summarises_and_validates(capsys, random_capture: Path) -> None:
+    data = run_json(capsys, "info", str(random_capture))
+    assert data["rows"] == 50 and data["victim"] == "cnn-small" and data["split"] == "heldout"
+    assert data["validation"]["finite"] is True
+
+
+def test_scenes_split_is_fixed_and_disjoint(capsys) -> None:
+    data = run_json(capsys, "scenes")
+    train = {row["map"] for row in data["maps"] if row["split"] == "train"}
+    heldout = {row["map"] for row in data["maps"] if row["split"] == "heldout"}
+    assert heldout == {"MAP05", "MAP11", "MAP17", "MAP23", "MAP29"} and not train & heldout
+    assert {"MAP02", "MAP30"} == set(data["excluded"]) and not {"MAP02", "MAP30"} & train
+    assert data["train_scenes"] > 100 and data["heldout_scenes"] > 40
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["train-victim", "--out", "x", "--preset", "gpu-huge"], "unknown preset 'gpu-huge'"),
+    (["capture", "--victim", "vit", "--random-init", "--scenes", "train", "--steps", "5",
+      "--out", "x.h5"], "needs a victim name"),
+    (["info", "missing.h5"], "capture file missing.h5 does not exist"),
+    (["recover-actions", "missing.h5", "--rule", "psychic"], "unknown action rule 'psychic'"),
+    (["capture", "--victim", "runs/none", "--scenes", "train", "--steps", "5", "--out",
+      "x.h5"], "victim config runs/none/victim.json does not exist"),
+    (["train-victim", "--out", "x", "--wad", "nowhere.wad"], "--wad nowhere.wad: no such file"),
+    (["train-victim", "--out", "x", "--set", "train.updates=many"], "train.updates='many'"),
+    (["capture", "--victim", "cnn-small", "--random-init", "--scenes", "train", "--steps", "5",
+      "--out", "x.h5", "--shard", "3/2"], "--shard '3/2'"),
+])
+def test_errors_are_one_line_with_status_2(capsys, tmp_path: Path, monkeypatch, argv,
+                                           message: str) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("gradleak: error: ") and message in err and "\n" not in err
+    assert not list(tmp_path.iterdir())  # nothing half-written
+
+
+def test_demo_runs_end_to_end_and_reports_heldout_recovery(capsys, tmp_path: Path) -> None:
+    out = tmp_path / "demo"
+    data = run_json(capsys, "demo", "--out", str(out), *TINY, "--set",
+                    "capture.steps_train=40", "--set", "capture.steps_heldout=40")
+    recovery = data["action_recovery_heldout"]
+    assert recovery["odd-sign"]["n"] == 40 and recovery["odd-sign"]["accuracy"] >= 0.9
+    assert recovery["sign-aware"]["oracle_advantage_sign"] is True
+    for name in ("config.json", "results.json", "train.h5", "heldout.h5", "train.h5.json",
+                 "victim-ppo/victim.safetensors", "victim-ppo/learning_curve.png"):
+        assert (out / name).exists(), name
