@@ -73,5 +73,6 @@ def test_demo_runs_end_to_end_and_reports_heldout_recovery(capsys, tmp_path: Pat
     assert recovery["odd-sign"]["n"] == 40 and recovery["odd-sign"]["accuracy"] >= 0.9
     assert recovery["sign-aware"]["oracle_advantage_sign"] is True
     for name in ("config.json", "results.json", "train.h5", "heldout.h5", "train.h5.json",
+                 "heldout_actions.png",
                  "victim-ppo/victim.safetensors", "victim-ppo/learning_curve.png"):
         assert (out / name).exists(), name

@@ -101,7 +101,6 @@ def _capture_preset(args: argparse.Namespace) -> Any:
     else:  # capture in the environment the checkpoint was trained in
         meta = read_json(victim_directory(args.victim) / "victim.json", "victim config")
         preset = preset_from_dict(meta["preset"]) if "preset" in meta else load_preset("cpu-quick")
-        args.preset = preset.name
         preset = _apply_env_flags(args, preset)
     if args.components:
         preset.capture.components = [c for c in args.components.split(",") if c]
@@ -137,7 +136,7 @@ def cmd_info(args: argparse.Namespace) -> None:
         with CaptureFile(path) as capture:
             summary = capture.summary()
             if not args.no_validate:
-                summary["validation"] = capture.validate()
+                summary["validation"] = capture.validate(progress=not (args.quiet or args.json))
             summaries.append(summary)
     text = "\n\n".join("\n".join(f"{k:>20}: {v}" for k, v in s.items()) for s in summaries)
     _emit(args, summaries if len(summaries) > 1 else summaries[0], text)

@@ -54,6 +54,7 @@ class CaptureConfig:
     steps_heldout: int = 512
     components: list[str] = field(default_factory=lambda: list(COMPONENTS))
     chunk: int = 32  # steps per vmap call: bounds memory
+    gradient_method: str = "vmap"  # or "loop" (one autograd call per step; the reference)
     seed: int = 0
 
 
@@ -132,9 +133,10 @@ def _parse_like(current: Any, text: str, path: str) -> Any:
             return text.lower() in ("true", "1")
         if isinstance(current, list):
             return [item for item in text.split(",") if item]
-        if current is None:
-            return None if text.lower() == "none" else json.loads(text) if text[:1].isdigit() \
-                else text
+        if current is None:  # an optional field: "none", a number, or a string
+            if text.lower() == "none":
+                return None
+            return json.loads(text) if text[:1].isdigit() else text
         return type(current)(text)
     except ValueError:
         raise ConfigError(f"override {path}={text!r}: expected a value like "

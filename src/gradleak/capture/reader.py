@@ -15,6 +15,7 @@ from typing import Any
 
 import h5py
 import numpy as np
+from tqdm import tqdm
 
 from gradleak.capture.schema import (
     FORMAT,
@@ -171,9 +172,11 @@ class CaptureFile:
             raise CaptureFileError(f"{self.path}: dataset 'gradients' holds NaN/Inf in "
                                    f"{len(bad)} row(s), first at row {int(bad[0]) + base}")
 
-    def validate(self) -> dict[str, Any]:
+    def validate(self, progress: bool = False) -> dict[str, Any]:
         """Full scan: finite gradients, episodes contiguous and closed by a done flag."""
-        for start in range(0, self.num_rows, SCAN_ROWS):
+        starts = range(0, self.num_rows, SCAN_ROWS)
+        for start in tqdm(starts, disable=not progress, desc=f"validate {self.path.name}",
+                          unit="block"):
             rows = slice(start, min(start + SCAN_ROWS, self.num_rows))
             self._check_finite(self._h5[GRADIENTS][rows].astype(np.float32), rows)
         episodes = self.column("episode_ids")

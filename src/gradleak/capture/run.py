@@ -15,18 +15,19 @@ from tqdm import tqdm
 
 from gradleak import __version__
 from gradleak.capture.episodes import episode_targets, run_episode
-from gradleak.capture.grads import StepBatch, per_step_gradients
+from gradleak.capture.grads import StepBatch, loop_gradients, per_step_gradients
 from gradleak.capture.schema import FORMAT, FORMAT_VERSION, layers_to_json, step_columns
 from gradleak.capture.writer import CaptureWriter
 from gradleak.envs.factory import make_env, num_actions, scene_names
 from gradleak.errors import CaptureFileError, CheckpointError, ConfigError, GradleakError
 from gradleak.io import load_victim, theta_sha256, write_json
-from gradleak.presets import Preset
+from gradleak.presets import CaptureConfig, Preset
 from gradleak.rl.losses import LossCoefficients
 from gradleak.rl.trainer import ALGORITHMS, loss_coefficients
 from gradleak.victims.base import VICTIMS, Victim, VictimConfig, create_victim, layer_table
 
 SPLITS = ("train", "heldout")
+GRADIENT_METHODS = ("vmap", "loop")
 FLOAT16_MAX = 65504.0
 
 
@@ -124,6 +125,9 @@ def _plan(job: CaptureJob) -> _Plan:
         raise ConfigError(f"--scenes {job.split!r}: expected one of {', '.join(SPLITS)}")
     if job.steps <= 0:
         raise ConfigError(f"--steps {job.steps}: expected a positive number of steps")
+    if job.preset.capture.gradient_method not in GRADIENT_METHODS:
+        raise ConfigError(f"capture.gradient_method={job.preset.capture.gradient_method!r}: "
+                          f"expected one of {', '.join(GRADIENT_METHODS)}")
     preset, (shard_index, shard_count) = job.preset, job.shard
     victim, algorithm, coefficients, gamma, lam = _victim_and_rule(job)
     layers = layer_table(victim, tuple(preset.capture.components))
@@ -201,7 +205,7 @@ def _capture_loop(plan: _Plan, env: Any, writer: CaptureWriter, job: CaptureJob
                                              torch.Generator().manual_seed(seed))
             targets = episode_targets(episode, bootstrap, plan.gamma, plan.lam)
             tock = time.perf_counter()
-            gradients = _gradients(plan, episode, targets, job.preset.capture.chunk, index)
+            gradients = _gradients(plan, episode, targets, job.preset.capture, index)
             tack = time.perf_counter()
             writer.append_episode(_rows(episode, targets, index, plan.all_scenes.index(scene)),
                                   gradients)
@@ -217,16 +221,20 @@ def _env_settings(preset: Preset) -> dict[str, Any]:
     return {"backend": env.backend, "gym_id": env.gym_id, "doomnav": env.doomnav.to_dict()}
 
 
-def _gradients(plan: _Plan, episode: Any, targets: dict[str, np.ndarray], chunk: int,
-               episode_index: int) -> np.ndarray:
+def _gradients(plan: _Plan, episode: Any, targets: dict[str, np.ndarray],
+               config: CaptureConfig, episode_index: int) -> np.ndarray:
     batch = StepBatch(images=torch.from_numpy(episode.images),
                       actions=torch.from_numpy(episode.actions),
                       advantages=torch.from_numpy(targets["advantages"]),
                       returns=torch.from_numpy(targets["returns"]),
                       old_log_probs=torch.from_numpy(episode.log_probs),
                       goals=torch.from_numpy(episode.goals))
-    gradients = per_step_gradients(plan.victim, batch, plan.coefficients, plan.layers,
-                                   ppo=plan.algorithm == "ppo", chunk=chunk)
+    ppo = plan.algorithm == "ppo"
+    if config.gradient_method == "loop":
+        gradients = loop_gradients(plan.victim, batch, plan.coefficients, plan.layers, ppo=ppo)
+    else:
+        gradients = per_step_gradients(plan.victim, batch, plan.coefficients, plan.layers,
+                                       ppo=ppo, chunk=config.chunk)
     out = plan.out
     peak = float(gradients.abs().amax()) if gradients.numel() else 0.0  # NaN/Inf propagate
     if not math.isfinite(peak):

@@ -27,11 +27,12 @@ MAX_STEP = 24.0  # highest ledge the player climbs
 PLAYER_HEIGHT = 56.0
 SPAWN_CLEARANCE = 48.0  # spawns and goals keep this far from walls, trigger lines and things
 MIN_REGION_CELLS = 400  # about 10 m x 10 m of floor
+MIN_SPAWN_CELLS = 64  # and room for spawns and goals: about 16 m² of it clear of walls
 ML_BLOCKING = 0x0001
 HAZARD_TEXTURES = ("NUKAGE", "LAVA", "BLOOD", "FWATER", "SLIME")
 DAMAGE_SPECIALS = frozenset({4, 5, 7, 11, 16})  # vanilla Doom damaging sector types
 BOOM_DAMAGE_BITS = 0x60
-GEOMETRY_VERSION = 2
+GEOMETRY_VERSION = 3
 
 
 @dataclass
@@ -111,7 +112,7 @@ def build_geometry(data: MapData) -> MapGeometry:
     # at z = -32768 in the engine: spawns keep a large thing's radius plus the player's.
     thing_distance = _distance_to_points(data.things, x_centres, y_centres, candidate, cap)
     spawnable &= thing_distance >= SPAWN_CLEARANCE
-    region = _regions(walkable, floor)
+    region = _regions(walkable, spawnable, floor)
     return MapGeometry(map_name=data.name, origin=(float(x_centres[0]), float(y_centres[0])),
                        floor=floor.astype(np.float32), walkable=walkable,
                        spawnable=spawnable & (region >= 0), region=region)
@@ -212,10 +213,11 @@ def _point_segment_distance(points: np.ndarray, segments: np.ndarray) -> np.ndar
     return np.sqrt(((p - closest) ** 2).sum(-1))
 
 
-def _regions(walkable: np.ndarray, floor: np.ndarray) -> np.ndarray:
+def _regions(walkable: np.ndarray, spawnable: np.ndarray, floor: np.ndarray) -> np.ndarray:
     """Connected components of walkable cells (4-neighbours, floor step ≤ MAX_STEP).
 
-    Components smaller than MIN_REGION_CELLS are dropped; the rest are numbered by size.
+    Components under MIN_REGION_CELLS walkable or MIN_SPAWN_CELLS spawnable cells are dropped
+    (long corridors have floor but nowhere to spawn); the rest are numbered by size.
     """
     ny, nx = walkable.shape
     index = np.arange(ny * nx).reshape(ny, nx)
@@ -229,8 +231,11 @@ def _regions(walkable: np.ndarray, floor: np.ndarray) -> np.ndarray:
     graph = coo_matrix((np.ones(len(src)), (src, dst)), shape=(ny * nx, ny * nx))
     _, labels = connected_components(graph, directed=False)
     labels = np.where(walkable.ravel(), labels, -1)
-    sizes = np.bincount(labels[labels >= 0]) if (labels >= 0).any() else np.zeros(0, int)
-    big = [int(c) for c in np.argsort(-sizes, kind="stable") if sizes[c] >= MIN_REGION_CELLS]
+    inside = labels >= 0
+    sizes = np.bincount(labels[inside], minlength=ny * nx)
+    spawns = np.bincount(labels[inside & spawnable.ravel()], minlength=ny * nx)
+    big = [int(c) for c in np.argsort(-sizes, kind="stable")
+           if sizes[c] >= MIN_REGION_CELLS and spawns[c] >= MIN_SPAWN_CELLS]
     relabel = np.full(len(sizes) + 1, -1, dtype=np.int32)
     relabel[big] = np.arange(len(big), dtype=np.int32)
     return relabel[labels].reshape(ny, nx)

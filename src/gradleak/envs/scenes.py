@@ -101,8 +101,8 @@ class SceneCatalog:
             found.extend(Scene(map_name, r) for r in range(limit))
         return found
 
-    def split_of(self, scene: Scene) -> str:
+    def split_of_map(self, map_name: str) -> str:
         for split in ("train", "heldout"):
-            if scene.map_name in self.split_maps(split):
+            if map_name in self.split_maps(split):
                 return split
         return "excluded"

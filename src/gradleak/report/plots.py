@@ -31,3 +31,18 @@ def plot_learning_curve(history: list[Any], path: Path) -> None:
     right.set_ylim(-0.02, 1.02)
     figure.suptitle("victim training")
     _save(figure, path)
+
+
+def plot_action_recovery(frames: Any, true_actions: Any, recovered: Any,
+                         action_names: list[str], path: Path, title: str) -> None:
+    """A strip of private frames; under each, the true action and the one read off the gradient."""
+    count = len(frames)
+    figure, axes = plt.subplots(1, count, figsize=(1.45 * count, 2.1))
+    for axis, frame, truth, guess in zip(axes, frames, true_actions, recovered, strict=True):
+        axis.imshow(frame, interpolation="nearest")
+        axis.set_xticks([])
+        axis.set_yticks([])
+        axis.set_title(f"{action_names[truth]}\n→ {action_names[guess]}", fontsize=7,
+                       color="tab:green" if truth == guess else "tab:red")
+    figure.suptitle(title, fontsize=8)
+    _save(figure, path)
