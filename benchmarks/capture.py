@@ -103,7 +103,7 @@ def capture_rates(steps: int, repeats: int) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--steps", type=int, default=256)
     args = parser.parse_args()
     results = {"machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads, "
@@ -113,9 +113,16 @@ def main() -> None:
         rate64, frames64 = environment_rate(64, args.steps, args.repeats)
         rate84, frames84 = environment_rate(84, args.steps, args.repeats)
     results["env_steps_per_s"] = {"64x64": rate64, "84x84": rate84}
+    time.sleep(2.0)  # let the engine processes exit before timing torch alone
     results["gradients"] = [gradient_rates("cnn-small", frames64, args.repeats),
                             gradient_rates("cnn", frames84[:128], args.repeats)]
     results.update(capture_rates(args.steps * 2, args.repeats))
+    # The whole capture (engine, sampling, per-step gradients, HDF5) against what a trainer
+    # spends on the same steps: one batched forward+backward of the mean loss.
+    batched_ms = results["gradients"][0]["batched_forward_backward_ms_per_step"]
+    for method in ("vmap", "loop"):
+        capture_ms = 1e3 / results[f"capture_steps_per_s_{method}"]
+        results[f"capture_{method}_cost_vs_one_batched_backward"] = capture_ms / batched_ms
     text = json.dumps(results, indent=2)
     print(text)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from gradleak.envs.doomnav import DoomNavConfig, DoomNavEnv
-from gradleak.envs.geometry import CELL, build_geometry
+from gradleak.envs.geometry import CELL_AREA_M2, build_geometry
 from gradleak.envs.scenes import SceneCatalog
 from gradleak.io import atomic_path
 
@@ -32,8 +32,8 @@ def survey_map(catalog: SceneCatalog, map_name: str, views: int) -> dict[str, ob
     scenes = [f"{map_name}/r{r:02d}" for r in range(geometry.num_regions)]
     row: dict[str, object] = {"map": map_name, "split": catalog.split_of_map(map_name),
                               "regions": geometry.num_regions,
-                              "walkable_m2": round(float(geometry.walkable.sum()) * CELL**2
-                                                   / 32**2, 1),
+                              "walkable_m2": round(float(geometry.walkable.sum())
+                                                   * CELL_AREA_M2, 1),
                               "geometry_build_s": round(build_s, 3)}
     if scenes:
         env = DoomNavEnv(DoomNavConfig(wad=str(catalog.wad.path), frame_size=64, scenes=scenes),

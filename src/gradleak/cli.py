@@ -48,7 +48,9 @@ def _apply_env_flags(args: argparse.Namespace, preset: Any) -> Any:
 
 # -- scenes -----------------------------------------------------------------------------------
 def cmd_scenes(args: argparse.Namespace) -> None:
+    from gradleak.envs.geometry import CELL_AREA_M2
     from gradleak.envs.scenes import SceneCatalog
+    from gradleak.report.tables import text_table
 
     catalog = SceneCatalog(args.wad)
     rows = []
@@ -57,13 +59,11 @@ def cmd_scenes(args: argparse.Namespace) -> None:
             geometry = catalog.geometry(map_name)
             rows.append({"map": map_name, "split": split, "regions": geometry.num_regions,
                          "largest_region_m2": round(max(geometry.region_sizes(), default=0)
-                                                    * 0.25, 1)})
+                                                    * CELL_AREA_M2, 1)})
     excluded = catalog.excluded_maps()
     data = {"wad": str(catalog.wad.path), "maps": rows, "excluded": excluded,
             "train_scenes": sum(r["regions"] for r in rows if r["split"] == "train"),
             "heldout_scenes": sum(r["regions"] for r in rows if r["split"] == "heldout")}
-    from gradleak.report.tables import text_table
-
     text = (f"{catalog.wad.path}\n" + text_table(rows, ["map", "split", "regions",
                                                         "largest_region_m2"])
             + f"\n{data['train_scenes']} training scenes, {data['heldout_scenes']} held-out "

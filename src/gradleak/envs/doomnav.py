@@ -18,11 +18,11 @@ import numpy as np
 
 from gradleak.envs.actions import PITCH_LIMIT, Action, action_set, wrap_degrees
 from gradleak.envs.frames import resize_area
+from gradleak.envs.geometry import UNITS_PER_METRE
 from gradleak.envs.scenes import Scene, SceneCatalog, cache_root
 from gradleak.envs.wad import default_wad_path
 from gradleak.errors import ConfigError, GradleakError
 
-UNITS_PER_METRE = 32.0
 ENGINE_WIDTH, ENGINE_HEIGHT = 160, 120
 CROUCH_TICS = 7  # the view height settles 6 tics after crouching or standing (measured)
 SPAWN_ATTEMPTS = 20

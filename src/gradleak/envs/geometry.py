@@ -22,6 +22,8 @@ from scipy.sparse.csgraph import connected_components
 from gradleak.envs.wad import MapData
 
 CELL = 16.0  # grid pitch, map units
+UNITS_PER_METRE = 32.0  # the player is 56 units (1.75 m) tall
+CELL_AREA_M2 = (CELL / UNITS_PER_METRE) ** 2
 PLAYER_RADIUS = 16.0
 MAX_STEP = 24.0  # highest ledge the player climbs
 PLAYER_HEIGHT = 56.0

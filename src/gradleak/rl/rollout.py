@@ -18,7 +18,7 @@ from gradleak.victims.base import Victim
 def single_threaded_torch() -> Iterator[None]:
     """Run torch on one thread while it alternates with the game engine.
 
-    Interleaving engine steps with two-thread forward passes made each forward pass ~30x
+    Interleaving engine steps with two-thread forward passes made each step ~20x
     slower on 2 cores (1.6 vs 31 ms per step measured): the second intra-op thread goes to sleep
     while the engine runs and every parallel region then waits for it to wake.
     """
