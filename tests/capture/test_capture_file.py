@@ -252,3 +252,16 @@ def test_shards_of_different_captures_are_not_mixed(tmp_path: Path, random_captu
                            out=other, preset=tiny_preset(), progress=False, seed=99))
     with pytest.raises(CaptureFileError, match="differ in 'theta0_sha256'"):
         open_captures([random_capture, other])
+
+
+def test_checkpoint_and_environment_must_agree(tmp_path: Path) -> None:
+    save_victim(tmp_path / "victim", create_victim(VictimConfig("cnn-small", frame_size=32,
+                                                                num_actions=10)).eval())
+    with pytest.raises(ConfigError, match="has 10 actions but the environment has 5"):
+        run_capture(CaptureJob(victim=str(tmp_path / "victim"), split="train", steps=5,
+                               out=tmp_path / "x.h5", preset=tiny_preset(), progress=False))
+    preset = tiny_preset()
+    preset.env.doomnav.frame_size = 64
+    with pytest.raises(ConfigError, match="takes 32x32 frames but the preset renders 64x64"):
+        run_capture(CaptureJob(victim=str(tmp_path / "victim"), split="train", steps=5,
+                               out=tmp_path / "x.h5", preset=preset, progress=False))

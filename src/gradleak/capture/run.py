@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +45,6 @@ class CaptureJob:
     overwrite: bool = False
     progress: bool = True
     seed: int | None = None  # None: the preset's capture seed
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def parse_shard(text: str) -> tuple[int, int]:
@@ -86,6 +85,9 @@ def _victim_and_rule(job: CaptureJob) -> tuple[Victim, str, LossCoefficients, fl
         raise ConfigError(f"victim {job.victim} takes {victim.config.frame_size}x"
                           f"{victim.config.frame_size} frames but the preset renders "
                           f"{preset.env.doomnav.frame_size}x{preset.env.doomnav.frame_size}")
+    if victim.config.num_actions != num_actions(preset.env):
+        raise ConfigError(f"victim {job.victim} has {victim.config.num_actions} actions but the "
+                          f"environment has {num_actions(preset.env)}")
     return (victim, meta.get("algorithm", "ppo"), coefficients, train.get("gamma", 0.99),
             train.get("lam", 0.95))
 
