@@ -90,7 +90,7 @@ def capture_rates(steps: int, repeats: int) -> dict[str, float]:
         for method in ("vmap", "loop"):
             preset = load_preset("cpu-bench", [f"capture.gradient_method={method}"])
 
-            def run() -> None:
+            def run(method: str = method, preset=preset) -> None:
                 run_capture(CaptureJob(victim="cnn-small", random_init=True, split="train",
                                        steps=steps, out=Path(tmp) / f"{method}.h5",
                                        preset=preset, progress=False, overwrite=True))

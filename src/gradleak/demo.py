@@ -16,12 +16,12 @@ import torch
 from gradleak.attacks.action_rules import POLICY_HEAD_WEIGHT, recover_actions
 from gradleak.capture.reader import CaptureFile
 from gradleak.capture.run import CaptureJob, run_capture
+from gradleak.envs.actions import action_set
 from gradleak.evaluation import evaluate_action_rules
 from gradleak.io import write_json
-from gradleak.envs.actions import action_set
 from gradleak.presets import Preset
-from gradleak.report.tables import text_table
 from gradleak.report.plots import plot_action_recovery
+from gradleak.report.tables import text_table
 from gradleak.rl.trainer import train_victim
 
 DEMO_RULES = ("odd-sign", "sign-agnostic", "sign-aware")

@@ -7,6 +7,7 @@ from pathlib import Path
 import gymnasium as gym
 import numpy as np
 import pytest
+from conftest import tiny_preset
 
 from gradleak.capture.reader import CaptureFile
 from gradleak.capture.run import CaptureJob, run_capture
@@ -14,7 +15,6 @@ from gradleak.envs.adapter import GymImageAdapter, make_gym_env
 from gradleak.envs.frames import resize_area
 from gradleak.errors import ConfigError
 from gradleak.evaluation import evaluate_action_rules
-from conftest import tiny_preset
 
 TOY_ID = "GradleakTest/ColourRoom-v0"
 if TOY_ID not in gym.registry:

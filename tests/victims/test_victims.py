@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -49,7 +50,7 @@ def test_layer_table_is_contiguous_and_subsets_by_component() -> None:
     victim = create_victim("cnn-small", frame_size=64)
     full = layer_table(victim)
     assert full[0].offset == 0
-    assert all(a.offset + a.size == b.offset for a, b in zip(full, full[1:]))
+    assert all(a.offset + a.size == b.offset for a, b in itertools.pairwise(full))
     heads = layer_table(victim, ("heads",))
     assert [layer.name for layer in heads] == ["policy_head.weight", "policy_head.bias",
                                                "value_head.weight", "value_head.bias"]

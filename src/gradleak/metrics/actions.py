@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import numpy as np
@@ -13,7 +14,7 @@ ABS_ADVANTAGE_BINS = (0.0, 0.1, 0.5, 1.0, 2.0, np.inf)
 def _breakdown(name: str, values: np.ndarray, correct: np.ndarray, edges: tuple[float, ...]
                ) -> list[dict[str, Any]]:
     rows = []
-    for low, high in zip(edges[:-1], edges[1:]):
+    for low, high in itertools.pairwise(edges):
         inside = (values >= low) & (values < high)
         n = int(inside.sum())
         rows.append({"by": name, "low": float(low), "high": float(min(high, 1.0)

@@ -18,9 +18,9 @@ def text_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
     cells = [[_cell(row.get(c)) for c in columns] for row in rows]
     widths = [max(len(c), *(len(r[i]) for r in cells)) if cells else len(c)
               for i, c in enumerate(columns)]
-    line = "  ".join(c.ljust(w) for c, w in zip(columns, widths))
+    line = "  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True))
     rule = "  ".join("-" * w for w in widths)
-    body = ["  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in cells]
+    body = ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)) for r in cells]
     return "\n".join([line, rule, *body])
 
 
