@@ -1,0 +1,64 @@
+"""Image metrics on tensors in [0, 1], shape (N, 3, H, W): MSE, PSNR and Gaussian SSIM.
+
+SSIM is Wang et al. (2004): an 11x11 Gaussian window (σ = 1.5), K1 = 0.01, K2 = 0.03, data
+range 1, computed per channel over the valid region (no padding) and averaged — the settings of
+scikit-image with `gaussian_weights=True, use_sample_covariance=False`. Not CW-SSIM.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+SSIM_WINDOW = 11
+SSIM_SIGMA = 1.5
+K1, K2 = 0.01, 0.03
+
+
+def to_unit_tensor(images: np.ndarray | torch.Tensor) -> torch.Tensor:
+    """(N, H, W, 3) uint8 (or float in [0, 1]) → (N, 3, H, W) float32 in [0, 1]."""
+    tensor = torch.as_tensor(images)
+    if tensor.dtype == torch.uint8:
+        tensor = tensor.to(torch.float32) / 255.0
+    if tensor.shape[-1] == 3 and tensor.shape[1] != 3:
+        tensor = tensor.permute(0, 3, 1, 2)
+    return tensor.to(torch.float32).contiguous()
+
+
+def mse(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """(N,) mean squared error per image."""
+    return ((a - b) ** 2).flatten(1).mean(1)
+
+
+def psnr(a: torch.Tensor, b: torch.Tensor, eps: float = 1e-10) -> torch.Tensor:
+    """(N,) PSNR in dB for data range 1: 10·log10(1 / MSE)."""
+    return 10.0 * torch.log10(1.0 / mse(a, b).clamp_min(eps))
+
+
+@lru_cache(maxsize=4)
+def _gaussian_window(size: int, sigma: float) -> torch.Tensor:
+    coords = torch.arange(size, dtype=torch.float32) - (size - 1) / 2
+    g = torch.exp(-(coords**2) / (2 * sigma**2))
+    g = g / g.sum()
+    return (g[:, None] * g[None, :])[None, None]  # (1, 1, size, size)
+
+
+def ssim(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """(N,) mean SSIM per image; differentiable, so 1 − SSIM can serve as a training loss."""
+    channels = a.shape[1]
+    window = _gaussian_window(SSIM_WINDOW, SSIM_SIGMA).to(a).expand(channels, 1, -1, -1)
+
+    def blur(x: torch.Tensor) -> torch.Tensor:
+        return F.conv2d(x, window, groups=channels)
+
+    mu_a, mu_b = blur(a), blur(b)
+    var_a = blur(a * a) - mu_a**2
+    var_b = blur(b * b) - mu_b**2
+    cov = blur(a * b) - mu_a * mu_b
+    c1, c2 = K1**2, K2**2
+    ssim_map = ((2 * mu_a * mu_b + c1) * (2 * cov + c2)) / (
+        (mu_a**2 + mu_b**2 + c1) * (var_a + var_b + c2))
+    return ssim_map.flatten(1).mean(1)
