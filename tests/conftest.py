@@ -36,3 +36,41 @@ def random_capture(tmp_path_factory: pytest.TempPathFactory) -> Path:
     run_capture(CaptureJob(victim="cnn-small", random_init=True, split="heldout", steps=50,
                            out=out, preset=tiny_preset(), progress=False, seed=3))
     return out
+
+
+@pytest.fixture(scope="session")
+def train_capture(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Training-scene capture of the same random-init victim (seed 3) as `random_capture`."""
+    from gradleak.capture.run import CaptureJob, run_capture
+
+    out = tmp_path_factory.mktemp("capture") / "train.h5"
+    run_capture(CaptureJob(victim="cnn-small", random_init=True, split="train", steps=240,
+                           out=out, preset=tiny_preset(), progress=False, seed=3))
+    return out
+
+
+def tiny_attack_settings(kind: str):
+    """A few-second TRACE or LtI configuration for the 32x32 test captures."""
+    preset = tiny_preset()
+    model, fit = getattr(preset.attack, kind), getattr(preset.attack, f"{kind}_fit")
+    if kind == "trace":
+        model.window, model.encoder_width, model.latent, model.image_channels = 4, 64, 64, 8
+        model.layers, model.heads = 1, 4
+        fit.rollout_steps = 2
+    else:
+        model.hidden = 64
+    fit.epochs, fit.workers, fit.max_train_windows, fit.max_val_windows = 2, 0, 24, 8
+    fit.normaliser_rows = 64
+    return model, fit
+
+
+@pytest.fixture(scope="session")
+def trained_attackers(tmp_path_factory: pytest.TempPathFactory, train_capture: Path
+                      ) -> dict[str, Path]:
+    from gradleak.training.fit import fit_attacker
+
+    root = tmp_path_factory.mktemp("attackers")
+    for kind in ("trace", "lti"):
+        model, fit = tiny_attack_settings(kind)
+        fit_attacker(kind, model, fit, [str(train_capture)], root / kind, progress=False)
+    return {"trace": root / "trace", "lti": root / "lti"}

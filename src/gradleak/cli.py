@@ -164,6 +164,68 @@ def _action_table(results: dict[str, dict[str, Any]]) -> str:
     return text_table(rows, ["rule", "accuracy", "n"])
 
 
+# -- learned attackers ------------------------------------------------------------------------
+def cmd_train_attacker(args: argparse.Namespace) -> None:
+    from gradleak.training.fit import fit_attacker
+
+    preset = _preset(args)
+    model = getattr(preset.attack, args.kind)
+    fit = getattr(preset.attack, f"{args.kind}_fit")
+    if args.epochs is not None:
+        fit.epochs = args.epochs
+    if args.lpips_weights:
+        fit.lpips_weights = args.lpips_weights
+    result = fit_attacker(args.kind, model, fit, args.data, Path(args.out), resume=args.resume,
+                          progress=not (args.quiet or args.json))
+    last = result["last"]
+    text = (f"trained {args.kind} ({result['parameters']:,} parameters) for {result['epochs']} "
+            f"epochs in {result['minutes']:.1f} min: validation PSNR "
+            f"{last.get('val_psnr', float('nan')):.2f} dB -> {args.out}")
+    _emit(args, result, text)
+
+
+def _attackers(args: argparse.Namespace) -> dict[str, str]:
+    attackers = {}
+    for item in args.attacker:
+        name, sep, path = item.partition("=")
+        if not sep:
+            path = name
+            from gradleak.io import read_json
+            from gradleak.training.checkpoint import META
+
+            name = read_json(Path(path) / META, "attacker config").get("kind", Path(path).name)
+            name = "TRACE" if name == "trace" else "LtI" if name == "lti" else name
+        attackers[name] = path
+    baselines = [b for b in (args.baselines or "").split(",") if b]
+    for baseline in baselines:
+        if baseline not in ("lti", "action-rule"):
+            raise ConfigError(f"--baselines {baseline!r}: expected lti and/or action-rule")
+    if "lti" in baselines and "LtI" not in attackers:
+        lti = args.lti or str(Path(args.attacker[0].partition("=")[2] or args.attacker[0])
+                              .parent / "lti")
+        attackers["LtI"] = lti
+    return attackers
+
+
+def cmd_evaluate(args: argparse.Namespace) -> None:
+    from gradleak.evaluation.reconstructions import evaluate
+    from gradleak.report.evaluation import TABLE_COLUMNS, table_rows
+    from gradleak.report.tables import text_table
+
+    result = evaluate(args.data, _attackers(args), Path(args.out), args.lpips_weights,
+                      args.max_windows)
+    text = (text_table(table_rows(result["methods"]), TABLE_COLUMNS)
+            + f"\nLPIPS: {result['lpips']}\noutputs in {args.out}")
+    _emit(args, result, text)
+
+
+def cmd_report(args: argparse.Namespace) -> None:
+    from gradleak.report.html import write_report
+
+    path = write_report(Path(args.run))
+    _emit(args, {"report": str(path)}, f"report: {path}")
+
+
 # -- demo -------------------------------------------------------------------------------------
 def cmd_demo(args: argparse.Namespace) -> None:
     from gradleak.demo import run_demo
@@ -236,6 +298,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true")
     p.add_argument("--overwrite", action="store_true")
     p.set_defaults(func=cmd_capture)
+
+    p = sub.add_parser("train-attacker", help="fit TRACE or LtI on training-scene captures")
+    _common(p)
+    _preset_flags(p)
+    p.add_argument("--kind", choices=["trace", "lti"], default="trace")
+    p.add_argument("--data", nargs="+", required=True, help="training-scene capture files")
+    p.add_argument("--out", required=True)
+    p.add_argument("--epochs", type=int, default=None)
+    p.add_argument("--lpips-weights", default=None, help="torchvision AlexNet weights file")
+    p.add_argument("--resume", action="store_true")
+    p.set_defaults(func=cmd_train_attacker)
+
+    p = sub.add_parser("evaluate", help="score attackers and baselines on held-out captures")
+    _common(p)
+    p.add_argument("--attacker", action="append", required=True,
+                   help="an attacker run directory, or NAME=DIR (repeatable)")
+    p.add_argument("--data", nargs="+", required=True, help="held-out capture files")
+    p.add_argument("--baselines", default="lti,action-rule",
+                   help="lti (from --lti, default: the attacker's sibling 'lti' directory) "
+                   "and/or action-rule")
+    p.add_argument("--lti", default=None)
+    p.add_argument("--out", required=True)
+    p.add_argument("--max-windows", type=int, default=None)
+    p.add_argument("--lpips-weights", default=None)
+    p.set_defaults(func=cmd_evaluate)
+
+    p = sub.add_parser("report", help="write a self-contained report.html for an evaluation")
+    _common(p)
+    p.add_argument("run")
+    p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("info", help="summarise and validate capture files")
     _common(p)

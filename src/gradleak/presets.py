@@ -9,12 +9,17 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import typing
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from gradleak.attacks.lti import LtiConfig
+from gradleak.attacks.trace import TraceConfig
 from gradleak.envs.doomnav import DoomNavConfig
 from gradleak.errors import ConfigError
 from gradleak.registry import Registry
+from gradleak.training.fit import FitConfig
+from gradleak.training.objectives import LossWeights
 from gradleak.victims.base import COMPONENTS
 
 
@@ -59,11 +64,24 @@ class CaptureConfig:
 
 
 @dataclass
+class AttackConfig:
+    """The learned attackers and how they are fitted on auxiliary (training-scene) captures."""
+
+    trace: TraceConfig = field(default_factory=TraceConfig)
+    trace_fit: FitConfig = field(default_factory=FitConfig)
+    lti: LtiConfig = field(default_factory=LtiConfig)
+    lti_fit: FitConfig = field(default_factory=lambda: FitConfig(
+        epochs=200, batch_size=64, accumulation=1, lr=1e-3, warmup_epochs=1, rollout_steps=0,
+        teacher_forcing_epochs=0, weights=LossWeights(perceptual=0.0, rollout=0.0)))
+
+
+@dataclass
 class Preset:
     name: str
     env: EnvConfig
     train: TrainConfig
     capture: CaptureConfig
+    attack: AttackConfig = field(default_factory=AttackConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -79,7 +97,20 @@ def cpu_quick() -> Preset:
                     train_maps=["MAP01", "MAP04", "MAP07"], heldout_maps=["MAP05", "MAP11"],
                     max_regions_per_map=3)
     train = TrainConfig(num_envs=4, rollout_steps=128, updates=6, epochs=4, minibatch=64)
-    return Preset("cpu-quick", env, train, CaptureConfig(steps_train=1024, steps_heldout=1024))
+    quick = dict(warmup_epochs=1, min_lr=1e-5, accumulation=1, max_val_windows=32,
+                 normaliser_rows=1024)
+    attack = AttackConfig(
+        trace=TraceConfig(window=8, projection="subsample", subsample_fraction=0.05,
+                          encoder_width=256, encoder_blocks=1, latent=128, layers=2, heads=4,
+                          image_channels=16, dropout=0.0),
+        trace_fit=FitConfig(epochs=8, batch_size=8, lr=1e-3, teacher_forcing_epochs=3,
+                            rollout_steps=2, max_train_windows=320, **quick),
+        lti=LtiConfig(hidden=512, layers=2, subsample_fraction=0.1),
+        lti_fit=FitConfig(epochs=8, batch_size=32, lr=1e-3, teacher_forcing_epochs=0,
+                          rollout_steps=0, weights=LossWeights(perceptual=0.0, rollout=0.0),
+                          max_train_windows=2048, **quick))
+    return Preset("cpu-quick", env, train, CaptureConfig(steps_train=4096, steps_heldout=1024),
+                  attack)
 
 
 @PRESETS.register("cpu-bench")
@@ -87,7 +118,19 @@ def cpu_bench() -> Preset:
     """Benchmarks: every training and held-out map at 64x64, about an hour of CPU in all."""
     env = EnvConfig(doomnav=DoomNavConfig(frame_size=64))
     train = TrainConfig(num_envs=8, rollout_steps=128, updates=150)
-    return Preset("cpu-bench", env, train, CaptureConfig(steps_train=20_000, steps_heldout=4_000))
+    bench = dict(warmup_epochs=1, min_lr=1e-5, accumulation=1, normaliser_rows=2048)
+    attack = AttackConfig(
+        trace=TraceConfig(window=8, projection="subsample", subsample_fraction=0.1,
+                          encoder_width=512, encoder_blocks=2, latent=256, layers=4, heads=8,
+                          image_channels=32, dropout=0.05),
+        trace_fit=FitConfig(epochs=20, batch_size=8, lr=5e-4, teacher_forcing_epochs=5,
+                            rollout_steps=3, **bench),
+        lti=LtiConfig(hidden=1500, layers=2, subsample_fraction=0.1),
+        lti_fit=FitConfig(epochs=40, batch_size=64, lr=1e-3, teacher_forcing_epochs=0,
+                          rollout_steps=0, weights=LossWeights(perceptual=0.0, rollout=0.0),
+                          **bench))
+    return Preset("cpu-bench", env, train, CaptureConfig(steps_train=20_000, steps_heldout=4_000),
+                  attack)
 
 
 @PRESETS.register("paper")
@@ -96,7 +139,13 @@ def paper() -> Preset:
     env = EnvConfig(doomnav=DoomNavConfig(frame_size=84))
     train = TrainConfig(victim="cnn", num_envs=8, rollout_steps=128, updates=500,
                         max_episode_steps=200)
-    return Preset("paper", env, train, CaptureConfig(steps_train=108_000, steps_heldout=12_000))
+    attack = AttackConfig(
+        trace=TraceConfig(window=8, projection="dense", encoder_width=2048, encoder_blocks=4,
+                          latent=1024, layers=6, heads=8, image_channels=64, dropout=0.1),
+        trace_fit=FitConfig(),  # 50 epochs, batch 8 x 2, AdamW 1e-4, τ = 5, β 0.1 → 0.8, R = 3
+        lti=LtiConfig(hidden=3000, layers=2, subsample_fraction=0.1))
+    return Preset("paper", env, train, CaptureConfig(steps_train=108_000, steps_heldout=12_000),
+                  attack)
 
 
 def load_preset(name: str, overrides: list[str] | None = None) -> Preset:
@@ -143,10 +192,20 @@ def _parse_like(current: Any, text: str, path: str) -> Any:
                           f"{current!r}") from None
 
 
+def dataclass_from_dict(cls: type, data: dict[str, Any]) -> Any:
+    """Rebuild a (nested) config dataclass from its JSON; fields absent there keep defaults."""
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for item in dataclasses.fields(cls):
+        if item.name not in data:
+            continue
+        value, kind = data[item.name], hints[item.name]
+        values[item.name] = (dataclass_from_dict(kind, value)
+                             if dataclasses.is_dataclass(kind) and isinstance(value, dict)
+                             else copy.deepcopy(value))
+    return cls(**values)
+
+
 def preset_from_dict(data: dict[str, Any]) -> Preset:
     """Rebuild a preset from its saved JSON (the reproducibility path)."""
-    data = copy.deepcopy(data)
-    env = data["env"]
-    env["doomnav"] = DoomNavConfig(**env["doomnav"])
-    return Preset(name=data["name"], env=EnvConfig(**env), train=TrainConfig(**data["train"]),
-                  capture=CaptureConfig(**data["capture"]))
+    return dataclass_from_dict(Preset, data)

@@ -59,3 +59,11 @@ class Reconstruction:
     actions: np.ndarray | None = None  # (N,)
     images: np.ndarray | None = None  # (N, H, W, 3) uint8
     extras: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ObservedWindows:
+    """What the server saw of a batch of windows: T consecutive per-step gradients each, in
+    the order they arrived. Learned attackers reconstruct from this and nothing else."""
+
+    gradients: Any  # torch.Tensor (B, T, d) float32

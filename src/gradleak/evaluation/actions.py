@@ -1,5 +1,4 @@
-"""Wiring of attacks to captures and metrics: the one place that holds both an Observation and
-its Target. Attacks never see the Target; scores never feed back into an attack."""
+"""Closed-form action rules scored over whole capture files (read in row chunks)."""
 
 from __future__ import annotations
 

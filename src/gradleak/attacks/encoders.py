@@ -1,0 +1,182 @@
+"""Gradient inputs and encoders shared by the learned attackers (TRACE and LtI).
+
+A per-step gradient is huge (163k coordinates for cnn-small, 936k for the paper's CNN), sparse
+and heavy-tailed. Each attacker reads it through `GradientInput`: an optional fixed coordinate
+subset, per-sample RMS scaling (its log kept as one extra feature, since |A| lives in the
+scale), then per-coordinate standardisation with statistics of the training data.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from gradleak.errors import ConfigError
+
+PROJECTIONS = ("dense", "lowrank", "subsample")
+
+
+def subsample_index(gradient_dim: int, fraction: float, seed: int) -> torch.Tensor:
+    """A fixed, sorted random subset of coordinates (the attacker's choice, seeded)."""
+    if not 0.0 < fraction <= 1.0:
+        raise ConfigError(f"subsample fraction {fraction}: expected a value in (0, 1]")
+    count = max(1, round(gradient_dim * fraction))
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randperm(gradient_dim, generator=generator)[:count].sort().values
+
+
+class GradientInput(nn.Module):
+    """(..., d) raw gradients → (..., k + 1) normalised features (k kept coordinates + log RMS)."""
+
+    def __init__(self, gradient_dim: int, index: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.gradient_dim = gradient_dim
+        kept = gradient_dim if index is None else len(index)
+        self.register_buffer("index", index if index is not None else torch.zeros(0,
+                                                                                  dtype=torch.long))
+        self.register_buffer("mean", torch.zeros(kept))
+        self.register_buffer("std", torch.ones(kept))
+        self.register_buffer("log_rms_mean", torch.zeros(()))
+        self.register_buffer("log_rms_std", torch.ones(()))
+        self.features = kept + 1
+
+    def select(self, gradients: torch.Tensor) -> torch.Tensor:
+        if gradients.shape[-1] != self.gradient_dim:
+            raise ConfigError(f"gradient width {gradients.shape[-1]} does not match the "
+                              f"attacker's {self.gradient_dim}")
+        return gradients.index_select(-1, self.index) if len(self.index) else gradients
+
+    @staticmethod
+    def rms_scale(selected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rms = selected.pow(2).mean(-1, keepdim=True).sqrt().clamp_min(1e-12)
+        return selected / rms, rms.log()
+
+    @torch.no_grad()
+    def fit(self, chunks: Iterable[torch.Tensor]) -> int:
+        """Standardisation statistics from training gradients, streamed as (n, d) chunks so
+        a large sample never sits in memory at full width. Returns the rows seen."""
+        count, total, total_sq, levels = 0, 0.0, 0.0, []
+        for chunk in chunks:
+            scaled, log_rms = self.rms_scale(self.select(chunk.to(torch.float64)))
+            count += len(scaled)
+            total = total + scaled.sum(0)
+            total_sq = total_sq + (scaled**2).sum(0)
+            levels.append(log_rms.flatten())
+        if count == 0:
+            return 0
+        mean = total / count
+        std = (total_sq / count - mean**2).clamp_min(0).sqrt()
+        self.mean.copy_(mean)
+        # Coordinates that are (almost) always zero would blow up: floor the std.
+        self.std.copy_(std.clamp_min(1e-3))
+        level = torch.cat(levels)
+        self.log_rms_mean.copy_(level.mean())
+        self.log_rms_std.copy_(level.std().clamp_min(1e-3) if len(level) > 1
+                               else torch.ones(()))
+        return count
+
+    def forward(self, gradients: torch.Tensor) -> torch.Tensor:
+        scaled, log_rms = self.rms_scale(self.select(gradients))
+        standard = (scaled - self.mean) / self.std
+        level = (log_rms - self.log_rms_mean) / self.log_rms_std
+        return torch.cat([standard, level], dim=-1)
+
+
+class ResidualMLP(nn.Module):
+    """Pre-norm residual block: x + W2 · GELU(W1 · LN(x))."""
+
+    def __init__(self, width: int, dropout: float, expansion: int = 4) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, expansion * width)
+        self.down = nn.Linear(expansion * width, width)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.dropout(self.down(nn.functional.gelu(self.up(self.norm(x)))))
+
+
+def input_projection(kind: str, features: int, width: int, rank: int) -> nn.Module:
+    """dense: Linear(d, d_enc) (the paper); lowrank: d → r → d_enc; subsample: the subset
+    was already taken by GradientInput, so a dense layer on the kept coordinates."""
+    if kind not in PROJECTIONS:
+        raise ConfigError(f"projection {kind!r}: expected one of {', '.join(PROJECTIONS)}")
+    if kind == "lowrank":
+        return nn.Sequential(nn.Linear(features, rank, bias=False), nn.Linear(rank, width))
+    return nn.Linear(features, width)
+
+
+class GradientEncoder(nn.Module):
+    """Projection → LN → GELU → residual MLP blocks → LN → Linear to the latent size."""
+
+    def __init__(self, gradient_input: GradientInput, projection: str, width: int, latent: int,
+                 blocks: int, rank: int, dropout: float) -> None:
+        super().__init__()
+        self.input = gradient_input
+        self.project = input_projection(projection, gradient_input.features, width, rank)
+        self.norm_in = nn.LayerNorm(width)
+        self.dropout = nn.Dropout(dropout)
+        self.blocks = nn.Sequential(*(ResidualMLP(width, dropout) for _ in range(blocks)))
+        self.norm_out = nn.LayerNorm(width)
+        self.out = nn.Linear(width, latent)
+
+    def forward(self, gradients: torch.Tensor) -> torch.Tensor:  # (..., d) → (..., latent)
+        x = self.dropout(nn.functional.gelu(self.norm_in(self.project(self.input(gradients)))))
+        return self.out(self.norm_out(self.blocks(x)))
+
+
+class ImageEncoder(nn.Module):
+    """A small CNN: frame (B, 3, H, W) in [0, 1] → token (B, latent)."""
+
+    def __init__(self, latent: int, channels: int) -> None:
+        super().__init__()
+        c = channels
+        self.net = nn.Sequential(
+            nn.Conv2d(3, c, 4, 2, 1), nn.GELU(),
+            nn.Conv2d(c, 2 * c, 4, 2, 1), nn.GELU(),
+            nn.Conv2d(2 * c, 4 * c, 4, 2, 1), nn.GELU(),
+            nn.AdaptiveAvgPool2d(4), nn.Flatten(), nn.Linear(4 * c * 16, latent))
+
+    def forward(self, frames: torch.Tensor) -> torch.Tensor:
+        return self.net(frames)
+
+
+class ResidualConv(nn.Module):
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        groups = math.gcd(8, channels)
+        self.body = nn.Sequential(nn.GroupNorm(groups, channels), nn.GELU(),
+                                  nn.Conv2d(channels, channels, 3, 1, 1),
+                                  nn.GroupNorm(groups, channels), nn.GELU(),
+                                  nn.Conv2d(channels, channels, 3, 1, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.body(x)
+
+
+class ImageDecoder(nn.Module):
+    """Latent → frame in [0, 1]: Linear to a (4c, H/4, W/4) map, two ×2 transposed
+    convolutions each followed by GroupNorm and two residual blocks, then two convolutions and
+    a sigmoid (the reference decoder, with its widths 256/128/64 scaled to 4c/2c/c)."""
+
+    def __init__(self, latent: int, frame_size: int, channels: int) -> None:
+        super().__init__()
+        if frame_size % 4:
+            raise ConfigError(f"frame size {frame_size}: the decoder needs a multiple of 4")
+        c, self.base = channels, frame_size // 4
+        self.fc = nn.Linear(latent, 4 * c * self.base * self.base)
+        groups = math.gcd(8, c)
+        self.net = nn.Sequential(
+            nn.ConvTranspose2d(4 * c, 2 * c, 4, 2, 1), nn.GroupNorm(groups, 2 * c), nn.GELU(),
+            ResidualConv(2 * c), ResidualConv(2 * c),
+            nn.ConvTranspose2d(2 * c, c, 4, 2, 1), nn.GroupNorm(groups, c), nn.GELU(),
+            ResidualConv(c), ResidualConv(c),
+            nn.Conv2d(c, max(c // 2, 4), 3, 1, 1), nn.GELU(),
+            nn.Conv2d(max(c // 2, 4), 3, 3, 1, 1), nn.Sigmoid())
+
+    def forward(self, latent: torch.Tensor) -> torch.Tensor:  # (B, latent) → (B, 3, H, W)
+        x = self.fc(latent).view(len(latent), -1, self.base, self.base)
+        return self.net(x)

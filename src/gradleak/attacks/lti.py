@@ -1,0 +1,65 @@
+"""Learning to Invert (Wu et al., 2023), the paper's single-frame learned baseline.
+
+An MLP from a fixed random 10% of the gradient's coordinates to the frame and the action; each
+step is inverted on its own, without temporal context.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from gradleak.attacks.encoders import GradientInput, subsample_index
+from gradleak.threat import ObservedWindows, Reconstruction
+
+
+@dataclass
+class LtiConfig:
+    gradient_dim: int = 0  # set from the training capture
+    frame_size: int = 64
+    num_actions: int = 5
+    subsample_fraction: float = 0.1
+    hidden: int = 3000  # the paper's width; CPU presets use less
+    layers: int = 2  # hidden layers
+    seed: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class LearningToInvert(nn.Module):
+    def __init__(self, config: LtiConfig) -> None:
+        super().__init__()
+        self.config = config
+        index = subsample_index(config.gradient_dim, config.subsample_fraction, config.seed)
+        self.input = GradientInput(config.gradient_dim, index)
+        layers: list[nn.Module] = []
+        width = self.input.features
+        for _ in range(config.layers):
+            layers += [nn.Linear(width, config.hidden), nn.ReLU()]
+            width = config.hidden
+        self.body = nn.Sequential(*layers)
+        size = config.frame_size
+        self.image_head = nn.Sequential(nn.Linear(width, 3 * size * size), nn.Sigmoid())
+        self.action_head = nn.Linear(width, config.num_actions)
+
+    def forward(self, gradients: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(..., d) → frames (..., 3, H, W) in [0, 1] and action logits (..., K)."""
+        h = self.body(self.input(gradients))
+        size = self.config.frame_size
+        frames = self.image_head(h).view(*gradients.shape[:-1], 3, size, size)
+        return frames, self.action_head(h)
+
+    @torch.no_grad()
+    def reconstruct(self, observed: ObservedWindows) -> Reconstruction:
+        if not isinstance(observed, ObservedWindows):
+            raise TypeError("LtI reconstructs from an ObservedWindows (gradients only)")
+        was_training = self.training
+        self.eval()
+        frames, logits = self(observed.gradients)
+        self.train(was_training)
+        images = (frames.clamp(0, 1) * 255).round().to(torch.uint8).movedim(-3, -1)
+        return Reconstruction(actions=logits.argmax(-1).numpy(), images=images.numpy())

@@ -1,0 +1,194 @@
+"""Score learned attackers and baselines on the same held-out frames.
+
+Windows of T steps (non-overlapping, so each frame counts once) are cut from held-out captures.
+Each learned attacker reconstructs them from an ObservedWindows alone; the closed-form rule
+reads actions off the same gradients. Two reference rows use no gradient at all: the mean
+training image, and (an oracle) each frame's own mean colour — Doom frames are dark, so an
+absolute PSNR alone misleads.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from gradleak.attacks.action_rules import recover_actions
+from gradleak.capture.schema import layers_from_json
+from gradleak.errors import ConfigError
+from gradleak.metrics.images import mse, psnr, ssim
+from gradleak.metrics.lpips import LPIPS, unavailable_reason
+from gradleak.threat import Observation, ObservedWindows
+from gradleak.training.checkpoint import fingerprint_from_dict, load_attacker
+from gradleak.training.data import WindowDataset, collate
+
+MEAN_IMAGE, MEAN_COLOUR = "mean training image", "mean colour (oracle)"
+
+
+@dataclass
+class MethodScores:
+    """Per-frame scores of one method, shape (N, T) each, plus timing."""
+
+    name: str
+    kind: str  # "learned", "rule", "reference"
+    mse: list[np.ndarray] = field(default_factory=list)
+    psnr: list[np.ndarray] = field(default_factory=list)
+    ssim: list[np.ndarray] = field(default_factory=list)
+    lpips: list[np.ndarray] = field(default_factory=list)
+    correct: list[np.ndarray] = field(default_factory=list)
+    seconds: float = 0.0
+    frames: int = 0
+    parameters: int | None = None
+    samples: np.ndarray | None = None  # (S, T, H, W, 3) uint8 for the figure
+
+
+def _frame_scores(prediction: torch.Tensor, truth: torch.Tensor, lpips: LPIPS | None
+                  ) -> dict[str, np.ndarray]:
+    b, t = truth.shape[:2]
+    p, q = prediction.flatten(0, 1), truth.flatten(0, 1)
+    scores = {"mse": mse(p, q), "psnr": psnr(p, q), "ssim": ssim(p, q)}
+    if lpips is not None:
+        scores["lpips"] = lpips(p, q)
+    return {k: v.reshape(b, t).numpy() for k, v in scores.items()}
+
+
+class Evaluation:
+    def __init__(self, data: Sequence[str | os.PathLike[str]], attackers: dict[str, str],
+                 window: int | None = None, lpips_weights: str | None = None,
+                 max_windows: int | None = None, samples: int = 4) -> None:
+        self.models = {name: load_attacker(path) for name, path in attackers.items()}
+        windows = [m[0].config.window for m in self.models.values() if hasattr(m[0].config,
+                                                                               "window")]
+        self.window = window or (windows[0] if windows else 8)
+        self.dataset = WindowDataset(data, window=self.window, stride=self.window, part="all",
+                                     expect_split="heldout")
+        for name, (_, meta) in self.models.items():
+            fingerprint_from_dict(meta["fingerprint"]).check(self.dataset.fingerprint,
+                                                             f"held-out data for {name}")
+            if getattr(self.models[name][0].config, "window", 1) > self.window:
+                raise ConfigError(f"attacker {name} needs windows of "
+                                  f"{self.models[name][0].config.window} steps, evaluation "
+                                  f"uses {self.window}")
+        self.layers = tuple(layers_from_json(self.dataset.fingerprint.layer_table))
+        self.lpips_note = unavailable_reason(lpips_weights)
+        self.lpips = None if self.lpips_note else LPIPS(lpips_weights)
+        self.max_windows, self.sample_count = max_windows, samples
+        self.mean_image = self._mean_image()
+
+    def _mean_image(self) -> torch.Tensor:
+        for _, meta in self.models.values():
+            if "mean_image" in meta:
+                size = self.dataset.fingerprint.victim.frame_size
+                return torch.tensor(meta["mean_image"]).view(3, size, size)
+        raise ConfigError("no attacker checkpoint carries the mean training image: evaluate "
+                          "at least one learned attacker")
+
+    def run(self, batch_size: int = 16) -> dict[str, MethodScores]:
+        methods = {name: MethodScores(name, "learned",
+                                      parameters=sum(p.numel() for p in model.parameters()))
+                   for name, (model, _) in self.models.items()}
+        methods["action rule (odd-sign)"] = MethodScores("action rule (odd-sign)", "rule")
+        methods[MEAN_IMAGE] = MethodScores(MEAN_IMAGE, "reference")
+        methods[MEAN_COLOUR] = MethodScores(MEAN_COLOUR, "reference")
+        count = len(self.dataset) if self.max_windows is None else min(len(self.dataset),
+                                                                      self.max_windows)
+        self.truth_samples: list[np.ndarray] = []
+        for start in range(0, count, batch_size):
+            batch = collate([self.dataset[i] for i in range(start, min(start + batch_size,
+                                                                       count))])
+            self._score_batch(batch, methods)
+        return methods
+
+    def _score_batch(self, batch: Any, methods: dict[str, MethodScores]) -> None:
+        truth, actions = batch.images, batch.actions.numpy()
+        observed = ObservedWindows(batch.observed.gradients)
+        for name, (model, _) in self.models.items():
+            tick = time.perf_counter()
+            result = model.reconstruct(observed)
+            self._add(methods[name], torch.from_numpy(result.images).permute(0, 1, 4, 2, 3)
+                      .float() / 255.0, truth, result.actions == actions,
+                      time.perf_counter() - tick)
+        self._add_rule(methods["action rule (odd-sign)"], observed, actions)
+        mean = self.mean_image.expand_as(truth)
+        self._add(methods[MEAN_IMAGE], mean, truth, None, 0.0)
+        colour = truth.mean(dim=(-2, -1), keepdim=True).expand_as(truth)
+        self._add(methods[MEAN_COLOUR], colour, truth, None, 0.0)
+        if sum(len(s) for s in self.truth_samples) < self.sample_count:
+            self.truth_samples.append(_to_uint8(truth))
+
+    def _add(self, scores: MethodScores, prediction: torch.Tensor, truth: torch.Tensor,
+             correct: np.ndarray | None, seconds: float) -> None:
+        for key, value in _frame_scores(prediction, truth, self.lpips).items():
+            getattr(scores, key).append(value)
+        if correct is not None:
+            scores.correct.append(correct)
+        scores.seconds += seconds
+        scores.frames += truth.shape[0] * truth.shape[1]
+        if scores.samples is None or len(scores.samples) < self.sample_count:
+            new = _to_uint8(prediction)
+            scores.samples = new if scores.samples is None else np.concatenate([scores.samples,
+                                                                                new])
+
+    def _add_rule(self, scores: MethodScores, observed: ObservedWindows,
+                  actions: np.ndarray) -> None:
+        b, t, d = observed.gradients.shape
+        flat = Observation(gradients=observed.gradients.reshape(b * t, d).numpy(),
+                           layers=self.layers, victim=self.dataset.fingerprint.victim,
+                           hyperparameters={}, episode_ids=np.zeros(b * t, np.int64),
+                           step_in_episode=np.zeros(b * t, np.int64))
+        tick = time.perf_counter()
+        predicted = recover_actions(flat, "odd-sign").actions.reshape(b, t)
+        scores.seconds += time.perf_counter() - tick
+        scores.frames += b * t
+        scores.correct.append(predicted == actions)
+
+
+def _to_uint8(frames: torch.Tensor) -> np.ndarray:
+    return (frames.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 1, 3, 4, 2).numpy()
+
+
+def summarise(methods: dict[str, MethodScores]) -> dict[str, Any]:
+    """Per-method mean ± std over frames, per-timestep PSNR, and the gain over the mean image."""
+    rows = {}
+    for name, scores in methods.items():
+        row: dict[str, Any] = {"kind": scores.kind}
+        for metric in ("mse", "psnr", "ssim", "lpips"):
+            values = getattr(scores, metric)
+            if values:
+                stacked = np.concatenate(values)
+                row[metric] = float(stacked.mean())
+                row[f"{metric}_std"] = float(stacked.std())
+                if metric == "psnr":
+                    row["psnr_by_t"] = stacked.mean(axis=0).tolist()
+        if scores.correct:
+            row["action_accuracy"] = float(np.concatenate(scores.correct).mean())
+        row["ms_per_frame"] = 1e3 * scores.seconds / scores.frames if scores.frames else None
+        row["parameters"] = scores.parameters
+        rows[name] = row
+    base = rows[MEAN_IMAGE]["psnr"]
+    for row in rows.values():
+        if "psnr" in row:
+            row["psnr_gain_over_mean_image"] = row["psnr"] - base
+    return rows
+
+
+def evaluate(data: Sequence[str | os.PathLike[str]], attackers: dict[str, str], out: Path,
+             lpips_weights: str | None = None, max_windows: int | None = None
+             ) -> dict[str, Any]:
+    from gradleak.report.evaluation import write_evaluation  # matplotlib is slow to import
+
+    evaluation = Evaluation(data, attackers, lpips_weights=lpips_weights,
+                            max_windows=max_windows)
+    methods = evaluation.run()
+    result = {"data": [str(p) for p in data], "attackers": attackers,
+              "window": evaluation.window, "windows": min(len(evaluation.dataset),
+                                                          max_windows or len(evaluation.dataset)),
+              "lpips": evaluation.lpips_note or "available", "methods": summarise(methods)}
+    write_evaluation(out, result, methods, np.concatenate(evaluation.truth_samples))
+    return result

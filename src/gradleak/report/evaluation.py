@@ -1,0 +1,113 @@
+"""The files of one evaluation: metrics.json, metrics.md, reconstructions.png, psnr_by_t.png."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gradleak.io import atomic_path, write_json
+from gradleak.report.plots import _save, plt
+from gradleak.report.tables import markdown_table
+
+TABLE_COLUMNS = ["method", "MSE", "PSNR (dB)", "gain vs mean image", "SSIM", "LPIPS",
+                 "action acc.", "ms / frame", "parameters"]
+
+
+def _pm(row: dict[str, Any], metric: str, digits: int) -> str | None:
+    if metric not in row:
+        return None
+    return f"{row[metric]:.{digits}f} ± {row[metric + '_std']:.{digits}f}"
+
+
+def table_rows(methods: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """The paper's Table 1 layout, learned methods first, reference rows last."""
+    order = sorted(methods, key=lambda n: {"learned": 0, "rule": 1, "reference": 2}
+                   [methods[n]["kind"]])
+    rows = []
+    for name in order:
+        row = methods[name]
+        gain = row.get("psnr_gain_over_mean_image")
+        rows.append({
+            "method": name, "MSE": _pm(row, "mse", 4), "PSNR (dB)": _pm(row, "psnr", 2),
+            "gain vs mean image": None if gain is None or row["kind"] == "rule"
+            else f"{gain:+.2f}",
+            "SSIM": _pm(row, "ssim", 3), "LPIPS": _pm(row, "lpips", 3),
+            "action acc.": (f"{100 * row['action_accuracy']:.1f}%"
+                            if "action_accuracy" in row else None),
+            "ms / frame": (f"{row['ms_per_frame']:.2f}" if row.get("ms_per_frame") and
+                           row["kind"] != "reference" else None),
+            "parameters": f"{row['parameters']:,}" if row.get("parameters") else None})
+    return rows
+
+
+def psnr_by_t_rows(methods: dict[str, dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
+    steps = max(len(r.get("psnr_by_t", [])) for r in methods.values())
+    columns = ["method"] + [f"t={t + 1}" for t in range(steps)]
+    rows = [{"method": name, **{f"t={t + 1}": f"{v:.2f}" for t, v in
+                                enumerate(row.get("psnr_by_t", []))}}
+            for name, row in methods.items() if row.get("psnr_by_t") and row["kind"] != "rule"]
+    return rows, columns
+
+
+def markdown_report(result: dict[str, Any]) -> str:
+    methods = result["methods"]
+    by_t, columns = psnr_by_t_rows(methods)
+    return "\n".join([
+        f"# Reconstruction on held-out scenes ({result['windows']} windows of "
+        f"T = {result['window']})", "",
+        markdown_table(table_rows(methods), TABLE_COLUMNS), "",
+        "Mean ± std over frames. The two reference rows use no gradient: the mean training "
+        "image, and each frame's own mean colour (an oracle: it reads the true frame). "
+        f"LPIPS: {result['lpips']}.", "",
+        "## PSNR by position in the window", "", markdown_table(by_t, columns), ""])
+
+
+def plot_reconstructions(truth: np.ndarray, samples: dict[str, np.ndarray], path: Path,
+                         sequences: int = 3) -> None:
+    """For each sequence: ground truth, then one row per method (like the paper's Figure 4)."""
+    names = list(samples)
+    count = min(sequences, len(truth))
+    steps = truth.shape[1]
+    rows = count * (1 + len(names))
+    figure, axes = plt.subplots(rows, steps, figsize=(1.1 * steps + 1.6, 1.1 * rows),
+                                squeeze=False)
+    for s in range(count):
+        for r, (label, frames) in enumerate([("ground truth", truth)] +
+                                            [(n, samples[n]) for n in names]):
+            for t in range(steps):
+                axis = axes[s * (1 + len(names)) + r, t]
+                axis.imshow(frames[s, t], interpolation="nearest")
+                axis.set_xticks([])
+                axis.set_yticks([])
+                if t == 0:
+                    axis.set_ylabel(label, fontsize=6, rotation=0, ha="right", va="center")
+                if s == 0 and r == 0:
+                    axis.set_title(f"t={t + 1}", fontsize=7)
+    _save(figure, path)
+
+
+def plot_psnr_by_t(methods: dict[str, dict[str, Any]], path: Path) -> None:
+    figure, axis = plt.subplots(figsize=(5, 3.2))
+    for name, row in methods.items():
+        if row.get("psnr_by_t") and row["kind"] != "rule":
+            values = row["psnr_by_t"]
+            style = "--" if row["kind"] == "reference" else "-"
+            axis.plot(range(1, len(values) + 1), values, style, marker=".", label=name)
+    axis.set_xlabel("position t in the window")
+    axis.set_ylabel("PSNR (dB)")
+    axis.legend(fontsize=7)
+    _save(figure, path)
+
+
+def write_evaluation(out: Path, result: dict[str, Any], methods: dict[str, Any],
+                     truth: np.ndarray) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "metrics.json", result)
+    with atomic_path(out / "metrics.md") as tmp:
+        tmp.write_text(markdown_report(result))
+    samples = {name: scores.samples for name, scores in methods.items()
+               if scores.kind == "learned" or name.startswith("mean training")}
+    plot_reconstructions(truth, samples, out / "reconstructions.png")
+    plot_psnr_by_t(result["methods"], out / "psnr_by_t.png")

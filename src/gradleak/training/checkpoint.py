@@ -1,0 +1,105 @@
+"""Attacker checkpoints: safetensors weights + JSON (model config, training config, the capture
+fingerprint it was trained against, progress), and the optimiser state for resuming."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from gradleak.attacks.lti import LearningToInvert, LtiConfig
+from gradleak.attacks.trace import Trace, TraceConfig
+from gradleak.errors import CheckpointError
+from gradleak.io import load_tensors, read_json, save_tensors, write_json
+from gradleak.registry import Registry
+from gradleak.training.data import CaptureFingerprint
+from gradleak.victims.base import VictimConfig
+
+FORMAT = "gradleak-attacker"
+WEIGHTS, BEST, META, STATE = ("attacker.safetensors", "best.safetensors", "attacker.json",
+                              "training_state.safetensors")
+
+MODELS: Registry[tuple[type, type]] = Registry("learned attacker")
+MODELS.register("trace")((Trace, TraceConfig))
+MODELS.register("lti")((LearningToInvert, LtiConfig))
+
+
+def build_model(kind: str, config: dict[str, Any]) -> nn.Module:
+    model_class, config_class = MODELS.get(kind)
+    known = {f.name for f in fields(config_class)}
+    return model_class(config_class(**{k: v for k, v in config.items() if k in known}))
+
+
+def fingerprint_to_dict(fingerprint: CaptureFingerprint) -> dict[str, Any]:
+    return {"theta0_sha256": fingerprint.theta0_sha256, "layer_table": fingerprint.layer_table,
+            "victim": fingerprint.victim.to_dict()}
+
+
+def fingerprint_from_dict(data: dict[str, Any]) -> CaptureFingerprint:
+    return CaptureFingerprint(data["theta0_sha256"], data["layer_table"],
+                              VictimConfig.from_dict(data["victim"]))
+
+
+def save_attacker(out: Path, model: nn.Module, meta: dict[str, Any], best: bool) -> None:
+    state = model.state_dict()
+    save_tensors(out / WEIGHTS, state)
+    if best:
+        save_tensors(out / BEST, state)
+    write_json(out / META, {"format": FORMAT, **meta})
+
+
+def save_training_state(out: Path, optimiser: torch.optim.Optimizer,
+                        scheduler: torch.optim.lr_scheduler.LRScheduler) -> dict[str, Any]:
+    """Tensors to safetensors; returns the JSON part (param groups, scheduler position)."""
+    state = optimiser.state_dict()
+    tensors = {f"optimiser.{i}.{k}": v for i, slots in state["state"].items()
+               for k, v in slots.items()}
+    tensors["torch_rng"] = torch.get_rng_state()
+    save_tensors(out / STATE, tensors)
+    return {"param_groups": state["param_groups"], "scheduler": scheduler.state_dict()}
+
+
+def load_training_state(out: Path, optimiser: torch.optim.Optimizer,
+                        scheduler: torch.optim.lr_scheduler.LRScheduler,
+                        saved: dict[str, Any]) -> None:
+    tensors = load_tensors(out / STATE, "attacker training state")
+    slots: dict[int, dict[str, torch.Tensor]] = {}
+    for key, value in tensors.items():
+        if key.startswith("optimiser."):
+            _, index, name = key.split(".", 2)
+            slots.setdefault(int(index), {})[name] = value
+    optimiser.load_state_dict({"state": slots, "param_groups": saved["param_groups"]})
+    scheduler.load_state_dict(saved["scheduler"])
+    torch.set_rng_state(tensors["torch_rng"])
+
+
+def load_attacker(path: str | Path, best: bool = True) -> tuple[nn.Module, dict[str, Any]]:
+    """An attacker in eval mode from its run directory (the best weights by default)."""
+    directory = Path(path)
+    directory = directory.parent if directory.suffix in (".json", ".safetensors") else directory
+    meta = read_json(directory / META, "attacker config")
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{directory / META}: field 'format' is {meta.get('format')!r}, "
+                              f"expected {FORMAT!r}")
+    for key in ("kind", "model", "fingerprint"):
+        if key not in meta:
+            raise CheckpointError(f"{directory / META}: missing field {key!r}")
+    model = build_model(meta["kind"], meta["model"])
+    weights = directory / (BEST if best and (directory / BEST).exists() else WEIGHTS)
+    state = load_tensors(weights, "attacker weights")
+    expected = model.state_dict()
+    bad = sorted(set(expected) ^ set(state)) or sorted(
+        k for k in expected if tuple(expected[k].shape) != tuple(state[k].shape))
+    if bad:
+        raise CheckpointError(f"{weights} does not match the {meta['kind']} model described in "
+                              f"{directory / META} (first mismatch: {bad[0]})")
+    model.load_state_dict(state)
+    return model.eval(), meta
+
+
+def describe(meta: dict[str, Any]) -> str:
+    return json.dumps({k: meta[k] for k in ("kind", "epoch") if k in meta})

@@ -1,0 +1,168 @@
+"""Windows of T consecutive steps inside an episode, streamed from one or more capture files.
+
+Only the small per-step columns (episode ids, steps) are read up front; gradients and frames
+are read window by window, in whichever process asks (DataLoader workers open their own HDF5
+handles), so no file is ever loaded whole.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import h5py
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from gradleak.capture.reader import open_captures
+from gradleak.capture.schema import GRADIENTS
+from gradleak.errors import CaptureFileError, ConfigError
+from gradleak.threat import ObservedWindows
+from gradleak.victims.base import VictimConfig
+
+PARTS = ("train", "val", "all")
+
+
+@dataclass(frozen=True)
+class CaptureFingerprint:
+    """What an attacker was trained against: the same θ0 and gradient layout must be attacked."""
+
+    theta0_sha256: str
+    layer_table: str
+    victim: VictimConfig
+
+    def check(self, other: CaptureFingerprint, where: str) -> None:
+        if other.layer_table != self.layer_table:
+            raise CaptureFileError(f"{where}: its layer table differs from the one the attacker "
+                                   "was trained on (another victim or --components)")
+        if other.theta0_sha256 != self.theta0_sha256:
+            raise CaptureFileError(f"{where}: θ0 hash {other.theta0_sha256[:12]}… differs from "
+                                   f"the attacker's {self.theta0_sha256[:12]}… (another "
+                                   "checkpoint)")
+
+
+@dataclass
+class WindowBatch:
+    """A batch split along the threat model: what was observed, and the private targets."""
+
+    observed: ObservedWindows
+    images: torch.Tensor  # (B, T, 3, H, W) float in [0, 1]: targets, or teacher context
+    actions: torch.Tensor  # (B, T)
+
+
+def episode_is_validation(seed: int, file_index: int, episode: int, fraction: float) -> bool:
+    return bool(np.random.default_rng([seed, file_index, episode]).random() < fraction)
+
+
+class WindowDataset(Dataset):
+    """Windows over capture files; `part` picks the episode-disjoint train/val split (or all)."""
+
+    def __init__(self, paths: Sequence[str | os.PathLike[str]], window: int, stride: int = 2,
+                 part: str = "all", val_fraction: float = 0.05, seed: int = 0,
+                 expect_split: str | None = None) -> None:
+        if part not in PARTS:
+            raise ConfigError(f"part {part!r}: expected one of {', '.join(PARTS)}")
+        if window < 1 or stride < 1:
+            raise ConfigError(f"window {window} and stride {stride} must be positive")
+        self.paths = [str(p) for p in paths]
+        self.window = window
+        files = open_captures(self.paths)
+        try:
+            first = files[0]
+            self.fingerprint = CaptureFingerprint(first.attrs["theta0_sha256"],
+                                                  first.attrs["layer_table"], first.victim)
+            self.gradient_dim = int(first.attrs["gradient_dim"])
+            for capture in files:
+                if expect_split and capture.attrs["split"] != expect_split:
+                    raise CaptureFileError(
+                        f"{capture.path} holds {capture.attrs['split']!r} scenes, expected "
+                        f"{expect_split!r} (held-out scenes are for testing only)")
+            rows, longest = self._windows(files, stride, part, val_fraction, seed)
+        finally:
+            for capture in files:
+                capture.close()
+        if not rows:
+            raise ConfigError(f"no {part!r} window of T={window} in {', '.join(self.paths)}: "
+                              f"the longest episode has {longest} steps")
+        self.rows = np.array(rows, dtype=np.int64)  # (N, 3): file, start row, episode
+        self._handles: dict[int, list[h5py.File]] = {}
+
+    def _windows(self, files: list[Any], stride: int, part: str, fraction: float, seed: int
+                 ) -> tuple[list[tuple[int, int, int]], int]:
+        rows, longest = [], 0
+        for file_index, capture in enumerate(files):
+            episodes = capture.column("episode_ids")
+            starts = np.flatnonzero(np.r_[True, episodes[1:] != episodes[:-1]])
+            ends = np.r_[starts[1:], len(episodes)]
+            chosen = self._split_episodes(episodes[starts], file_index, part, fraction, seed)
+            for start, end, episode in zip(starts, ends, episodes[starts], strict=True):
+                longest = max(longest, int(end - start))
+                if int(episode) in chosen:
+                    rows += [(file_index, int(s), int(episode))
+                             for s in range(start, end - self.window + 1, stride)]
+        return rows, longest
+
+    @staticmethod
+    def _split_episodes(episodes: np.ndarray, file_index: int, part: str, fraction: float,
+                        seed: int) -> set[int]:
+        if part == "all":
+            return {int(e) for e in episodes}
+        validation = {int(e) for e in episodes
+                      if episode_is_validation(seed, file_index, int(e), fraction)}
+        if not validation and len(episodes) > 1 and fraction > 0:
+            validation = {int(episodes[-1])}  # a split with no validation episode at all
+        train = {int(e) for e in episodes} - validation
+        return validation if part == "val" else train
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_handles"] = {}  # HDF5 handles never cross a process boundary
+        return state
+
+    def _files(self) -> list[h5py.File]:
+        pid = os.getpid()  # each DataLoader worker opens its own handles after the fork
+        if pid not in self._handles:
+            self._handles[pid] = [h5py.File(p, "r") for p in self.paths]
+        return self._handles[pid]
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        file_index, start, _ = (int(v) for v in self.rows[index])
+        handle = self._files()[file_index]
+        stop = start + self.window
+        return {"gradients": torch.from_numpy(handle[GRADIENTS][start:stop].astype(np.float32)),
+                "images": torch.from_numpy(handle["images"][start:stop]),
+                "actions": torch.from_numpy(handle["actions"][start:stop])}
+
+    def gradient_rows(self, limit: int, seed: int = 0) -> Iterator[torch.Tensor]:
+        """Up to `limit` gradient rows from random windows, in chunks: normaliser statistics."""
+        order = np.random.default_rng(seed).permutation(len(self))
+        seen = 0
+        for index in order:
+            if seen >= limit:
+                return
+            rows = self[int(index)]["gradients"][: limit - seen]
+            seen += len(rows)
+            yield rows
+
+    def mean_image(self, limit: int = 2048, seed: int = 0) -> torch.Tensor:
+        """(3, H, W) mean training frame: the no-gradient baseline of every table."""
+        total, count = None, 0
+        for index in np.random.default_rng(seed).permutation(len(self))[: max(1, limit //
+                                                                              self.window)]:
+            frames = self[int(index)]["images"].to(torch.float64) / 255.0
+            total = frames.sum(0) if total is None else total + frames.sum(0)
+            count += len(frames)
+        return (total / count).permute(2, 0, 1).to(torch.float32)
+
+
+def collate(items: list[dict[str, torch.Tensor]]) -> WindowBatch:
+    images = torch.stack([item["images"] for item in items])  # (B, T, H, W, 3) uint8
+    return WindowBatch(observed=ObservedWindows(torch.stack([i["gradients"] for i in items])),
+                       images=images.permute(0, 1, 4, 2, 3).to(torch.float32) / 255.0,
+                       actions=torch.stack([item["actions"] for item in items]))

@@ -1,0 +1,328 @@
+"""Fitting TRACE or LtI on auxiliary captures; one epoch reads top to bottom in `_epoch`.
+
+AdamW with a linear warm-up then a cosine decay (per optimiser step), gradient accumulation,
+gradient clipping, bf16 autocast on CUDA, a checkpoint every epoch (resumable), the best
+weights by validation loss kept apart, TensorBoard scalars and sample grids. Runs unchanged
+under `torchrun --nproc_per_node=N`: DistributedDataParallel over gloo (CPU) or NCCL (GPU),
+with a distributed sampler; rank 0 writes everything.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler, Sampler
+from tqdm import tqdm
+
+from gradleak.errors import ConfigError
+from gradleak.io import load_tensors, read_json
+from gradleak.metrics.images import psnr
+from gradleak.training.checkpoint import (
+    META,
+    WEIGHTS,
+    build_model,
+    fingerprint_to_dict,
+    load_training_state,
+    save_attacker,
+    save_training_state,
+)
+from gradleak.training.data import WindowBatch, WindowDataset, collate
+from gradleak.training.objectives import LossWeights, LtiObjective, Perceptual, TraceObjective
+
+KINDS = ("trace", "lti")
+
+
+@dataclass
+class FitConfig:
+    epochs: int = 50
+    batch_size: int = 8
+    accumulation: int = 2
+    lr: float = 1e-4
+    weight_decay: float = 1e-5
+    warmup_epochs: int = 5
+    min_lr: float = 1e-6
+    grad_clip: float = 1.0
+    teacher_forcing_epochs: int = 5  # τ
+    beta_start: float = 0.1  # scheduled sampling after τ, rising linearly to beta_end
+    beta_end: float = 0.8
+    rollout_steps: int = 3
+    weights: LossWeights = field(default_factory=LossWeights)
+    stride: int = 2
+    val_fraction: float = 0.05
+    validate_every: int = 1
+    max_train_windows: int | None = None  # per epoch; bounds CPU presets
+    max_val_windows: int = 64
+    normaliser_rows: int = 2048
+    workers: int = 1
+    lpips_weights: str | None = None
+    seed: int = 0
+
+
+def scheduled_sampling_beta(config: FitConfig, epoch: int) -> float:
+    """0 during teacher forcing (epochs < τ), then linear from beta_start to beta_end."""
+    if epoch < config.teacher_forcing_epochs:
+        return 0.0
+    span = max(1, config.epochs - config.teacher_forcing_epochs - 1)
+    progress = min(1.0, (epoch - config.teacher_forcing_epochs) / span)
+    return config.beta_start + progress * (config.beta_end - config.beta_start)
+
+
+def warmup_cosine(config: FitConfig, steps_per_epoch: int):
+    warmup = max(1, config.warmup_epochs * steps_per_epoch)
+    total = max(warmup + 1, config.epochs * steps_per_epoch)
+    floor = config.min_lr / config.lr
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / (total - warmup))
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+class EpochSampler(Sampler[int]):
+    """A seeded permutation per epoch, optionally cut short (CPU presets)."""
+
+    def __init__(self, size: int, seed: int, limit: int | None) -> None:
+        self.size, self.seed, self.limit, self.epoch = size, seed, limit, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        order = np.random.default_rng([self.seed, self.epoch]).permutation(self.size)
+        return iter(order[: self.limit].tolist())
+
+    def __len__(self) -> int:
+        return min(self.size, self.limit) if self.limit else self.size
+
+
+def _distributed() -> tuple[int, int, torch.device]:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    return rank, world, device
+
+
+class AttackerFit:
+    """One training run of one learned attacker, in one run directory."""
+
+    def __init__(self, kind: str, model_config: Any, config: FitConfig, train_paths: list[str],
+                 out: Path, resume: bool = False, progress: bool = True) -> None:
+        if kind not in KINDS:
+            raise ConfigError(f"attacker kind {kind!r}: expected one of {', '.join(KINDS)}")
+        self.kind, self.config, self.out = kind, config, Path(out)
+        self.rank, self.world, self.device = _distributed()
+        self.progress = progress and self.rank == 0
+        if (self.out / META).exists() and not resume:
+            raise ConfigError(f"{self.out} already holds an attacker: pass --resume to continue "
+                              "it or choose another --out")
+        window = model_config.window if kind == "trace" else 1
+        stride = config.stride if kind == "trace" else 1
+        common = dict(window=window, stride=stride, val_fraction=config.val_fraction,
+                      seed=config.seed, expect_split="train")
+        self.train_data = WindowDataset(train_paths, part="train", **common)
+        self.val_data = WindowDataset(train_paths, part="val", **common)
+        victim = self.train_data.fingerprint.victim
+        self.model_config = replace(model_config, gradient_dim=self.train_data.gradient_dim,
+                                    frame_size=victim.frame_size, num_actions=victim.num_actions)
+        torch.manual_seed(config.seed)
+        self.model = build_model(kind, asdict(self.model_config)).to(self.device)
+        self.perceptual = Perceptual(config.lpips_weights).to(self.device)
+        self.objective = self._objective()
+        self.optimiser = torch.optim.AdamW(self.model.parameters(), lr=config.lr,
+                                           weight_decay=config.weight_decay)
+        self.sampler = self._sampler()
+        self.loader = DataLoader(self.train_data, batch_size=config.batch_size,
+                                 sampler=self.sampler, collate_fn=collate,
+                                 num_workers=config.workers,
+                                 persistent_workers=config.workers > 0)
+        steps = max(1, math.ceil(len(self.loader) / config.accumulation))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimiser,
+                                                           warmup_cosine(config, steps))
+        self.epoch, self.best, self.history = 0, math.inf, []
+        self.mean_image = None
+        if resume and (self.out / META).exists():
+            self._resume()
+        else:
+            self._prepare()
+        self.engine = (DistributedDataParallel(self.objective) if self.world > 1
+                       else self.objective)
+
+    def _objective(self) -> nn.Module:
+        weights = self.config.weights
+        if self.kind == "trace":
+            return TraceObjective(self.model, weights, self.perceptual, self.config.rollout_steps)
+        return LtiObjective(self.model, weights, self.perceptual)
+
+    def _sampler(self) -> Sampler[int]:
+        if self.world > 1:
+            return DistributedSampler(self.train_data, shuffle=True, seed=self.config.seed)
+        return EpochSampler(len(self.train_data), self.config.seed, self.config.max_train_windows)
+
+    def _prepare(self) -> None:
+        """Normaliser statistics and the mean training image, from training windows only."""
+        gradient_input = self.model.gradient_encoder.input if self.kind == "trace" \
+            else self.model.input
+        gradient_input.fit(self.train_data.gradient_rows(self.config.normaliser_rows,
+                                                         self.config.seed))
+        self.mean_image = self.train_data.mean_image(seed=self.config.seed)
+
+    # -- the loop ---------------------------------------------------------------------------------
+    def run(self) -> list[dict[str, Any]]:
+        writer = self._tensorboard()
+        try:
+            while self.epoch < self.config.epochs:
+                record = self._epoch(self.epoch)
+                if (self.epoch + 1) % self.config.validate_every == 0 or \
+                        self.epoch + 1 == self.config.epochs:
+                    record.update(self._validate(writer))
+                self.epoch += 1
+                self.history.append(record)
+                if writer is not None:
+                    for key, value in record.items():
+                        writer.add_scalar(key, value, self.epoch)
+                self._save(record)
+        finally:
+            if writer is not None:
+                writer.close()
+        if self.world > 1:
+            self.history[-1]["replica_spread"] = self._replica_spread()
+            self._save(self.history[-1], count_best=False)
+        return self.history
+
+    @torch.no_grad()
+    def _replica_spread(self) -> float:
+        """max |θ_rank − θ_other| over all ranks and parameters: 0 unless DDP desynchronised."""
+        flat = torch.cat([p.detach().flatten().float() for p in self.model.parameters()])
+        high, low = flat.clone(), flat.clone()
+        dist.all_reduce(high, op=dist.ReduceOp.MAX)
+        dist.all_reduce(low, op=dist.ReduceOp.MIN)
+        return float((high - low).max())
+
+    def _epoch(self, epoch: int) -> dict[str, Any]:
+        config, start = self.config, time.perf_counter()
+        beta = scheduled_sampling_beta(config, epoch) if self.kind == "trace" else 0.0
+        self.sampler.set_epoch(epoch)
+        self.model.train()
+        totals: dict[str, float] = {}
+        batches = tqdm(self.loader, disable=not self.progress, leave=False,
+                       desc=f"{self.kind} epoch {epoch + 1}/{config.epochs}")
+        for step, batch in enumerate(batches):
+            loss, parts = self._forward(batch, beta)
+            (loss / config.accumulation).backward()
+            if (step + 1) % config.accumulation == 0 or step + 1 == len(self.loader):
+                nn.utils.clip_grad_norm_(self.model.parameters(), config.grad_clip)
+                self.optimiser.step()
+                self.scheduler.step()
+                self.optimiser.zero_grad(set_to_none=True)
+            for key, value in {"loss": loss, **parts}.items():
+                totals[key] = totals.get(key, 0.0) + float(value.detach())
+            batches.set_postfix(loss=f"{float(loss.detach()):.4f}")
+        count = max(1, len(self.loader))
+        return {"epoch": epoch + 1, "beta": beta, "lr": self.scheduler.get_last_lr()[0],
+                "train_minutes": (time.perf_counter() - start) / 60,
+                **{f"train_{k}": v / count for k, v in totals.items()}}
+
+    def _forward(self, batch: WindowBatch, beta: float) -> tuple[torch.Tensor, dict]:
+        gradients = batch.observed.gradients.to(self.device)
+        images, actions = batch.images.to(self.device), batch.actions.to(self.device)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
+            return self.engine(gradients, images, actions, beta)
+
+    @torch.no_grad()
+    def _validate(self, writer: Any) -> dict[str, float]:
+        """Teacher-forced validation loss, and PSNR of the attack itself (no ground truth in)."""
+        self.model.eval()
+        losses, scores, sample = [], [], None
+        count = min(len(self.val_data), self.config.max_val_windows)
+        for start in range(0, count, self.config.batch_size):
+            batch = collate([self.val_data[i] for i in range(start, min(start + self.config
+                                                                        .batch_size, count))])
+            losses.append(float(self.objective(batch.observed.gradients.to(self.device),
+                                               batch.images.to(self.device),
+                                               batch.actions.to(self.device), 0.0)[0]))
+            frames = self._attack(batch.observed.gradients.to(self.device))
+            truth = batch.images.to(self.device)
+            scores.append(psnr(frames.flatten(0, 1), truth.flatten(0, 1)).cpu())
+            sample = sample if sample is not None else (truth[:4], frames[:4])
+        if writer is not None and sample is not None:
+            grid = torch.cat([sample[0].flatten(0, 1), sample[1].flatten(0, 1)])
+            writer.add_images("validation/truth_then_reconstruction", grid, self.epoch + 1)
+        return {"val_loss": float(np.mean(losses)), "val_psnr": float(torch.cat(scores).mean())}
+
+    def _attack(self, gradients: torch.Tensor) -> torch.Tensor:
+        if self.kind == "trace":
+            return self.model.decode(gradients)[0]
+        return self.model(gradients)[0]
+
+    # -- persistence ------------------------------------------------------------------------------
+    def _tensorboard(self) -> Any:
+        if self.rank != 0:
+            return None
+        from torch.utils.tensorboard import SummaryWriter  # tensorboard is slow to import
+
+        return SummaryWriter(str(self.out / "tensorboard"))
+
+    def _meta(self, record: dict[str, Any]) -> dict[str, Any]:
+        return {"kind": self.kind, "model": asdict(self.model_config),
+                "fit": asdict(self.config), "epoch": self.epoch, "best_val_loss": self.best,
+                "history": self.history, "perceptual": self.perceptual.name,
+                "perceptual_note": self.perceptual.reason,
+                "fingerprint": fingerprint_to_dict(self.train_data.fingerprint),
+                "train_files": self.train_data.paths, "train_windows": len(self.train_data),
+                "val_windows": len(self.val_data), "world_size": self.world,
+                "last": record}
+
+    def _save(self, record: dict[str, Any], count_best: bool = True) -> None:
+        if self.rank != 0:
+            return
+        val = record.get("val_loss", math.inf)
+        improved = count_best and val < self.best
+        self.best = min(self.best, val)
+        meta = self._meta(record)
+        meta["training_state"] = save_training_state(self.out, self.optimiser, self.scheduler)
+        meta["mean_image"] = self.mean_image.flatten().tolist()
+        save_attacker(self.out, self.model, meta, best=improved or (count_best and
+                                                                     self.epoch == 1))
+
+    def _resume(self) -> None:
+        meta = read_json(self.out / META, "attacker config")
+        if meta.get("kind") != self.kind:
+            raise ConfigError(f"{self.out / META} holds a {meta.get('kind')!r} attacker, "
+                              f"not {self.kind!r}")
+        self.model.load_state_dict(load_tensors(self.out / WEIGHTS, "attacker weights"))
+        load_training_state(self.out, self.optimiser, self.scheduler, meta["training_state"])
+        self.epoch, self.best = int(meta["epoch"]), float(meta["best_val_loss"])
+        self.history = list(meta["history"])
+        size = self.model_config.frame_size
+        self.mean_image = torch.tensor(meta["mean_image"]).view(3, size, size)
+
+
+def fit_attacker(kind: str, model_config: Any, config: FitConfig, train_paths: list[str],
+                 out: Path, resume: bool = False, progress: bool = True) -> dict[str, Any]:
+    fit = AttackerFit(kind, model_config, config, train_paths, out, resume, progress)
+    start = time.perf_counter()
+    history = fit.run()
+    parameters = sum(p.numel() for p in fit.model.parameters())
+    return {"out": str(out), "kind": kind, "epochs": fit.epoch, "parameters": parameters,
+            "minutes": (time.perf_counter() - start) / 60, "last": history[-1] if history else {},
+            "perceptual": fit.perceptual.name}

@@ -1,0 +1,115 @@
+"""Training objectives of the learned attackers, each one nn.Module so that DistributedDataParallel
+sees exactly one forward per backward (TRACE's scheduled-sampling and rollout passes included).
+
+TRACE (reference file, "Training"): α1 MSE + α2 L1 + α3 action CE + α4 perceptual + α5 rollout.
+Scheduled sampling: with probability β each context frame is replaced by the model's own
+teacher-forced prediction of it. Rollout: from a random start, R steps where each predicted
+frame becomes the next step's context (detached: it trains robustness to the model's own
+errors without back-propagating through time).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gradleak.attacks.lti import LearningToInvert
+from gradleak.attacks.trace import Trace
+from gradleak.metrics.images import ssim
+from gradleak.metrics.lpips import LPIPS, unavailable_reason
+
+
+@dataclass
+class LossWeights:
+    mse: float = 1.0
+    l1: float = 0.5
+    action: float = 0.01
+    perceptual: float = 0.2
+    rollout: float = 0.5
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Perceptual(nn.Module):
+    """LPIPS (AlexNet) when its backbone file is available, else 1 − SSIM — never silently 0."""
+
+    def __init__(self, lpips_weights: str | None = None) -> None:
+        super().__init__()
+        self.reason = unavailable_reason(lpips_weights)
+        self.lpips = None if self.reason else LPIPS(lpips_weights)
+        self.name = "lpips" if self.lpips is not None else "1-ssim"
+
+    def forward(self, prediction: torch.Tensor, truth: torch.Tensor) -> torch.Tensor:
+        prediction, truth = prediction.flatten(0, -4), truth.flatten(0, -4)  # (N, 3, H, W)
+        if self.lpips is not None:
+            return self.lpips(prediction, truth).mean()
+        return (1.0 - ssim(prediction, truth)).mean()
+
+
+def _image_terms(prediction: torch.Tensor, truth: torch.Tensor, logits: torch.Tensor,
+                 actions: torch.Tensor, perceptual: Perceptual, weights: LossWeights
+                 ) -> dict[str, torch.Tensor]:
+    parts = {"mse": F.mse_loss(prediction, truth), "l1": F.l1_loss(prediction, truth),
+             "action": F.cross_entropy(logits.flatten(0, -2), actions.flatten())}
+    if weights.perceptual:
+        parts["perceptual"] = perceptual(prediction, truth)
+    return parts
+
+
+def _total(parts: dict[str, torch.Tensor], weights: LossWeights) -> torch.Tensor:
+    return sum(getattr(weights, name) * value for name, value in parts.items())
+
+
+class TraceObjective(nn.Module):
+    def __init__(self, model: Trace, weights: LossWeights, perceptual: Perceptual,
+                 rollout_steps: int) -> None:
+        super().__init__()
+        self.model, self.weights, self.perceptual = model, weights, perceptual
+        self.rollout_steps = rollout_steps
+
+    def forward(self, gradients: torch.Tensor, truth: torch.Tensor, actions: torch.Tensor,
+                beta: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        context = truth
+        if beta > 0:
+            with torch.no_grad():
+                guess, _ = self.model(gradients, truth)
+            chosen = torch.rand(truth.shape[:2], device=truth.device) < beta
+            context = torch.where(chosen[..., None, None, None], guess, truth)
+        prediction, logits = self.model(gradients, context)
+        parts = _image_terms(prediction, truth, logits, actions, self.perceptual, self.weights)
+        steps = min(self.rollout_steps, truth.shape[1])
+        if steps and self.weights.rollout:
+            parts["rollout"] = self._rollout(gradients, truth, steps)
+        return _total(parts, self.weights), parts
+
+    def _rollout(self, gradients: torch.Tensor, truth: torch.Tensor, steps: int) -> torch.Tensor:
+        start = int(torch.randint(0, truth.shape[1] - steps + 1, ()))
+        context = truth
+        loss = truth.new_zeros(())
+        for r in range(steps):
+            end = start + r + 1
+            frames, _ = self.model(gradients[:, :end], context[:, :end])
+            loss = loss + F.mse_loss(frames[:, end - 1], truth[:, end - 1])
+            context = context.clone()  # the last pass still needs the old tensor for backward
+            context[:, end - 1] = frames[:, end - 1].detach()
+        return loss / steps
+
+
+class LtiObjective(nn.Module):
+    """Per-frame regression: MSE + L1 + action CE (+ perceptual when weighted)."""
+
+    def __init__(self, model: LearningToInvert, weights: LossWeights,
+                 perceptual: Perceptual) -> None:
+        super().__init__()
+        self.model, self.weights, self.perceptual = model, weights, perceptual
+
+    def forward(self, gradients: torch.Tensor, truth: torch.Tensor, actions: torch.Tensor,
+                beta: float = 0.0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        prediction, logits = self.model(gradients)
+        parts = _image_terms(prediction, truth, logits, actions, self.perceptual, self.weights)
+        return _total(parts, self.weights), parts

@@ -1,0 +1,87 @@
+"""TRACE's structure: causality, autoregressive = parallel under teacher forcing, the boundary."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from gradleak.attacks.trace import Trace, TraceConfig
+from gradleak.errors import ConfigError
+from gradleak.threat import ObservedWindows
+
+D, T, SIZE = 300, 5, 32
+
+
+def tiny(**overrides) -> Trace:
+    torch.manual_seed(0)
+    config = TraceConfig(gradient_dim=D, frame_size=SIZE, window=T, encoder_width=32,
+                         encoder_blocks=1, latent=32, layers=2, heads=4, image_channels=8,
+                         dropout=0.0, **overrides)
+    return Trace(config).eval()
+
+
+def inputs(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(2, T, D, generator=g), torch.rand(2, T, 3, SIZE, SIZE, generator=g)
+
+
+@pytest.mark.parametrize("options", [{}, {"rope": True}, {"projection": "dense"},
+                                     {"projection": "lowrank", "rank": 8}])
+def test_future_gradients_never_change_past_reconstructions(options) -> None:
+    model = tiny(**options)
+    gradients, frames = inputs()
+    changed = gradients.clone()
+    changed[:, 3:] = torch.randn(2, T - 3, D)
+    with torch.no_grad():
+        for path in (lambda g: model(g, frames), lambda g: model.decode(g)):
+            before_frames, before_logits = path(gradients)
+            after_frames, after_logits = path(changed)
+            assert torch.allclose(before_frames[:, :3], after_frames[:, :3], atol=1e-6)
+            assert torch.allclose(before_logits[:, :3], after_logits[:, :3], atol=1e-6)
+            assert not torch.allclose(before_frames[:, 3:], after_frames[:, 3:], atol=1e-4)
+
+
+def test_future_frames_never_reach_the_parallel_path() -> None:
+    model = tiny()
+    gradients, frames = inputs()
+    changed = frames.clone()
+    changed[:, 2:] = torch.rand(2, T - 2, 3, SIZE, SIZE)
+    with torch.no_grad():
+        before, _ = model(gradients, frames)
+        after, _ = model(gradients, changed)
+    # frame x_3 (index 2) is context for x_4 onwards only
+    assert torch.allclose(before[:, :3], after[:, :3], atol=1e-6)
+    assert not torch.allclose(before[:, 3:], after[:, 3:], atol=1e-4)
+
+
+@pytest.mark.parametrize("options", [{}, {"rope": True}])
+def test_autoregressive_decoding_with_teacher_context_equals_the_parallel_pass(options) -> None:
+    model = tiny(**options)
+    gradients, frames = inputs(1)
+    with torch.no_grad():
+        parallel_frames, parallel_logits = model(gradients, frames)
+        step_frames, step_logits = model.decode(gradients, teacher=frames)
+    assert torch.allclose(parallel_frames, step_frames, atol=1e-5)
+    assert torch.allclose(parallel_logits, step_logits, atol=1e-5)
+
+
+def test_reconstruct_takes_only_observed_gradients() -> None:
+    model = tiny()
+    gradients, frames = inputs()
+    result = model.reconstruct(ObservedWindows(gradients))
+    assert result.images.shape == (2, T, SIZE, SIZE, 3) and result.actions.shape == (2, T)
+    assert [f.name for f in dataclasses.fields(ObservedWindows)] == ["gradients"]
+    with pytest.raises(TypeError, match="ObservedWindows"):
+        model.reconstruct(gradients)
+
+
+def test_configuration_errors() -> None:
+    with pytest.raises(ConfigError, match="projection 'fourier'"):
+        tiny(projection="fourier")
+    with pytest.raises(ConfigError, match="not divisible by 5 heads"):
+        Trace(TraceConfig(gradient_dim=D, latent=32, heads=5))
+    model = tiny()
+    with pytest.raises(ConfigError, match="gradient width 299"):
+        model.decode(torch.zeros(1, 2, D - 1))

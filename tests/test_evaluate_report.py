@@ -1,0 +1,87 @@
+"""Evaluation tables with reference rows, the offline HTML report in headless Chromium."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import tiny_preset
+
+from gradleak.capture.run import CaptureJob, run_capture
+from gradleak.cli import main
+from gradleak.errors import CaptureFileError
+from gradleak.evaluation.reconstructions import MEAN_COLOUR, MEAN_IMAGE, evaluate
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.fixture(scope="module")
+def evaluation(trained_attackers, random_capture: Path, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("eval")
+    argv = ["evaluate", "--attacker", str(trained_attackers["trace"]), "--data",
+            str(random_capture), "--baselines", "lti,action-rule", "--out", str(out), "--quiet"]
+    assert main(argv) == 0
+    return out
+
+
+def test_every_method_and_both_reference_rows_are_scored(evaluation: Path) -> None:
+    result = json.loads((evaluation / "metrics.json").read_text())
+    methods = result["methods"]
+    assert set(methods) == {"TRACE", "LtI", "action rule (odd-sign)", MEAN_IMAGE, MEAN_COLOUR}
+    assert methods[MEAN_IMAGE]["psnr_gain_over_mean_image"] == 0.0
+    for name in ("TRACE", "LtI"):
+        row = methods[name]
+        assert len(row["psnr_by_t"]) == result["window"] == 4
+        assert row["ms_per_frame"] > 0 and row["parameters"] > 0 and "psnr_std" in row
+    assert methods["action rule (odd-sign)"]["action_accuracy"] >= 0.9
+    assert "lpips" not in methods["TRACE"] and result["lpips"].startswith("LPIPS unavailable")
+    table = (evaluation / "metrics.md").read_text()
+    assert "| TRACE |" in table and "mean colour (oracle)" in table and "t=4" in table
+    for name in ("reconstructions.png", "psnr_by_t.png"):
+        assert (evaluation / name).stat().st_size > 1000
+
+
+def test_an_attacker_is_not_run_against_another_victims_gradients(trained_attackers,
+                                                                   tmp_path: Path) -> None:
+    other = tmp_path / "other.h5"
+    run_capture(CaptureJob(victim="cnn-small", random_init=True, split="heldout", steps=20,
+                           out=other, preset=tiny_preset(), progress=False, seed=8))
+    with pytest.raises(CaptureFileError, match="θ0 hash"):
+        evaluate([other], {"TRACE": str(trained_attackers["trace"])}, tmp_path / "eval")
+    assert not (tmp_path / "eval").exists()
+
+
+def test_training_scenes_are_not_test_data(trained_attackers, train_capture: Path,
+                                           tmp_path: Path) -> None:
+    with pytest.raises(CaptureFileError, match="expected 'heldout'"):
+        evaluate([train_capture], {"TRACE": str(trained_attackers["trace"])}, tmp_path / "e")
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (.ci/run "
+                    "installs it)")
+def test_report_renders_offline_with_every_table_and_image(evaluation: Path,
+                                                           tmp_path: Path) -> None:
+    assert main(["report", str(evaluation), "--quiet"]) == 0
+    report = evaluation / "report.html"
+    html = report.read_text()
+    assert "http://" not in html and "https://" not in html  # nothing to fetch
+    command = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+               "--disable-background-networking", "--disable-component-update", "--disable-sync",
+               "--proxy-server=127.0.0.1:9", "--host-resolver-rules=MAP * ~NOTFOUND",
+               f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=5000",
+               "--dump-dom", report.as_uri()]
+    dom = subprocess.run(command, capture_output=True, text=True, timeout=120).stdout
+    body = re.search(r"<body([^>]*)>", dom)
+    assert body, dom[:500]
+    attrs = dict(re.findall(r'data-([\w-]+)="(\d+)"', body.group(1)))
+    assert attrs["tables"] == "2"
+    assert int(attrs["images"]) >= 2 and attrs["images-loaded"] == attrs["images"]
+
+
+def test_report_without_an_evaluation(tmp_path: Path, capsys) -> None:
+    assert main(["report", str(tmp_path)]) == 2
+    assert "has no metrics.json" in capsys.readouterr().err

@@ -1,0 +1,57 @@
+"""Windows stay inside episodes, the split is episode-disjoint, the batch splits the threat model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from gradleak.errors import CaptureFileError, ConfigError
+from gradleak.threat import ObservedWindows
+from gradleak.training.data import WindowDataset, collate
+
+
+def test_windows_never_cross_an_episode(train_capture: Path) -> None:
+    data = WindowDataset([train_capture], window=4, stride=2)
+    with h5py.File(train_capture, "r") as handle:
+        episodes = handle["episode_ids"][()]
+    for _, start, episode in data.rows:
+        assert (episodes[start:start + 4] == episode).all()
+    assert len({tuple(r[1:]) for r in data.rows}) == len(data)
+
+
+def test_train_and_validation_episodes_are_disjoint(train_capture: Path) -> None:
+    kwargs = dict(window=4, stride=2, val_fraction=0.3, seed=1)
+    train = WindowDataset([train_capture], part="train", **kwargs)
+    val = WindowDataset([train_capture], part="val", **kwargs)
+    whole = WindowDataset([train_capture], part="all", **kwargs)
+    assert not set(train.rows[:, 2]) & set(val.rows[:, 2])
+    assert len(train) + len(val) == len(whole) and len(val) > 0
+
+
+def test_a_batch_separates_what_was_observed_from_the_targets(train_capture: Path) -> None:
+    data = WindowDataset([train_capture], window=4)
+    batch = collate([data[0], data[1]])
+    assert isinstance(batch.observed, ObservedWindows)
+    assert batch.observed.gradients.shape == (2, 4, data.gradient_dim)
+    assert batch.images.shape == (2, 4, 3, 32, 32) and float(batch.images.max()) <= 1.0
+
+
+def test_a_window_longer_than_every_episode(train_capture: Path) -> None:
+    with pytest.raises(ConfigError, match="no 'all' window of T=50.*longest episode has 20"):
+        WindowDataset([train_capture], window=50)
+
+
+def test_heldout_scenes_are_refused_as_training_data(random_capture: Path) -> None:
+    with pytest.raises(CaptureFileError, match="holds 'heldout' scenes, expected 'train'"):
+        WindowDataset([random_capture], window=4, expect_split="train")
+
+
+def test_mean_image_and_normaliser_rows_come_from_the_dataset(train_capture: Path) -> None:
+    data = WindowDataset([train_capture], window=4)
+    rows = np.concatenate([r.numpy() for r in data.gradient_rows(10)])
+    assert rows.shape == (10, data.gradient_dim)
+    mean = data.mean_image(limit=40)
+    assert mean.shape == (3, 32, 32) and 0.0 < float(mean.mean()) < 1.0

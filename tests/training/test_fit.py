@@ -1,0 +1,131 @@
+"""Learned attackers learn, resume exactly, scale out with DDP, and refuse bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_attack_settings
+
+from gradleak.attacks.lti import LearningToInvert, LtiConfig
+from gradleak.attacks.trace import Trace, TraceConfig
+from gradleak.errors import CheckpointError, ConfigError
+from gradleak.io import load_tensors
+from gradleak.metrics.images import psnr
+from gradleak.training.checkpoint import load_attacker
+from gradleak.training.data import WindowDataset, collate
+from gradleak.training.fit import FitConfig, fit_attacker, scheduled_sampling_beta, warmup_cosine
+from gradleak.training.objectives import LossWeights, LtiObjective, Perceptual, TraceObjective
+
+MSE_ONLY = LossWeights(mse=1.0, l1=0.0, action=0.01, perceptual=0.0, rollout=0.0)
+
+
+def overfit(objective: torch.nn.Module, batch, steps: int, lr: float) -> tuple[float, float]:
+    optimiser = torch.optim.Adam(objective.parameters(), lr)
+    first = None
+    for _ in range(steps):
+        loss, _ = objective(batch.observed.gradients, batch.images, batch.actions, 0.0)
+        optimiser.zero_grad()
+        loss.backward()
+        optimiser.step()
+        first = first if first is not None else float(loss.detach())
+    return first, float(loss.detach())
+
+
+def test_a_tiny_trace_overfits_a_tiny_capture(train_capture: Path) -> None:
+    data = WindowDataset([train_capture], window=4, stride=4)
+    batch = collate([data[i] for i in range(4)])
+    torch.manual_seed(0)
+    model = Trace(TraceConfig(gradient_dim=data.gradient_dim, frame_size=32, window=4,
+                              encoder_width=64, encoder_blocks=1, latent=64, layers=1, heads=4,
+                              image_channels=8, dropout=0.0))
+    model.gradient_encoder.input.fit(data.gradient_rows(64))
+    with torch.no_grad():
+        before = psnr(model.decode(batch.observed.gradients)[0].flatten(0, 1),
+                      batch.images.flatten(0, 1)).mean()
+    first, last = overfit(TraceObjective(model, MSE_ONLY, Perceptual(), 0), batch, 150, 3e-3)
+    with torch.no_grad():
+        after = psnr(model.decode(batch.observed.gradients)[0].flatten(0, 1),
+                     batch.images.flatten(0, 1)).mean()
+    assert first / last >= 10 and after > before + 10
+
+
+def test_a_tiny_lti_overfits_a_tiny_capture(train_capture: Path) -> None:
+    data = WindowDataset([train_capture], window=4, stride=4)
+    batch = collate([data[i] for i in range(4)])
+    torch.manual_seed(0)
+    model = LearningToInvert(LtiConfig(gradient_dim=data.gradient_dim, frame_size=32, hidden=128))
+    model.input.fit(data.gradient_rows(64))
+    first, last = overfit(LtiObjective(model, MSE_ONLY, Perceptual()), batch, 150, 1e-3)
+    assert first / last >= 10
+
+
+def test_resume_reproduces_the_uninterrupted_run(train_capture: Path, tmp_path: Path) -> None:
+    model, fit = tiny_attack_settings("trace")
+    fit_attacker("trace", model, fit, [str(train_capture)], tmp_path / "straight",
+                 progress=False)
+    fit.epochs = 1
+    fit_attacker("trace", model, fit, [str(train_capture)], tmp_path / "resumed",
+                 progress=False)
+    with pytest.raises(ConfigError, match="--resume"):
+        fit_attacker("trace", model, fit, [str(train_capture)], tmp_path / "resumed",
+                     progress=False)
+    fit.epochs = 2
+    fit_attacker("trace", model, fit, [str(train_capture)], tmp_path / "resumed",
+                 resume=True, progress=False)
+    straight = load_tensors(tmp_path / "straight" / "attacker.safetensors", "weights")
+    resumed = load_tensors(tmp_path / "resumed" / "attacker.safetensors", "weights")
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+    meta = json.loads((tmp_path / "resumed" / "attacker.json").read_text())
+    assert meta["epoch"] == 2 and [h["epoch"] for h in meta["history"]] == [1, 2]
+
+
+def test_two_gloo_processes_end_with_identical_weights(train_capture: Path,
+                                                       tmp_path: Path) -> None:
+    out = tmp_path / "ddp"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc_per_node=2", "-m", "gradleak.cli", "train-attacker", "--kind", "trace",
+               "--data", str(train_capture), "--out", str(out), "--epochs", "1", "--quiet",
+               "--preset", "cpu-quick",
+               "--set", "attack.trace.window=4", "--set", "attack.trace.encoder_width=32",
+               "--set", "attack.trace.latent=32", "--set", "attack.trace.layers=1",
+               "--set", "attack.trace.image_channels=8", "--set", "attack.trace_fit.workers=0",
+               "--set", "attack.trace_fit.batch_size=4", "--set", "attack.trace_fit.max_val_windows=4",
+               "--set", "attack.trace_fit.normaliser_rows=32"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    meta = json.loads((out / "attacker.json").read_text())
+    assert meta["world_size"] == 2
+    assert meta["history"][-1]["replica_spread"] == 0.0
+
+
+def test_schedules() -> None:
+    config = FitConfig(epochs=10, teacher_forcing_epochs=3, beta_start=0.1, beta_end=0.7,
+                       lr=1e-3, min_lr=1e-5, warmup_epochs=2)
+    betas = [scheduled_sampling_beta(config, e) for e in range(10)]
+    assert betas[:3] == [0, 0, 0] and betas[3] == pytest.approx(0.1)
+    assert betas[-1] == pytest.approx(0.7) and betas == sorted(betas)
+    factor = warmup_cosine(config, steps_per_epoch=5)
+    assert factor(0) == pytest.approx(0.1) and factor(9) == pytest.approx(1.0)
+    assert factor(50) == pytest.approx(0.01) and factor(49) > factor(50)
+
+
+def test_corrupt_and_foreign_attacker_checkpoints(trained_attackers, tmp_path: Path) -> None:
+    model, meta = load_attacker(trained_attackers["trace"])
+    assert meta["kind"] == "trace" and not model.training
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "attacker.json").write_text(
+        (trained_attackers["trace"] / "attacker.json").read_text())
+    (broken / "attacker.safetensors").write_bytes(b"junk")
+    with pytest.raises(CheckpointError, match="not a readable safetensors"):
+        load_attacker(broken)
+    (broken / "attacker.json").write_text(json.dumps({"format": "something-else"}))
+    with pytest.raises(CheckpointError, match="expected 'gradleak-attacker'"):
+        load_attacker(broken)
