@@ -13,7 +13,13 @@ TINY = ["--set", "env.doomnav.frame_size=32", "--set", "env.doomnav.max_steps=20
         "--set", "env.train_maps=MAP01", "--set", "env.heldout_maps=MAP05",
         "--set", "env.max_regions_per_map=2", "--set", "train.num_envs=2",
         "--set", "train.rollout_steps=16", "--set", "train.updates=1",
-        "--set", "train.minibatch=16"]
+        "--set", "train.minibatch=16", "--set", "attack.trace.window=4",
+        "--set", "attack.trace.encoder_width=32", "--set", "attack.trace.latent=32",
+        "--set", "attack.trace.layers=1", "--set", "attack.trace_fit.epochs=1",
+        "--set", "attack.trace_fit.workers=0", "--set", "attack.trace_fit.max_train_windows=8",
+        "--set", "attack.trace_fit.max_val_windows=4", "--set", "attack.lti.hidden=32",
+        "--set", "attack.lti_fit.epochs=1", "--set", "attack.lti_fit.workers=0",
+        "--set", "attack.lti_fit.max_train_windows=32", "--set", "attack.lti_fit.max_val_windows=4"]
 
 
 def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> object:
@@ -72,7 +78,10 @@ def test_demo_runs_end_to_end_and_reports_heldout_recovery(capsys, tmp_path: Pat
     recovery = data["action_recovery_heldout"]
     assert recovery["odd-sign"]["n"] == 40 and recovery["odd-sign"]["accuracy"] >= 0.9
     assert recovery["sign-aware"]["oracle_advantage_sign"] is True
+    methods = data["evaluation"]["methods"]
+    assert {"TRACE", "LtI", "mean training image", "mean colour (oracle)"} <= set(methods)
     for name in ("config.json", "results.json", "train.h5", "heldout.h5", "train.h5.json",
-                 "heldout_actions.png",
+                 "eval/heldout_actions.png", "eval/report.html", "eval/metrics.md",
+                 "trace/attacker.safetensors", "lti/attacker.safetensors",
                  "victim-ppo/victim.safetensors", "victim-ppo/learning_curve.png"):
         assert (out / name).exists(), name

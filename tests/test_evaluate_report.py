@@ -45,6 +45,22 @@ def test_every_method_and_both_reference_rows_are_scored(evaluation: Path) -> No
         assert (evaluation / name).stat().st_size > 1000
 
 
+def test_a_shorter_window_attacker_sees_each_span_afresh(trained_attackers, train_capture,
+                                                         random_capture: Path,
+                                                         tmp_path: Path) -> None:
+    from conftest import tiny_attack_settings
+
+    from gradleak.training.fit import fit_attacker
+
+    model, fit = tiny_attack_settings("trace")
+    model.window, fit.rollout_steps, fit.stride, fit.epochs = 1, 0, 1, 1
+    fit_attacker("trace", model, fit, [str(train_capture)], tmp_path / "t1", progress=False)
+    result = evaluate([random_capture], {"TRACE (T=4)": str(trained_attackers["trace"]),
+                                         "TRACE (T=1)": str(tmp_path / "t1")}, tmp_path / "e")
+    assert result["window"] == 4
+    assert len(result["methods"]["TRACE (T=1)"]["psnr_by_t"]) == 4
+
+
 def test_an_attacker_is_not_run_against_another_victims_gradients(trained_attackers,
                                                                    tmp_path: Path) -> None:
     other = tmp_path / "other.h5"

@@ -1,7 +1,9 @@
-"""`gradleak demo`: everything that exists, for real, on the embedded default (freedoom2).
+"""`gradleak demo`: the whole pipeline, for real, on the embedded default (freedoom2).
 
-A short PPO training of the victim, a capture on training scenes and one on held-out scenes,
-then closed-form action recovery on the held-out capture.
+A short PPO training of the victim; a capture on training scenes and one on held-out scenes;
+closed-form action recovery on the held-out capture; TRACE and LtI fitted on the training
+capture; both evaluated with the action rule and the reference rows on the held-out capture;
+an offline HTML report.
 """
 
 from __future__ import annotations
@@ -18,11 +20,15 @@ from gradleak.capture.reader import CaptureFile
 from gradleak.capture.run import CaptureJob, run_capture
 from gradleak.envs.actions import action_set
 from gradleak.evaluation import evaluate_action_rules
+from gradleak.evaluation.reconstructions import evaluate
 from gradleak.io import write_json
 from gradleak.presets import Preset
+from gradleak.report.evaluation import TABLE_COLUMNS, table_rows
+from gradleak.report.html import write_report
 from gradleak.report.plots import plot_action_recovery
 from gradleak.report.tables import text_table
 from gradleak.rl.trainer import train_victim
+from gradleak.training.fit import fit_attacker
 
 DEMO_RULES = ("odd-sign", "sign-agnostic", "sign-aware")
 
@@ -45,10 +51,21 @@ def run_demo(preset: Preset, out: Path, progress: bool = True) -> dict[str, Any]
                            "success_rate": summary["success_rate"],
                            "scenes": summary["scenes"], "size_mb": summary["size_mb"]}
     recovery = evaluate_action_rules([out / "heldout.h5"], DEMO_RULES)
-    picture = out / "heldout_actions.png"
+    evaluation_dir = out / "eval"
+    picture = evaluation_dir / "heldout_actions.png"
     _action_picture(out / "heldout.h5", preset, picture)
+    attackers = {}
+    for kind, label in (("trace", "TRACE"), ("lti", "LtI")):
+        attackers[label] = fit_attacker(kind, getattr(preset.attack, kind),
+                                        getattr(preset.attack, f"{kind}_fit"),
+                                        [str(out / "train.h5")], out / kind, progress=progress)
+    evaluation = evaluate([out / "heldout.h5"], {label: str(out / kind) for kind, label in
+                                                 (("trace", "TRACE"), ("lti", "LtI"))},
+                          evaluation_dir)
+    report = write_report(evaluation_dir)
     result = {"preset": preset.name, "out": str(out), "training": training,
               "captures": captures, "action_recovery_heldout": recovery,
+              "attackers": attackers, "evaluation": evaluation, "report": str(report),
               "picture": str(picture), "seconds": round(time.perf_counter() - start, 1),
               "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads"}
     write_json(out / "results.json", result)
@@ -95,6 +112,12 @@ def _text(result: dict[str, Any], preset: Preset) -> str:
         text_table(rows, ["rule", "accuracy", "steps"]),
         "* given the true sign of each advantage (an oracle: the paper's rule needs it)",
         "",
-        f"done in {result['seconds']} s; outputs in {result['out']} (picture: "
-        f"{result['picture']})",
+        f"reconstruction on the held-out capture ({result['evaluation']['windows']} windows of "
+        f"T = {result['evaluation']['window']}; attackers trained "
+        + ", ".join(f"{label} {a['minutes']:.1f} min" for label, a in
+                    result["attackers"].items()) + "):",
+        text_table(table_rows(result["evaluation"]["methods"]), TABLE_COLUMNS),
+        f"LPIPS: {result['evaluation']['lpips']}",
+        "",
+        f"done in {result['seconds']} s; report: {result['report']}",
     ])

@@ -102,9 +102,9 @@ def cpu_quick() -> Preset:
     attack = AttackConfig(
         trace=TraceConfig(window=8, projection="subsample", subsample_fraction=0.05,
                           encoder_width=256, encoder_blocks=1, latent=128, layers=2, heads=4,
-                          image_channels=16, dropout=0.0),
-        trace_fit=FitConfig(epochs=8, batch_size=8, lr=1e-3, teacher_forcing_epochs=3,
-                            rollout_steps=2, max_train_windows=320, **quick),
+                          image_channels=8, dropout=0.0),
+        trace_fit=FitConfig(epochs=10, batch_size=8, lr=2e-3, teacher_forcing_epochs=3,
+                            rollout_steps=2, max_train_windows=512, **quick),
         lti=LtiConfig(hidden=512, layers=2, subsample_fraction=0.1),
         lti_fit=FitConfig(epochs=8, batch_size=32, lr=1e-3, teacher_forcing_epochs=0,
                           rollout_steps=0, weights=LossWeights(perceptual=0.0, rollout=0.0),

@@ -143,8 +143,10 @@ class Trace(nn.Module):
             return start
         return torch.cat([start, self.encode_frames(frames[:, :steps - 1])], dim=1)
 
-    def _run(self, z: torch.Tensor, e: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Transformer over [z_1, e_0, ..., z_n, e_{n-1}]; read out at every e token."""
+    def _run(self, z: torch.Tensor, e: torch.Tensor, last_only: bool = False
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Transformer over [z_1, e_0, ..., z_n, e_{n-1}]; read out at every e token (or only
+        the last: autoregressive steps need one new frame, and decoding is the costly part)."""
         b, n, d = z.shape
         if n > self.config.window and self.position is not None:
             raise ConfigError(f"{n} steps exceed the attacker's window T={self.config.window}")
@@ -155,7 +157,9 @@ class Trace(nn.Module):
         for block in self.blocks:
             x = block(x)
         h = self.norm(x)[:, 1::2]  # (B, n, D) at e_0..e_{n-1}
-        frames = self.decoder(h.flatten(0, 1)).view(b, n, 3, *self.decoder_shape)
+        if last_only:
+            h = h[:, -1:]
+        frames = self.decoder(h.flatten(0, 1)).view(b, h.shape[1], 3, *self.decoder_shape)
         return frames, self.action_head(h)
 
     @property
@@ -163,13 +167,14 @@ class Trace(nn.Module):
         return (self.config.frame_size, self.config.frame_size)
 
     # -- the two paths ---------------------------------------------------------------------------
-    def forward(self, gradients: torch.Tensor, context_frames: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, gradients: torch.Tensor, context_frames: torch.Tensor,
+                last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Parallel path (training): context_frames (B, T, 3, H, W) are x_1..x_T (the last is
-        never used). Returns frames (B, T, 3, H, W) in [0, 1] and action logits (B, T, K)."""
+        never used). Returns frames (B, T, 3, H, W) in [0, 1] and action logits (B, T, K), or
+        only the last step's with `last_only`."""
         b, steps = gradients.shape[:2]
         z = self.encode_gradients(gradients)
-        return self._run(z, self._context(context_frames, b, steps))
+        return self._run(z, self._context(context_frames, b, steps), last_only)
 
     def decode(self, gradients: torch.Tensor, teacher: torch.Tensor | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -180,7 +185,8 @@ class Trace(nn.Module):
         contexts = [self.start.expand(b, -1)]
         frames, logits = [], []
         for t in range(steps):
-            out_frames, out_logits = self._run(z[:, : t + 1], torch.stack(contexts, dim=1))
+            out_frames, out_logits = self._run(z[:, : t + 1], torch.stack(contexts, dim=1),
+                                               last_only=True)
             frames.append(out_frames[:, -1])
             logits.append(out_logits[:, -1])
             source = teacher[:, t] if teacher is not None else out_frames[:, -1]

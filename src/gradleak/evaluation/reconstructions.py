@@ -71,10 +71,10 @@ class Evaluation:
         for name, (_, meta) in self.models.items():
             fingerprint_from_dict(meta["fingerprint"]).check(self.dataset.fingerprint,
                                                              f"held-out data for {name}")
-            if getattr(self.models[name][0].config, "window", 1) > self.window:
-                raise ConfigError(f"attacker {name} needs windows of "
-                                  f"{self.models[name][0].config.window} steps, evaluation "
-                                  f"uses {self.window}")
+            span = getattr(self.models[name][0].config, "window", 1)
+            if span > self.window or self.window % span:
+                raise ConfigError(f"attacker {name} reads windows of {span} steps; evaluation "
+                                  f"windows of {self.window} must be a multiple of it")
         self.layers = tuple(layers_from_json(self.dataset.fingerprint.layer_table))
         self.lpips_note = unavailable_reason(lpips_weights)
         self.lpips = None if self.lpips_note else LPIPS(lpips_weights)
@@ -110,10 +110,9 @@ class Evaluation:
         observed = ObservedWindows(batch.observed.gradients)
         for name, (model, _) in self.models.items():
             tick = time.perf_counter()
-            result = model.reconstruct(observed)
-            self._add(methods[name], torch.from_numpy(result.images).permute(0, 1, 4, 2, 3)
-                      .float() / 255.0, truth, result.actions == actions,
-                      time.perf_counter() - tick)
+            images, predicted = _reconstruct_in_spans(model, observed)
+            self._add(methods[name], torch.from_numpy(images).permute(0, 1, 4, 2, 3)
+                      .float() / 255.0, truth, predicted == actions, time.perf_counter() - tick)
         self._add_rule(methods["action rule (odd-sign)"], observed, actions)
         mean = self.mean_image.expand_as(truth)
         self._add(methods[MEAN_IMAGE], mean, truth, None, 0.0)
@@ -147,6 +146,17 @@ class Evaluation:
         scores.seconds += time.perf_counter() - tick
         scores.frames += b * t
         scores.correct.append(predicted == actions)
+
+
+def _reconstruct_in_spans(model: Any, observed: ObservedWindows) -> tuple[np.ndarray, np.ndarray]:
+    """An attacker with a shorter window (TRACE at T = 1) sees each span afresh, as it would in
+    an attack: its context never reaches across spans."""
+    b, t, d = observed.gradients.shape
+    span = getattr(model.config, "window", t)
+    pieces = observed.gradients.reshape(b * (t // span), span, d)
+    result = model.reconstruct(ObservedWindows(pieces))
+    return (result.images.reshape(b, t, *result.images.shape[2:]),
+            result.actions.reshape(b, t))
 
 
 def _to_uint8(frames: torch.Tensor) -> np.ndarray:

@@ -65,6 +65,7 @@ class FitConfig:
     normaliser_rows: int = 2048
     workers: int = 1
     lpips_weights: str | None = None
+    time_limit_minutes: float | None = None  # stop after the epoch that passes it
     seed: int = 0
 
 
@@ -189,8 +190,9 @@ class AttackerFit:
     # -- the loop ---------------------------------------------------------------------------------
     def run(self) -> list[dict[str, Any]]:
         writer = self._tensorboard()
+        started = time.perf_counter()
         try:
-            while self.epoch < self.config.epochs:
+            while self.epoch < self.config.epochs and not self._out_of_time(started):
                 record = self._epoch(self.epoch)
                 if (self.epoch + 1) % self.config.validate_every == 0 or \
                         self.epoch + 1 == self.config.epochs:
@@ -208,6 +210,15 @@ class AttackerFit:
             self.history[-1]["replica_spread"] = self._replica_spread()
             self._save(self.history[-1], count_best=False)
         return self.history
+
+    def _out_of_time(self, started: float) -> bool:
+        limit = self.config.time_limit_minutes
+        out = limit is not None and (time.perf_counter() - started) / 60 >= limit
+        if self.world > 1:  # every rank must stop at the same epoch
+            flag = torch.tensor([float(out)])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            out = bool(flag.item())
+        return out
 
     @torch.no_grad()
     def _replica_spread(self) -> float:

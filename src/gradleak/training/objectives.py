@@ -93,10 +93,10 @@ class TraceObjective(nn.Module):
         loss = truth.new_zeros(())
         for r in range(steps):
             end = start + r + 1
-            frames, _ = self.model(gradients[:, :end], context[:, :end])
-            loss = loss + F.mse_loss(frames[:, end - 1], truth[:, end - 1])
+            frames, _ = self.model(gradients[:, :end], context[:, :end], last_only=True)
+            loss = loss + F.mse_loss(frames[:, -1], truth[:, end - 1])
             context = context.clone()  # the last pass still needs the old tensor for backward
-            context[:, end - 1] = frames[:, end - 1].detach()
+            context[:, end - 1] = frames[:, -1].detach()
         return loss / steps
 
 
