@@ -27,26 +27,26 @@ def preset() -> Preset:
     return tiny_preset()
 
 
-@pytest.fixture(scope="session")
-def random_capture(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A small capture of a random-init cnn-small on held-out scenes (50 steps)."""
+def random_init_capture(factory: pytest.TempPathFactory, split: str, steps: int) -> Path:
+    """A capture of a random-init cnn-small; seed 3, so every such capture shares θ0."""
     from gradleak.capture.run import CaptureJob, run_capture
 
-    out = tmp_path_factory.mktemp("capture") / "heldout.h5"
-    run_capture(CaptureJob(victim="cnn-small", random_init=True, split="heldout", steps=50,
+    out = factory.mktemp("capture") / f"{split}.h5"
+    run_capture(CaptureJob(victim="cnn-small", random_init=True, split=split, steps=steps,
                            out=out, preset=tiny_preset(), progress=False, seed=3))
     return out
+
+
+@pytest.fixture(scope="session")
+def random_capture(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Held-out scenes, 50 steps."""
+    return random_init_capture(tmp_path_factory, "heldout", 50)
 
 
 @pytest.fixture(scope="session")
 def train_capture(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Training-scene capture of the same random-init victim (seed 3) as `random_capture`."""
-    from gradleak.capture.run import CaptureJob, run_capture
-
-    out = tmp_path_factory.mktemp("capture") / "train.h5"
-    run_capture(CaptureJob(victim="cnn-small", random_init=True, split="train", steps=240,
-                           out=out, preset=tiny_preset(), progress=False, seed=3))
-    return out
+    """Training scenes, 240 steps, the same victim as `random_capture`."""
+    return random_init_capture(tmp_path_factory, "train", 240)
 
 
 def tiny_attack_settings(kind: str):

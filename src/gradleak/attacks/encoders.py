@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from gradleak.errors import ConfigError
+from gradleak.threat import ObservedWindows, Reconstruction
 
 PROJECTIONS = ("dense", "lowrank", "subsample")
 
@@ -180,3 +181,26 @@ class ImageDecoder(nn.Module):
     def forward(self, latent: torch.Tensor) -> torch.Tensor:  # (B, latent) → (B, 3, H, W)
         x = self.fc(latent).view(len(latent), -1, self.base, self.base)
         return self.net(x)
+
+
+class WindowAttacker(nn.Module):
+    """What every learned attacker shares: reconstruct() from an ObservedWindows alone."""
+
+    name = "attacker"
+
+    def attack(self, gradients: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, T, d) → frames (B, T, 3, H, W) in [0, 1] and action logits (B, T, K)."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def reconstruct(self, observed: ObservedWindows) -> Reconstruction:
+        if not isinstance(observed, ObservedWindows):
+            raise TypeError(f"{self.name} reconstructs from an ObservedWindows (gradients only)")
+        was_training = self.training
+        self.eval()
+        try:
+            frames, logits = self.attack(observed.gradients)
+        finally:
+            self.train(was_training)
+        images = (frames.clamp(0, 1) * 255).round().to(torch.uint8).movedim(-3, -1)
+        return Reconstruction(actions=logits.argmax(-1).numpy(), images=images.numpy())

@@ -12,8 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradleak.attacks.encoders import GradientInput, subsample_index
-from gradleak.threat import ObservedWindows, Reconstruction
+from gradleak.attacks.encoders import GradientInput, WindowAttacker, subsample_index
 
 
 @dataclass
@@ -30,7 +29,9 @@ class LtiConfig:
         return asdict(self)
 
 
-class LearningToInvert(nn.Module):
+class LearningToInvert(WindowAttacker):
+    name = "LtI"
+
     def __init__(self, config: LtiConfig) -> None:
         super().__init__()
         self.config = config
@@ -53,13 +54,5 @@ class LearningToInvert(nn.Module):
         frames = self.image_head(h).view(*gradients.shape[:-1], 3, size, size)
         return frames, self.action_head(h)
 
-    @torch.no_grad()
-    def reconstruct(self, observed: ObservedWindows) -> Reconstruction:
-        if not isinstance(observed, ObservedWindows):
-            raise TypeError("LtI reconstructs from an ObservedWindows (gradients only)")
-        was_training = self.training
-        self.eval()
-        frames, logits = self(observed.gradients)
-        self.train(was_training)
-        images = (frames.clamp(0, 1) * 255).round().to(torch.uint8).movedim(-3, -1)
-        return Reconstruction(actions=logits.argmax(-1).numpy(), images=images.numpy())
+    def attack(self, gradients: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self(gradients)  # every step on its own

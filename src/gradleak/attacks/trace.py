@@ -22,10 +22,10 @@ from gradleak.attacks.encoders import (
     GradientInput,
     ImageDecoder,
     ImageEncoder,
+    WindowAttacker,
     subsample_index,
 )
 from gradleak.errors import ConfigError
-from gradleak.threat import ObservedWindows, Reconstruction
 
 
 @dataclass
@@ -104,7 +104,9 @@ class GatedBlock(nn.Module):
         return x + torch.sigmoid(self.alpha_ffn) * self.ffn(self.norm_ffn(x))
 
 
-class Trace(nn.Module):
+class Trace(WindowAttacker):
+    name = "TRACE"
+
     def __init__(self, config: TraceConfig) -> None:
         super().__init__()
         self.config = config
@@ -193,14 +195,5 @@ class Trace(nn.Module):
             contexts.append(self.image_encoder(source))
         return torch.stack(frames, dim=1), torch.stack(logits, dim=1)
 
-    @torch.no_grad()
-    def reconstruct(self, observed: ObservedWindows) -> Reconstruction:
-        """The attack: frames (uint8, (B, T, H, W, 3)) and actions from gradients alone."""
-        if not isinstance(observed, ObservedWindows):
-            raise TypeError("TRACE reconstructs from an ObservedWindows (gradients only)")
-        was_training = self.training
-        self.eval()
-        frames, logits = self.decode(observed.gradients)
-        self.train(was_training)
-        images = (frames.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 1, 3, 4, 2)
-        return Reconstruction(actions=logits.argmax(-1).numpy(), images=images.numpy())
+    def attack(self, gradients: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.decode(gradients)  # autoregressive: no ground truth ever enters

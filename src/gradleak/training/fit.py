@@ -281,9 +281,7 @@ class AttackerFit:
         return {"val_loss": float(np.mean(losses)), "val_psnr": float(torch.cat(scores).mean())}
 
     def _attack(self, gradients: torch.Tensor) -> torch.Tensor:
-        if self.kind == "trace":
-            return self.model.decode(gradients)[0]
-        return self.model(gradients)[0]
+        return self.model.attack(gradients)[0]
 
     # -- persistence ------------------------------------------------------------------------------
     def _tensorboard(self) -> Any:
