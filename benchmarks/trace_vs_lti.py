@@ -39,10 +39,13 @@ def train(preset, kind: str, window: int | None, minutes: float, data: Path, out
           ) -> dict:
     model = copy.deepcopy(getattr(preset.attack, kind))
     fit = copy.deepcopy(getattr(preset.attack, f"{kind}_fit"))
-    if window is not None:
+    if window is not None:  # TRACE at T = 1: the same frames per optimiser step as T = 8
+        scale = model.window // window
         model.window = window
-        fit.rollout_steps = min(fit.rollout_steps, window)
+        fit.rollout_steps = min(fit.rollout_steps, window - 1)
         fit.stride = 1 if window == 1 else fit.stride
+        fit.batch_size *= scale
+        fit.max_train_windows = fit.max_train_windows and fit.max_train_windows * scale
     fit.time_limit_minutes = minutes
     return fit_attacker(kind, model, fit, [str(data)], out, resume=(out / META).exists(),
                         progress=True)

@@ -49,7 +49,7 @@ class FitConfig:
     accumulation: int = 2
     lr: float = 1e-4
     weight_decay: float = 1e-5
-    warmup_epochs: int = 5
+    warmup_epochs: float = 5.0
     min_lr: float = 1e-6
     grad_clip: float = 1.0
     teacher_forcing_epochs: int = 5  # τ
@@ -79,7 +79,7 @@ def scheduled_sampling_beta(config: FitConfig, epoch: int) -> float:
 
 
 def warmup_cosine(config: FitConfig, steps_per_epoch: int):
-    warmup = max(1, config.warmup_epochs * steps_per_epoch)
+    warmup = max(1, int(config.warmup_epochs * steps_per_epoch))
     total = max(warmup + 1, config.epochs * steps_per_epoch)
     floor = config.min_lr / config.lr
 
