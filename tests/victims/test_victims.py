@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 from pathlib import Path
 
 import pytest
@@ -92,3 +93,14 @@ def test_missing_and_corrupt_checkpoints(tmp_path: Path) -> None:
     save_file({"x": torch.zeros(1)}, str(tmp_path / "victim.safetensors"))
     with pytest.raises(CheckpointError, match="missing"):
         load_victim(tmp_path)
+
+
+def test_outputs_are_written_with_the_usual_permissions(tmp_path: Path) -> None:
+    from gradleak.io import write_json
+
+    mask = os.umask(0o022)
+    try:
+        write_json(tmp_path / "x.json", {"a": 1})
+    finally:
+        os.umask(mask)
+    assert (tmp_path / "x.json").stat().st_mode & 0o777 == 0o644
