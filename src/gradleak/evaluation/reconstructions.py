@@ -180,6 +180,7 @@ def summarise(methods: dict[str, MethodScores]) -> dict[str, Any]:
             row["action_accuracy"] = float(np.concatenate(scores.correct).mean())
         row["ms_per_frame"] = 1e3 * scores.seconds / scores.frames if scores.frames else None
         row["parameters"] = scores.parameters
+        row["order"] = len(rows)  # JSON files sort their keys; tables keep this order
         rows[name] = row
     base = rows[MEAN_IMAGE]["psnr"]
     for row in rows.values():

@@ -21,12 +21,16 @@ def _pm(row: dict[str, Any], metric: str, digits: int) -> str | None:
     return f"{row[metric]:.{digits}f} ± {row[metric + '_std']:.{digits}f}"
 
 
+def ordered(methods: dict[str, dict[str, Any]]) -> list[str]:
+    """Learned methods first, in the order they were given, then the rule, then references."""
+    return sorted(methods, key=lambda n: ({"learned": 0, "rule": 1, "reference": 2}
+                                          [methods[n]["kind"]], methods[n].get("order", 0)))
+
+
 def table_rows(methods: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """The paper's Table 1 layout, learned methods first, reference rows last."""
-    order = sorted(methods, key=lambda n: {"learned": 0, "rule": 1, "reference": 2}
-                   [methods[n]["kind"]])
+    """The paper's Table 1 layout."""
     rows = []
-    for name in order:
+    for name in ordered(methods):
         row = methods[name]
         gain = row.get("psnr_gain_over_mean_image")
         rows.append({
@@ -46,8 +50,9 @@ def psnr_by_t_rows(methods: dict[str, dict[str, Any]]) -> tuple[list[dict[str, A
     steps = max(len(r.get("psnr_by_t", [])) for r in methods.values())
     columns = ["method"] + [f"t={t + 1}" for t in range(steps)]
     rows = [{"method": name, **{f"t={t + 1}": f"{v:.2f}" for t, v in
-                                enumerate(row.get("psnr_by_t", []))}}
-            for name, row in methods.items() if row.get("psnr_by_t") and row["kind"] != "rule"]
+                                enumerate(methods[name].get("psnr_by_t", []))}}
+            for name in ordered(methods) if methods[name].get("psnr_by_t")
+            and methods[name]["kind"] != "rule"]
     return rows, columns
 
 
@@ -90,7 +95,8 @@ def plot_reconstructions(truth: np.ndarray, samples: dict[str, np.ndarray], path
 
 def plot_psnr_by_t(methods: dict[str, dict[str, Any]], path: Path) -> None:
     figure, axis = plt.subplots(figsize=(5, 3.2))
-    for name, row in methods.items():
+    for name in ordered(methods):
+        row = methods[name]
         if row.get("psnr_by_t") and row["kind"] != "rule":
             values = row["psnr_by_t"]
             style = "--" if row["kind"] == "reference" else "-"
