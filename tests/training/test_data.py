@@ -7,6 +7,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
+import torch
 
 from gradleak.errors import CaptureFileError, ConfigError
 from gradleak.threat import ObservedWindows
@@ -55,3 +56,15 @@ def test_mean_image_and_normaliser_rows_come_from_the_dataset(train_capture: Pat
     assert rows.shape == (10, data.gradient_dim)
     mean = data.mean_image(limit=40)
     assert mean.shape == (3, 32, 32) and 0.0 < float(mean.mean()) < 1.0
+
+
+def test_worker_processes_stream_the_same_windows(train_capture: Path) -> None:
+    from torch.utils.data import DataLoader
+
+    data = WindowDataset([train_capture], window=4)
+    data[0]  # the parent opens its handles first: workers must open their own
+    batches = [list(DataLoader(data, batch_size=5, collate_fn=collate, num_workers=workers))
+               for workers in (0, 1)]
+    for inline, streamed in zip(*batches, strict=True):
+        assert torch.equal(inline.observed.gradients, streamed.observed.gradients)
+        assert torch.equal(inline.images, streamed.images)

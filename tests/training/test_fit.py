@@ -83,6 +83,8 @@ def test_resume_reproduces_the_uninterrupted_run(train_capture: Path, tmp_path: 
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
     meta = json.loads((tmp_path / "resumed" / "attacker.json").read_text())
     assert meta["epoch"] == 2 and [h["epoch"] for h in meta["history"]] == [1, 2]
+    assert (tmp_path / "resumed" / "best.safetensors").exists()
+    assert any((tmp_path / "resumed" / "tensorboard").iterdir())  # scalars and sample grids
 
 
 def test_two_gloo_processes_end_with_identical_weights(train_capture: Path,

@@ -60,8 +60,9 @@ class GradientInput(nn.Module):
         """Standardisation statistics from training gradients, streamed as (n, d) chunks so
         a large sample never sits in memory at full width. Returns the rows seen."""
         count, total, total_sq, levels = 0, 0.0, 0.0, []
-        for chunk in chunks:
-            scaled, log_rms = self.rms_scale(self.select(chunk.to(torch.float64)))
+        for chunk in chunks:  # rows arrive on the CPU; the buffers may live on a GPU
+            scaled, log_rms = self.rms_scale(self.select(chunk.to(self.mean.device,
+                                                                  torch.float64)))
             count += len(scaled)
             total = total + scaled.sum(0)
             total_sq = total_sq + (scaled**2).sum(0)
