@@ -61,6 +61,13 @@ def test_scenes_split_is_fixed_and_disjoint(capsys) -> None:
     (["train-victim", "--out", "x", "--set", "train.updates=many"], "train.updates='many'"),
     (["capture", "--victim", "cnn-small", "--random-init", "--scenes", "train", "--steps", "5",
       "--out", "x.h5", "--shard", "3/2"], "--shard '3/2'"),
+    (["capture", "--victim", "cnn-small", "--random-init", "--scenes", "train", "--steps", "5",
+      "--out", "x.h5", "--set", "capture.gradient_dtype=float64"],
+     "capture.gradient_dtype='float64'"),
+    (["attack", "fgsm", "--data", "x.h5", "--index", "0", "--out", "o"],
+     "unknown optimisation baseline 'fgsm'"),
+    (["evaluate", "--attacker", "a", "--data", "x.h5", "--out", "o", "--baselines", "ig,gan"],
+     "--baselines 'gan'"),
 ])
 def test_errors_are_one_line_with_status_2(capsys, tmp_path: Path, monkeypatch, argv,
                                            message: str) -> None:
@@ -85,3 +92,25 @@ def test_demo_runs_end_to_end_and_reports_heldout_recovery(capsys, tmp_path: Pat
                  "trace/attacker.safetensors", "lti/attacker.safetensors",
                  "victim-ppo/victim.safetensors", "victim-ppo/learning_curve.png"):
         assert (out / name).exists(), name
+
+
+def test_attack_inverts_single_steps_and_draws_the_history(capsys, tmp_path: Path,
+                                                           random_capture: Path) -> None:
+    data = run_json(capsys, "attack", "ig", "--data", str(random_capture), "--index", "7",
+                    "--index", "2", "--iters", "4", "--restarts", "2", "--out",
+                    str(tmp_path / "ig"))
+    assert [step["index"] for step in data["steps"]] == [2, 7]
+    assert data["config"]["restarts"] == 2 and data["iterations"] == [4]
+    assert all(0.0 <= step["ssim"] <= 1.0 and step["matching_loss"] >= 0
+               for step in data["steps"])
+    assert (tmp_path / "ig" / "history.png").stat().st_size > 1000
+    saved = json.loads((tmp_path / "ig" / "attack.json").read_text())
+    assert saved["config"]["matching"]["loss"] == "victim"
+
+
+def test_attack_rejects_a_row_outside_the_capture(capsys, tmp_path: Path,
+                                                  random_capture: Path) -> None:
+    assert main(["attack", "dlg", "--data", str(random_capture), "--index", "50", "--out",
+                 str(tmp_path / "o")]) == 2
+    assert "--index 50" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()

@@ -23,7 +23,8 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 def evaluation(trained_attackers, random_capture: Path, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("eval")
     argv = ["evaluate", "--attacker", str(trained_attackers["trace"]), "--data",
-            str(random_capture), "--baselines", "lti,action-rule", "--out", str(out), "--quiet"]
+            str(random_capture), "--baselines", "lti,action-rule,ig,dlg-probe", "--iters", "3",
+            "--baseline-windows", "1", "--out", str(out), "--quiet"]
     assert main(argv) == 0
     return out
 
@@ -31,7 +32,14 @@ def evaluation(trained_attackers, random_capture: Path, tmp_path_factory) -> Pat
 def test_every_method_and_both_reference_rows_are_scored(evaluation: Path) -> None:
     result = json.loads((evaluation / "metrics.json").read_text())
     methods = result["methods"]
-    assert set(methods) == {"TRACE", "LtI", "action rule (odd-sign)", MEAN_IMAGE, MEAN_COLOUR}
+    assert set(methods) == {"TRACE", "LtI", "IG", "DLG (probe loss)", "action rule (odd-sign)",
+                            MEAN_IMAGE, MEAN_COLOUR}
+    for name in ("IG", "DLG (probe loss)"):  # slow: only the first window's 4 frames
+        assert methods[name]["kind"] == "optimisation" and methods[name]["frames"] == 4
+        assert methods[name]["ms_per_frame"] > 0 and 0 <= methods[name]["action_accuracy"] <= 1
+    assert methods["TRACE"]["frames"] == methods[MEAN_IMAGE]["frames"] > 4
+    assert result["baselines"]["IG"]["iterations"] == 3
+    assert result["baselines"]["DLG (probe loss)"]["matching"]["loss"] == "probe"
     assert methods[MEAN_IMAGE]["psnr_gain_over_mean_image"] == 0.0
     for name in ("TRACE", "LtI"):
         row = methods[name]
@@ -41,6 +49,7 @@ def test_every_method_and_both_reference_rows_are_scored(evaluation: Path) -> No
     assert "lpips" not in methods["TRACE"] and result["lpips"].startswith("LPIPS unavailable")
     table = (evaluation / "metrics.md").read_text()
     assert "| TRACE |" in table and "mean colour (oracle)" in table and "t=4" in table
+    assert table.index("| LtI |") < table.index("| IG |") < table.index("| action rule")
     for name in ("reconstructions.png", "psnr_by_t.png"):
         assert (evaluation / name).stat().st_size > 1000
 

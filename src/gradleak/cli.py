@@ -196,10 +196,7 @@ def _attackers(args: argparse.Namespace) -> dict[str, str]:
             name = read_json(Path(path) / META, "attacker config").get("kind", Path(path).name)
             name = "TRACE" if name == "trace" else "LtI" if name == "lti" else name
         attackers[name] = path
-    baselines = [b for b in (args.baselines or "").split(",") if b]
-    for baseline in baselines:
-        if baseline not in ("lti", "action-rule"):
-            raise ConfigError(f"--baselines {baseline!r}: expected lti and/or action-rule")
+    baselines = _baseline_names(args)
     if "lti" in baselines and "LtI" not in attackers:
         lti = args.lti or str(Path(args.attacker[0].partition("=")[2] or args.attacker[0])
                               .parent / "lti")
@@ -207,16 +204,70 @@ def _attackers(args: argparse.Namespace) -> dict[str, str]:
     return attackers
 
 
+def _baseline_names(args: argparse.Namespace) -> list[str]:
+    from gradleak.attacks.optim.solve import BASELINES
+
+    names = [b for b in (args.baselines or "").split(",") if b]
+    allowed = ["lti", "action-rule", *BASELINES.names()]
+    for name in names:
+        if name not in allowed:
+            raise ConfigError(f"--baselines {name!r}: expected some of {', '.join(allowed)}")
+    return names
+
+
+def _optim_config(args: argparse.Namespace, name: str) -> Any:
+    """A baseline's settings: the preset's IG/DLG, then --iters, --time-limit, --restarts."""
+    from gradleak.attacks.optim.solve import baseline_config
+
+    preset = _preset(args, "cpu-bench")
+    families = {"ig": preset.attack.ig, "dlg": preset.attack.dlg}
+    overrides = {key: value for key, value in (("time_limit_s", args.time_limit),
+                                               ("restarts", args.restarts),
+                                               ("batch", args.batch)) if value is not None}
+    return baseline_config(name, families, iterations=args.iters, **overrides)
+
+
 def cmd_evaluate(args: argparse.Namespace) -> None:
+    from gradleak.attacks.optim.solve import BASELINES
     from gradleak.evaluation.reconstructions import evaluate
     from gradleak.report.evaluation import TABLE_COLUMNS, table_rows
     from gradleak.report.tables import text_table
 
+    optim = {name.upper().replace("-PROBE", " (probe loss)"): _optim_config(args, name)
+             for name in _baseline_names(args) if name in BASELINES}
     result = evaluate(args.data, _attackers(args), Path(args.out), args.lpips_weights,
-                      args.max_windows)
+                      args.max_windows, baselines=optim,
+                      baseline_windows=args.baseline_windows,
+                      progress=not (args.quiet or args.json))
     text = (text_table(table_rows(result["methods"]), TABLE_COLUMNS)
             + f"\nLPIPS: {result['lpips']}\noutputs in {args.out}")
     _emit(args, result, text)
+
+
+def cmd_attack(args: argparse.Namespace) -> None:
+    from gradleak.evaluation.baselines import attack_steps
+    from gradleak.report.tables import text_table
+
+    result = attack_steps(args.data, args.index, args.method, _optim_config(args, args.method),
+                          Path(args.out), progress=not (args.quiet or args.json))
+    columns = ["index", "psnr", "ssim", "action", "true_action", "matching_loss"]
+    rows = [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in step.items()}
+            for step in result["steps"]]
+    text = (text_table(rows, columns) + f"\n{result['seconds_per_frame']:.2f} s per frame; "
+            f"history: {Path(args.out) / 'history.png'}")
+    _emit(args, result, text)
+
+
+def _optim_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--preset", default=None, help="iteration budgets: cpu-quick, "
+                        "cpu-bench (default) or paper")
+    parser.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE",
+                        help="override a preset field, e.g. attack.ig.lr=0.05 (repeatable)")
+    parser.add_argument("--iters", type=int, default=None, help="optimisation iterations")
+    parser.add_argument("--time-limit", type=float, default=None,
+                        help="seconds per batch of frames; stop there and keep where it got")
+    parser.add_argument("--restarts", type=int, default=None)
+    parser.add_argument("--batch", type=int, default=None, help="frames solved at once")
 
 
 def cmd_report(args: argparse.Namespace) -> None:
@@ -316,13 +367,26 @@ def build_parser() -> argparse.ArgumentParser:
                    help="an attacker run directory, or NAME=DIR (repeatable)")
     p.add_argument("--data", nargs="+", required=True, help="held-out capture files")
     p.add_argument("--baselines", default="lti,action-rule",
-                   help="lti (from --lti, default: the attacker's sibling 'lti' directory) "
-                   "and/or action-rule")
+                   help="lti (from --lti, default: the attacker's sibling 'lti' directory), "
+                   "action-rule, and the optimisation baselines dlg, ig, dlg-probe, ig-probe")
     p.add_argument("--lti", default=None)
     p.add_argument("--out", required=True)
     p.add_argument("--max-windows", type=int, default=None)
+    p.add_argument("--baseline-windows", type=int, default=2,
+                   help="windows the optimisation baselines invert (they are slow)")
     p.add_argument("--lpips-weights", default=None)
+    _optim_flags(p)
     p.set_defaults(func=cmd_evaluate)
+
+    p = sub.add_parser("attack", help="invert single steps with DLG or IG; save the history")
+    _common(p)
+    p.add_argument("method", help="dlg, ig, dlg-probe or ig-probe")
+    p.add_argument("--data", required=True, help="a capture file")
+    p.add_argument("--index", type=int, action="append", required=True,
+                   help="a row of the capture (repeatable)")
+    p.add_argument("--out", required=True)
+    _optim_flags(p)
+    p.set_defaults(func=cmd_attack)
 
     p = sub.add_parser("report", help="write a self-contained report.html for an evaluation")
     _common(p)

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from gradleak.attacks.lti import LtiConfig
+from gradleak.attacks.optim.solve import OptimConfig, deep_leakage, inverting_gradients
 from gradleak.attacks.trace import TraceConfig
 from gradleak.envs.doomnav import DoomNavConfig
 from gradleak.errors import ConfigError
@@ -60,6 +61,8 @@ class CaptureConfig:
     components: list[str] = field(default_factory=lambda: list(COMPONENTS))
     chunk: int = 32  # steps per vmap call: bounds memory
     gradient_method: str = "vmap"  # or "loop" (one autograd call per step; the reference)
+    # float16 halves the file; float32 keeps the gradient exact (gradient-matching checks)
+    gradient_dtype: str = "float16"
     seed: int = 0
 
 
@@ -73,6 +76,9 @@ class AttackConfig:
     lti_fit: FitConfig = field(default_factory=lambda: FitConfig(
         epochs=200, batch_size=64, accumulation=1, lr=1e-3, warmup_epochs=1, rollout_steps=0,
         teacher_forcing_epochs=0, weights=LossWeights(perceptual=0.0, rollout=0.0)))
+    # The optimisation baselines; their probe-loss variants start from these too.
+    ig: OptimConfig = field(default_factory=inverting_gradients)
+    dlg: OptimConfig = field(default_factory=deep_leakage)
 
 
 @dataclass
@@ -88,6 +94,11 @@ class Preset:
 
 
 PRESETS: Registry[Any] = Registry("preset")
+
+
+def with_iterations(config: OptimConfig, iterations: int) -> OptimConfig:
+    config.iterations = iterations
+    return config
 
 
 @PRESETS.register("cpu-quick")
@@ -108,7 +119,9 @@ def cpu_quick() -> Preset:
         lti=LtiConfig(hidden=512, layers=2, subsample_fraction=0.1),
         lti_fit=FitConfig(epochs=8, batch_size=32, lr=1e-3, teacher_forcing_epochs=0,
                           rollout_steps=0, weights=LossWeights(perceptual=0.0, rollout=0.0),
-                          max_train_windows=2048, **quick))
+                          max_train_windows=2048, **quick),
+        ig=with_iterations(inverting_gradients(), 200),
+        dlg=with_iterations(deep_leakage(), 200))
     return Preset("cpu-quick", env, train, CaptureConfig(steps_train=4096, steps_heldout=1024),
                   attack)
 
@@ -131,7 +144,9 @@ def cpu_bench() -> Preset:
         lti=LtiConfig(hidden=1500, layers=2, subsample_fraction=0.1),
         lti_fit=FitConfig(epochs=15, batch_size=64, lr=1e-3, warmup_epochs=0.3,
                           teacher_forcing_epochs=0, rollout_steps=0,
-                          weights=LossWeights(perceptual=0.0, rollout=0.0), **bench))
+                          weights=LossWeights(perceptual=0.0, rollout=0.0), **bench),
+        ig=with_iterations(inverting_gradients(), 1200),
+        dlg=with_iterations(deep_leakage(), 1200))
     return Preset("cpu-bench", env, train, CaptureConfig(steps_train=20_000, steps_heldout=4_000),
                   attack)
 

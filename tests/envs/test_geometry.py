@@ -20,7 +20,7 @@ def geometry(tmp_path: Path) -> MapGeometry:
 
 
 def cell_at(geometry: MapGeometry, x: float, y: float) -> tuple[int, int]:
-    return (int(round((y - geometry.origin[1]) / CELL)), int(round((x - geometry.origin[0]) / CELL)))
+    return (round((y - geometry.origin[1]) / CELL), round((x - geometry.origin[0]) / CELL))
 
 
 def test_closed_door_splits_the_map_into_two_regions(geometry: MapGeometry) -> None:

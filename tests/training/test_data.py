@@ -1,4 +1,4 @@
-"""Windows stay inside episodes, the split is episode-disjoint, the batch splits the threat model."""
+"""Windows stay inside episodes, the split is episode-disjoint, batches split the threat model."""
 
 from __future__ import annotations
 

@@ -97,7 +97,8 @@ def test_two_gloo_processes_end_with_identical_weights(train_capture: Path,
                "--set", "attack.trace.window=4", "--set", "attack.trace.encoder_width=32",
                "--set", "attack.trace.latent=32", "--set", "attack.trace.layers=1",
                "--set", "attack.trace.image_channels=8", "--set", "attack.trace_fit.workers=0",
-               "--set", "attack.trace_fit.batch_size=4", "--set", "attack.trace_fit.max_val_windows=4",
+               "--set", "attack.trace_fit.batch_size=4",
+               "--set", "attack.trace_fit.max_val_windows=4",
                "--set", "attack.trace_fit.normaliser_rows=32"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)

@@ -55,8 +55,8 @@ def _run_episode(env: gym.Env, victim: Victim, seed: int, scene: str, max_steps:
         values.append(float(value[0]))
         log_probs.append(float(log_prob[0]))
         probs.append(pi[0])
-    bootstrap = 0.0 if terminated else float(
-        value_of(victim, observation["image"][None], observation["goal"][None].astype(np.float32))[0])
+    bootstrap = 0.0 if terminated else float(value_of(
+        victim, observation["image"][None], observation["goal"][None].astype(np.float32))[0])
     episode = Episode(images=np.stack(frames), goals=np.stack(goals),
                       actions=np.array(actions, np.int64), rewards=np.array(rewards, np.float32),
                       values=np.array(values, np.float32),

@@ -28,6 +28,7 @@ from gradleak.victims.base import VICTIMS, Victim, VictimConfig, create_victim, 
 
 SPLITS = ("train", "heldout")
 GRADIENT_METHODS = ("vmap", "loop")
+GRADIENT_DTYPES = ("float16", "float32")
 FLOAT16_MAX = 65504.0
 
 
@@ -130,6 +131,10 @@ def _plan(job: CaptureJob) -> _Plan:
     if job.preset.capture.gradient_method not in GRADIENT_METHODS:
         raise ConfigError(f"capture.gradient_method={job.preset.capture.gradient_method!r}: "
                           f"expected one of {', '.join(GRADIENT_METHODS)}")
+    dtype = job.preset.capture.gradient_dtype
+    if dtype not in GRADIENT_DTYPES:
+        raise ConfigError(f"capture.gradient_dtype={dtype!r}: expected one of "
+                          f"{', '.join(GRADIENT_DTYPES)}")
     preset, (shard_index, shard_count) = job.preset, job.shard
     victim, algorithm, coefficients, gamma, lam = _victim_and_rule(job)
     layers = layer_table(victim, tuple(preset.capture.components))
@@ -141,6 +146,8 @@ def _plan(job: CaptureJob) -> _Plan:
                 "lam": lam, "split": job.split, "scenes": scenes,
                 "components": list(preset.capture.components), "seed": seed,
                 "shard": [shard_index, shard_count], "env": _env_settings(preset)}
+    if dtype != "float16":  # only when set, so captures made before the option still resume
+        settings["gradient_dtype"] = dtype
     attrs = {"format": FORMAT, "format_version": FORMAT_VERSION, "victim": victim.config.name,
              "victim_config": json.dumps(victim.config.to_dict()),
              "theta0_sha256": settings["theta0_sha256"], "algorithm": algorithm,
@@ -169,7 +176,8 @@ def run_capture(job: CaptureJob) -> dict[str, Any]:
         theta0 = {k: v.detach().numpy() for k, v in plan.victim.state_dict().items()}
         columns = step_columns(plan.victim.config.frame_size, plan.victim.config.num_actions)
         writer = CaptureWriter(plan.out, plan.attrs, columns, plan.attrs["gradient_dim"],
-                               theta0, job.resume, job.overwrite)
+                               theta0, job.resume, job.overwrite,
+                               gradient_dtype=job.preset.capture.gradient_dtype)
         if writer.already_complete:
             return {"out": str(plan.out), "status": "already complete"}
         try:
@@ -242,6 +250,8 @@ def _gradients(plan: _Plan, episode: Any, targets: dict[str, np.ndarray],
     if not math.isfinite(peak):
         raise CaptureFileError(f"{out}: episode {episode_index} produced non-finite gradients; "
                                "the victim checkpoint θ0 is probably diverged")
+    if config.gradient_dtype == "float32":
+        return gradients.numpy()
     if peak > FLOAT16_MAX:
         raise CaptureFileError(f"{out}: episode {episode_index} has a gradient entry of "
                                f"{peak:.3g}, beyond float16's range")

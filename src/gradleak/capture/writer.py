@@ -34,8 +34,9 @@ def partial_path(path: Path) -> Path:
 class CaptureWriter:
     def __init__(self, path: Path, attrs: dict[str, Any], columns: tuple[Column, ...],
                  gradient_dim: int, theta0: dict[str, np.ndarray], resume: bool = False,
-                 overwrite: bool = False) -> None:
+                 overwrite: bool = False, gradient_dtype: str = "float16") -> None:
         self.path, self.partial = Path(path), partial_path(Path(path))
+        self.gradient_dtype = gradient_dtype
         self.columns = columns
         self.already_complete = False
         if self.path.exists() and not overwrite:
@@ -72,7 +73,8 @@ class CaptureWriter:
         # One gradient per chunk row: readers fetch single steps or windows without decoding
         # neighbours; lzf because it is ~3x faster to write than gzip for ~25% less saving.
         handle.create_dataset(GRADIENTS, shape=(0, gradient_dim), maxshape=(None, gradient_dim),
-                              dtype="float16", chunks=(1, gradient_dim), compression="lzf")
+                              dtype=self.gradient_dtype, chunks=(1, gradient_dim),
+                              compression="lzf")
         group = handle.create_group(THETA0_GROUP)
         for name, tensor in theta0.items():
             group.create_dataset(name, data=tensor)

@@ -164,8 +164,9 @@ class DoomNavEnv(gym.Env):
             x, y, z = self._vars[:3]
             if (z > ENGINE_LOST_Z and abs(x - spawn[0]) < 0.5 and abs(y - spawn[1]) < 0.5):
                 return
-        raise EngineError(f"scene {scene.name}: the engine refused {SPAWN_ATTEMPTS} spawn points in "
-                          "a row; the map's geometry may use features the scene builder ignores")
+        raise EngineError(f"scene {scene.name}: the engine refused {SPAWN_ATTEMPTS} spawn points "
+                          "in a row; the map's geometry may use features the scene builder "
+                          "ignores")
 
     def _pick_goal(self, points: np.ndarray, spawn: np.ndarray) -> np.ndarray:
         distance = np.hypot(*(points - spawn).T) / UNITS_PER_METRE

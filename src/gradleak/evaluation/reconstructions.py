@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,8 @@ import numpy as np
 import torch
 
 from gradleak.attacks.action_rules import recover_actions
+from gradleak.attacks.optim.solve import GradientMatchingAttack, OptimConfig
+from gradleak.capture.reader import CaptureFile
 from gradleak.capture.schema import layers_from_json
 from gradleak.errors import ConfigError
 from gradleak.metrics.images import mse, psnr, ssim
@@ -36,7 +38,7 @@ class MethodScores:
     """Per-frame scores of one method, shape (N, T) each, plus timing."""
 
     name: str
-    kind: str  # "learned", "rule", "reference"
+    kind: str  # "learned", "optimisation", "rule", "reference"
     mse: list[np.ndarray] = field(default_factory=list)
     psnr: list[np.ndarray] = field(default_factory=list)
     ssim: list[np.ndarray] = field(default_factory=list)
@@ -61,7 +63,9 @@ def _frame_scores(prediction: torch.Tensor, truth: torch.Tensor, lpips: LPIPS | 
 class Evaluation:
     def __init__(self, data: Sequence[str | os.PathLike[str]], attackers: dict[str, str],
                  window: int | None = None, lpips_weights: str | None = None,
-                 max_windows: int | None = None, samples: int = 4) -> None:
+                 max_windows: int | None = None, samples: int = 4,
+                 baselines: dict[str, OptimConfig] | None = None, baseline_windows: int = 2,
+                 progress: bool = False) -> None:
         self.models = {name: load_attacker(path) for name, path in attackers.items()}
         windows = [m[0].config.window for m in self.models.values() if hasattr(m[0].config,
                                                                                "window")]
@@ -76,6 +80,13 @@ class Evaluation:
                 raise ConfigError(f"attacker {name} reads windows of {span} steps; evaluation "
                                   f"windows of {self.window} must be a multiple of it")
         self.layers = tuple(layers_from_json(self.dataset.fingerprint.layer_table))
+        # The optimisation baselines solve one problem per frame: seconds to minutes each, so
+        # they see only the first `baseline_windows` windows (their rows say how many frames).
+        self.baselines, self.baseline_windows = baselines or {}, baseline_windows
+        self.progress = progress
+        with CaptureFile(data[0]) as capture:  # θ0 and the loss: what the server knows
+            self.theta0 = capture.theta0() if self.baselines else {}
+            self.hyperparameters = capture.hyperparameters
         self.lpips_note = unavailable_reason(lpips_weights)
         self.lpips = None if self.lpips_note else LPIPS(lpips_weights)
         self.max_windows, self.sample_count = max_windows, samples
@@ -93,6 +104,7 @@ class Evaluation:
         methods = {name: MethodScores(name, "learned",
                                       parameters=sum(p.numel() for p in model.parameters()))
                    for name, (model, _) in self.models.items()}
+        methods.update({name: MethodScores(name, "optimisation") for name in self.baselines})
         methods["action rule (odd-sign)"] = MethodScores("action rule (odd-sign)", "rule")
         methods[MEAN_IMAGE] = MethodScores(MEAN_IMAGE, "reference")
         methods[MEAN_COLOUR] = MethodScores(MEAN_COLOUR, "reference")
@@ -103,6 +115,7 @@ class Evaluation:
             batch = collate([self.dataset[i] for i in range(start, min(start + batch_size,
                                                                        count))])
             self._score_batch(batch, methods)
+            self._score_baselines(batch, methods, max(0, self.baseline_windows - start))
         return methods
 
     def _score_batch(self, batch: Any, methods: dict[str, MethodScores]) -> None:
@@ -134,13 +147,33 @@ class Evaluation:
             scores.samples = new if scores.samples is None else np.concatenate([scores.samples,
                                                                                 new])
 
+    def _score_baselines(self, batch: Any, methods: dict[str, MethodScores], windows: int
+                         ) -> None:
+        if not self.baselines or windows <= 0:
+            return
+        truth, actions = batch.images[:windows], batch.actions[:windows].numpy()
+        observed = ObservedWindows(batch.observed.gradients[:windows])
+        b, t = truth.shape[:2]
+        flat = self._frames_observation(observed)
+        for name, config in self.baselines.items():
+            result = GradientMatchingAttack(flat, config, self.progress).reconstruct()
+            images = torch.from_numpy(result.images).view(b, t, *result.images.shape[1:])
+            self._add(methods[name], images.permute(0, 1, 4, 2, 3).float() / 255.0, truth,
+                      result.actions.reshape(b, t) == actions, result.extras["seconds"])
+
+    def _frames_observation(self, observed: ObservedWindows) -> Observation:
+        """The windows' gradients as one row per frame, with what the server knows of them."""
+        b, t, d = observed.gradients.shape
+        return Observation(gradients=observed.gradients.reshape(b * t, d).numpy(),
+                           layers=self.layers, victim=self.dataset.fingerprint.victim,
+                           hyperparameters=self.hyperparameters,
+                           episode_ids=np.repeat(np.arange(b), t),
+                           step_in_episode=np.tile(np.arange(t), b), theta0=self.theta0)
+
     def _add_rule(self, scores: MethodScores, observed: ObservedWindows,
                   actions: np.ndarray) -> None:
-        b, t, d = observed.gradients.shape
-        flat = Observation(gradients=observed.gradients.reshape(b * t, d).numpy(),
-                           layers=self.layers, victim=self.dataset.fingerprint.victim,
-                           hyperparameters={}, episode_ids=np.zeros(b * t, np.int64),
-                           step_in_episode=np.zeros(b * t, np.int64))
+        b, t, _ = observed.gradients.shape
+        flat = self._frames_observation(observed)
         tick = time.perf_counter()
         predicted = recover_actions(flat, "odd-sign").actions.reshape(b, t)
         scores.seconds += time.perf_counter() - tick
@@ -179,6 +212,7 @@ def summarise(methods: dict[str, MethodScores]) -> dict[str, Any]:
         if scores.correct:
             row["action_accuracy"] = float(np.concatenate(scores.correct).mean())
         row["ms_per_frame"] = 1e3 * scores.seconds / scores.frames if scores.frames else None
+        row["frames"] = scores.frames
         row["parameters"] = scores.parameters
         row["order"] = len(rows)  # JSON files sort their keys; tables keep this order
         rows[name] = row
@@ -190,14 +224,17 @@ def summarise(methods: dict[str, MethodScores]) -> dict[str, Any]:
 
 
 def evaluate(data: Sequence[str | os.PathLike[str]], attackers: dict[str, str], out: Path,
-             lpips_weights: str | None = None, max_windows: int | None = None
-             ) -> dict[str, Any]:
+             lpips_weights: str | None = None, max_windows: int | None = None,
+             baselines: dict[str, OptimConfig] | None = None, baseline_windows: int = 2,
+             progress: bool = False) -> dict[str, Any]:
     from gradleak.report.evaluation import write_evaluation  # matplotlib is slow to import
 
     evaluation = Evaluation(data, attackers, lpips_weights=lpips_weights,
-                            max_windows=max_windows)
+                            max_windows=max_windows, baselines=baselines,
+                            baseline_windows=baseline_windows, progress=progress)
     methods = evaluation.run()
     result = {"data": [str(p) for p in data], "attackers": attackers,
+              "baselines": {name: asdict(config) for name, config in (baselines or {}).items()},
               "window": evaluation.window, "windows": min(len(evaluation.dataset),
                                                           max_windows or len(evaluation.dataset)),
               "lpips": evaluation.lpips_note or "available", "methods": summarise(methods)}

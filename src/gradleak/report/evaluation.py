@@ -12,7 +12,8 @@ from gradleak.report.plots import _save, plt
 from gradleak.report.tables import markdown_table
 
 TABLE_COLUMNS = ["method", "MSE", "PSNR (dB)", "gain vs mean image", "SSIM", "LPIPS",
-                 "action acc.", "ms / frame", "parameters"]
+                 "action acc.", "ms / frame", "parameters", "frames"]
+KIND_ORDER = {"learned": 0, "optimisation": 1, "rule": 2, "reference": 3}
 
 
 def _pm(row: dict[str, Any], metric: str, digits: int) -> str | None:
@@ -22,9 +23,10 @@ def _pm(row: dict[str, Any], metric: str, digits: int) -> str | None:
 
 
 def ordered(methods: dict[str, dict[str, Any]]) -> list[str]:
-    """Learned methods first, in the order they were given, then the rule, then references."""
-    return sorted(methods, key=lambda n: ({"learned": 0, "rule": 1, "reference": 2}
-                                          [methods[n]["kind"]], methods[n].get("order", 0)))
+    """Learned methods first, in the order they were given, then the optimisation baselines,
+    the rule, and the references."""
+    return sorted(methods, key=lambda n: (KIND_ORDER[methods[n]["kind"]],
+                                          methods[n].get("order", 0)))
 
 
 def table_rows(methods: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
@@ -42,7 +44,8 @@ def table_rows(methods: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
                             if "action_accuracy" in row else None),
             "ms / frame": (f"{row['ms_per_frame']:.2f}" if row.get("ms_per_frame") and
                            row["kind"] != "reference" else None),
-            "parameters": f"{row['parameters']:,}" if row.get("parameters") else None})
+            "parameters": f"{row['parameters']:,}" if row.get("parameters") else None,
+            "frames": row.get("frames")})
     return rows
 
 
@@ -65,6 +68,8 @@ def markdown_report(result: dict[str, Any]) -> str:
         markdown_table(table_rows(methods), TABLE_COLUMNS), "",
         "Mean ± std over frames. The two reference rows use no gradient: the mean training "
         "image, and each frame's own mean colour (an oracle: it reads the true frame). "
+        "Optimisation baselines (DLG, IG) score only the frames of the first windows, and "
+        "optimise the unobserved advantage and return jointly with the frame. "
         f"LPIPS: {result['lpips']}.", "",
         "## PSNR by position in the window", "", markdown_table(by_t, columns), ""])
 
@@ -83,7 +88,8 @@ def plot_reconstructions(truth: np.ndarray, samples: dict[str, np.ndarray], path
                                             [(n, samples[n]) for n in names]):
             for t in range(steps):
                 axis = axes[s * (1 + len(names)) + r, t]
-                axis.imshow(frames[s, t], interpolation="nearest")
+                if s < len(frames):  # the optimisation baselines invert fewer sequences
+                    axis.imshow(frames[s, t], interpolation="nearest")
                 axis.set_xticks([])
                 axis.set_yticks([])
                 if t == 0:
@@ -114,6 +120,6 @@ def write_evaluation(out: Path, result: dict[str, Any], methods: dict[str, Any],
     with atomic_path(out / "metrics.md") as tmp:
         tmp.write_text(markdown_report(result))
     samples = {name: scores.samples for name, scores in methods.items()
-               if scores.kind == "learned" or name.startswith("mean training")}
+               if scores.kind in ("learned", "optimisation") or name.startswith("mean training")}
     plot_reconstructions(truth, samples, out / "reconstructions.png")
     plot_psnr_by_t(result["methods"], out / "psnr_by_t.png")

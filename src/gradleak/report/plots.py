@@ -46,3 +46,29 @@ def plot_action_recovery(frames: Any, true_actions: Any, recovered: Any,
                        color="tab:green" if truth == guess else "tab:red")
     figure.suptitle(title, fontsize=8)
     _save(figure, path)
+
+
+def plot_optimisation_history(truth: Any, snapshots: list[tuple[int, Any]], losses: Any,
+                              restart: Any, restarts: int, path: Path, title: str) -> None:
+    """Per frame: the private frame, the kept restart's image at a few iterations, and the
+    matching loss of every problem over the iterations (log scale)."""
+    frames = len(truth)
+    columns = len(snapshots) + 2
+    figure, axes = plt.subplots(frames, columns, figsize=(1.3 * columns + 1.5, 1.4 * frames),
+                                squeeze=False)
+    for f in range(frames):
+        row = f * restarts + int(restart[f])
+        panels = [("private", truth[f])] + [(f"it {i + 1}", images[row])
+                                            for i, images in snapshots]
+        for axis, (label, image) in zip(axes[f], panels, strict=False):
+            axis.imshow(image, interpolation="nearest")
+            axis.set_xticks([])
+            axis.set_yticks([])
+            axis.set_title(label, fontsize=7)
+        curve = axes[f, -1]
+        curve.semilogy(range(1, len(losses) + 1), losses[:, row])
+        curve.set_xlabel("iteration", fontsize=7)
+        curve.set_ylabel("matching loss", fontsize=7)
+        curve.tick_params(labelsize=6)
+    figure.suptitle(title, fontsize=8)
+    _save(figure, path)

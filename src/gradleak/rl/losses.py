@@ -29,9 +29,14 @@ class LossCoefficients:
 
 def log_probs_and_entropy(logits: torch.Tensor, actions: torch.Tensor
                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`actions` is (B,) indices, or (B, K) action distributions: a one-hot row gives exactly
+    the index's log-probability (DLG optimises such a soft action)."""
     log_pi = F.log_softmax(logits, dim=-1)
-    # gather, not indexing: vmap cannot trace data-dependent indexing like log_pi[a]
-    taken = log_pi.gather(-1, actions.long().unsqueeze(-1)).squeeze(-1)
+    if actions.is_floating_point() and actions.dim() == log_pi.dim():
+        taken = (actions * log_pi).sum(-1)
+    else:
+        # gather, not indexing: vmap cannot trace data-dependent indexing like log_pi[a]
+        taken = log_pi.gather(-1, actions.long().unsqueeze(-1)).squeeze(-1)
     entropy = -(log_pi.exp() * log_pi).sum(-1)
     return taken, entropy
 

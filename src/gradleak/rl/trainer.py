@@ -76,8 +76,9 @@ def _minibatch_loss(victim: Victim, batch: dict[str, torch.Tensor], coefficients
         stats = {"value_loss": float(((values - batch["returns"]) ** 2).mean()),
                  "entropy": float(entropy.mean()),
                  "approx_kl": float(((log_ratio.exp() - 1) - log_ratio).mean())}
-    stats["policy_loss"] = float(losses.detach().mean()) - coefficients.value * stats["value_loss"] \
-        + coefficients.entropy * stats["entropy"]
+    stats["policy_loss"] = (float(losses.detach().mean())
+                            - coefficients.value * stats["value_loss"]
+                            + coefficients.entropy * stats["entropy"])
     return losses.mean(), stats
 
 

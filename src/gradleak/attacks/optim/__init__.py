@@ -1,0 +1,1 @@
+"""Optimisation baselines: DLG and Inverting Gradients with the victim's exact loss."""
