@@ -235,13 +235,32 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
 
     optim = {name.upper().replace("-PROBE", " (probe loss)"): _optim_config(args, name)
              for name in _baseline_names(args) if name in BASELINES}
+    defense = _defense(args)
     result = evaluate(args.data, _attackers(args), Path(args.out), args.lpips_weights,
                       args.max_windows, baselines=optim,
                       baseline_windows=args.baseline_windows,
-                      progress=not (args.quiet or args.json))
+                      progress=not (args.quiet or args.json), defense=defense)
     text = (text_table(table_rows(result["methods"]), TABLE_COLUMNS)
             + f"\nLPIPS: {result['lpips']}\noutputs in {args.out}")
     _emit(args, result, text)
+
+
+def _defense(args: argparse.Namespace) -> Any:
+    from gradleak.defenses import parse_defense
+
+    return parse_defense(args.defense, args.defense_seed) if args.defense else None
+
+
+def cmd_defend(args: argparse.Namespace) -> None:
+    from gradleak.defenses.files import defend_capture
+
+    result = defend_capture(args.input, _defense(args), args.out, args.overwrite,
+                            progress=not (args.quiet or args.json))
+    last = result["defenses"][-1]
+    extras = "".join(f", {t['name']}: σ = {t['sigma']:.4g}, ε = {t['achieved_eps']:.3g}"
+                     for t in last["transforms"] if t["name"] == "dpsgd")
+    _emit(args, result, f"{result['rows']} gradients defended with {last['spec']}{extras} -> "
+          f"{result['out']}")
 
 
 def cmd_attack(args: argparse.Namespace) -> None:
@@ -256,6 +275,13 @@ def cmd_attack(args: argparse.Namespace) -> None:
     text = (text_table(rows, columns) + f"\n{result['seconds_per_frame']:.2f} s per frame; "
             f"history: {Path(args.out) / 'history.png'}")
     _emit(args, result, text)
+
+
+def _defense_flags(parser: argparse.ArgumentParser, required: bool) -> None:
+    parser.add_argument("--defense", required=required, default=None, metavar="SPEC",
+                        help="e.g. quant:8, prune:0.1, noise:0.01, dpsgd:eps=5,delta=1e-5,"
+                        "clip=1, agg:4, or a chain prune:0.1+noise:0.01")
+    parser.add_argument("--defense-seed", type=int, default=0)
 
 
 def _optim_flags(parser: argparse.ArgumentParser) -> None:
@@ -375,8 +401,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--baseline-windows", type=int, default=2,
                    help="windows the optimisation baselines invert (they are slow)")
     p.add_argument("--lpips-weights", default=None)
+    _defense_flags(p, required=False)
     _optim_flags(p)
     p.set_defaults(func=cmd_evaluate)
+
+    p = sub.add_parser("defend", help="write a defended copy of a capture file")
+    _common(p)
+    p.add_argument("input", help="a capture file")
+    p.add_argument("--out", required=True)
+    p.add_argument("--overwrite", action="store_true")
+    _defense_flags(p, required=True)
+    p.set_defaults(func=cmd_defend)
 
     p = sub.add_parser("attack", help="invert single steps with DLG or IG; save the history")
     _common(p)

@@ -18,6 +18,7 @@ import numpy as np
 from tqdm import tqdm
 
 from gradleak.capture.schema import (
+    DEFENSES_ATTR,
     FORMAT,
     FORMAT_VERSION,
     GRADIENTS,
@@ -209,6 +210,8 @@ class CaptureFile:
                 "components": json.loads(attrs["components"]),
                 "scenes": len(json.loads(attrs["scenes"])),
                 "theta0_sha256": attrs["theta0_sha256"],
+                "defenses": [chain["spec"] for chain in json.loads(attrs.get(DEFENSES_ATTR,
+                                                                             "[]"))],
                 "size_mb": round(self.path.stat().st_size / 2**20, 2)}
 
     def close(self) -> None:

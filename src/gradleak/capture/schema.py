@@ -44,6 +44,7 @@ def step_columns(frame_size: int, num_actions: int) -> tuple[Column, ...]:
 
 
 GRADIENTS = "gradients"
+DEFENSES_ATTR = "defenses"  # JSON list of the defense chains applied to a defended copy
 THETA0_GROUP = "theta0"
 REQUIRED_ATTRS = ("format", "format_version", "victim", "victim_config", "theta0_sha256",
                   "algorithm", "loss", "layer_table", "components", "scenes", "split",

@@ -23,6 +23,7 @@ from gradleak.attacks.action_rules import recover_actions
 from gradleak.attacks.optim.solve import GradientMatchingAttack, OptimConfig
 from gradleak.capture.reader import CaptureFile
 from gradleak.capture.schema import layers_from_json
+from gradleak.defenses import Chain
 from gradleak.errors import ConfigError
 from gradleak.metrics.images import mse, psnr, ssim
 from gradleak.metrics.lpips import LPIPS, unavailable_reason
@@ -65,7 +66,11 @@ class Evaluation:
                  window: int | None = None, lpips_weights: str | None = None,
                  max_windows: int | None = None, samples: int = 4,
                  baselines: dict[str, OptimConfig] | None = None, baseline_windows: int = 2,
-                 progress: bool = False) -> None:
+                 progress: bool = False, defense: Chain | None = None) -> None:
+        if defense is not None and not defense.per_step:
+            raise ConfigError(f"--defense {defense.spec!r} aggregates steps; scoring "
+                              "aggregated streams is not supported by `evaluate` yet")
+        self.defense = defense
         self.models = {name: load_attacker(path) for name, path in attackers.items()}
         windows = [m[0].config.window for m in self.models.values() if hasattr(m[0].config,
                                                                                "window")]
@@ -114,6 +119,8 @@ class Evaluation:
         for start in range(0, count, batch_size):
             batch = collate([self.dataset[i] for i in range(start, min(start + batch_size,
                                                                        count))])
+            if self.defense is not None:  # zero-shot: the attackers were trained on clean data
+                batch.observed = ObservedWindows(self._defended(batch))
             self._score_batch(batch, methods)
             self._score_baselines(batch, methods, max(0, self.baseline_windows - start))
         return methods
@@ -146,6 +153,11 @@ class Evaluation:
             new = _to_uint8(prediction)
             scores.samples = new if scores.samples is None else np.concatenate([scores.samples,
                                                                                 new])
+
+    def _defended(self, batch: Any) -> torch.Tensor:
+        gradients = batch.observed.gradients
+        flat = self.defense.gradients(gradients.flatten(0, 1), batch.rows.flatten())
+        return flat.view(gradients.shape)
 
     def _score_baselines(self, batch: Any, methods: dict[str, MethodScores], windows: int
                          ) -> None:
@@ -226,15 +238,17 @@ def summarise(methods: dict[str, MethodScores]) -> dict[str, Any]:
 def evaluate(data: Sequence[str | os.PathLike[str]], attackers: dict[str, str], out: Path,
              lpips_weights: str | None = None, max_windows: int | None = None,
              baselines: dict[str, OptimConfig] | None = None, baseline_windows: int = 2,
-             progress: bool = False) -> dict[str, Any]:
+             progress: bool = False, defense: Chain | None = None) -> dict[str, Any]:
     from gradleak.report.evaluation import write_evaluation  # matplotlib is slow to import
 
     evaluation = Evaluation(data, attackers, lpips_weights=lpips_weights,
                             max_windows=max_windows, baselines=baselines,
-                            baseline_windows=baseline_windows, progress=progress)
+                            baseline_windows=baseline_windows, progress=progress,
+                            defense=defense)
     methods = evaluation.run()
     result = {"data": [str(p) for p in data], "attackers": attackers,
               "baselines": {name: asdict(config) for name, config in (baselines or {}).items()},
+              "defense": defense.describe() if defense is not None else None,
               "window": evaluation.window, "windows": min(len(evaluation.dataset),
                                                           max_windows or len(evaluation.dataset)),
               "lpips": evaluation.lpips_note or "available", "methods": summarise(methods)}

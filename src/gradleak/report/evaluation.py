@@ -65,6 +65,9 @@ def markdown_report(result: dict[str, Any]) -> str:
     return "\n".join([
         f"# Reconstruction on held-out scenes ({result['windows']} windows of "
         f"T = {result['window']})", "",
+        *([f"Defense: `{result['defense']['spec']}` applied to the held-out gradients "
+           "(zero-shot: the attackers were trained on clean gradients).", ""]
+          if result.get("defense") else []),
         markdown_table(table_rows(methods), TABLE_COLUMNS), "",
         "Mean ± std over frames. The two reference rows use no gradient: the mean training "
         "image, and each frame's own mean colour (an oracle: it reads the true frame). "

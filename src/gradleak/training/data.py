@@ -24,6 +24,7 @@ from gradleak.threat import ObservedWindows
 from gradleak.victims.base import VictimConfig
 
 PARTS = ("train", "val", "all")
+ROW_KEY_SHIFT = 40  # a row's key: its file's index in the high bits, its row in the low ones
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,7 @@ class WindowBatch:
     observed: ObservedWindows
     images: torch.Tensor  # (B, T, 3, H, W) float in [0, 1]: targets, or teacher context
     actions: torch.Tensor  # (B, T)
+    rows: torch.Tensor | None = None  # (B, T) row keys (file index << 40 | row): seed defenses
 
 
 def episode_is_validation(seed: int, file_index: int, episode: int, fraction: float) -> bool:
@@ -137,7 +139,8 @@ class WindowDataset(Dataset):
         stop = start + self.window
         return {"gradients": torch.from_numpy(handle[GRADIENTS][start:stop].astype(np.float32)),
                 "images": torch.from_numpy(handle["images"][start:stop]),
-                "actions": torch.from_numpy(handle["actions"][start:stop])}
+                "actions": torch.from_numpy(handle["actions"][start:stop]),
+                "rows": torch.arange(start, stop) + (file_index << ROW_KEY_SHIFT)}
 
     def gradient_rows(self, limit: int, seed: int = 0) -> Iterator[torch.Tensor]:
         """Up to `limit` gradient rows from random windows, in chunks: normaliser statistics."""
@@ -165,4 +168,5 @@ def collate(items: list[dict[str, torch.Tensor]]) -> WindowBatch:
     images = torch.stack([item["images"] for item in items])  # (B, T, H, W, 3) uint8
     return WindowBatch(observed=ObservedWindows(torch.stack([i["gradients"] for i in items])),
                        images=images.permute(0, 1, 4, 2, 3).to(torch.float32) / 255.0,
-                       actions=torch.stack([item["actions"] for item in items]))
+                       actions=torch.stack([item["actions"] for item in items]),
+                       rows=torch.stack([item["rows"] for item in items]))
