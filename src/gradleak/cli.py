@@ -175,6 +175,9 @@ def cmd_train_attacker(args: argparse.Namespace) -> None:
         fit.epochs = args.epochs
     if args.lpips_weights:
         fit.lpips_weights = args.lpips_weights
+    if args.defense:  # an adaptive attacker: it trains on gradients under this defense
+        fit.defense = _defense(args).spec
+        fit.defense_seed = args.defense_seed
     result = fit_attacker(args.kind, model, fit, args.data, Path(args.out), resume=args.resume,
                           progress=not (args.quiet or args.json))
     last = result["last"]
@@ -277,11 +280,12 @@ def cmd_attack(args: argparse.Namespace) -> None:
     _emit(args, result, text)
 
 
-def _defense_flags(parser: argparse.ArgumentParser, required: bool) -> None:
+def _defense_flags(parser: argparse.ArgumentParser, required: bool, seed: int = 0) -> None:
     parser.add_argument("--defense", required=required, default=None, metavar="SPEC",
                         help="e.g. quant:8, prune:0.1, noise:0.01, dpsgd:eps=5,delta=1e-5,"
                         "clip=1, agg:4, or a chain prune:0.1+noise:0.01")
-    parser.add_argument("--defense-seed", type=int, default=0)
+    parser.add_argument("--defense-seed", type=int, default=seed,
+                        help=f"seeds the defense's noise (default {seed})")
 
 
 def _optim_flags(parser: argparse.ArgumentParser) -> None:
@@ -385,6 +389,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--epochs", type=int, default=None)
     p.add_argument("--lpips-weights", default=None, help="torchvision AlexNet weights file")
     p.add_argument("--resume", action="store_true")
+    _defense_flags(p, required=False, seed=1)
     p.set_defaults(func=cmd_train_attacker)
 
     p = sub.add_parser("evaluate", help="score attackers and baselines on held-out captures")

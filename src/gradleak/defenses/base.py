@@ -2,8 +2,8 @@
 strings that compose left to right: `prune:0.1+noise:0.01`, `dpsgd:eps=5,delta=1e-5`, `agg:4`.
 
 Randomness never depends on how the stream is batched: each row draws its noise from a
-generator seeded by (defense seed, position in the chain, the row's key), where the key is the
-row's index in its capture file. Defending a file in one pass, in chunks, or window by window
+generator seeded by (defense seed, position in the chain, the row's key), where the key names
+the capture file and the row in it. Defending a file in one pass, in chunks, or window by window
 inside an evaluation gives the same gradients.
 """
 
@@ -24,7 +24,7 @@ class Stream:
     """Gradients in the order the server receives them, and where each one came from."""
 
     gradients: torch.Tensor  # (N, d) float32
-    keys: torch.Tensor  # (N,) int64: each row's index in its capture (seeds the noise)
+    keys: torch.Tensor  # (N,) int64: each row's key (`row_keys`: capture and row; seeds noise)
     episode_ids: torch.Tensor  # (N,)
     sources: torch.Tensor  # (N, k): the capture rows each gradient averages (k = 1 per step)
 
@@ -58,6 +58,21 @@ DEFENSES: Registry[type[Defense]] = Registry("defense")
 def register_defense(cls: type[Defense]) -> type[Defense]:
     DEFENSES.register(cls.name)(cls)
     return cls
+
+
+ROW_BITS = 40  # a row key: the capture's identity in the high bits, the row in the low ones
+
+
+def capture_key(attrs: dict[str, Any]) -> int:
+    """A stable 23-bit identity of one capture file (split, capture seed, shard): a training and
+    a held-out file never share noise realisations, whatever their row numbers."""
+    text = f"{attrs.get('split')}/{attrs.get('seed')}/{attrs.get('shard', '0/1')}"
+    digest = np.frombuffer(text.encode(), dtype=np.uint8)
+    return int(np.random.SeedSequence(digest.tolist()).generate_state(1)[0]) >> 9
+
+
+def row_keys(attrs: dict[str, Any], start: int, stop: int) -> torch.Tensor:
+    return torch.arange(start, stop, dtype=torch.int64) + (capture_key(attrs) << ROW_BITS)
 
 
 def row_generator(seed: int, key: int) -> torch.Generator:

@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 from gradleak.capture.reader import CaptureFile
 from gradleak.capture.schema import DEFENSES_ATTR, GRADIENTS
-from gradleak.defenses.base import Chain
+from gradleak.defenses.base import Chain, row_keys
 from gradleak.errors import CaptureFileError, ConfigError
 from gradleak.io import atomic_path
 
@@ -45,12 +45,12 @@ def defend_capture(source: str | os.PathLike[str], chain: Chain, out: str | os.P
             dst.attrs[key] = value
         history = applied_defenses(src.attrs) + [chain.describe()]
         dst.attrs[DEFENSES_ATTR] = json.dumps(history)
-        _defend_gradients(src[GRADIENTS], dst, chain, rows, progress)
+        _defend_gradients(src[GRADIENTS], dst, chain, rows, dict(src.attrs), progress)
     return {"in": str(source), "out": str(out), "rows": rows, "defenses": history}
 
 
 def _defend_gradients(gradients: h5py.Dataset, dst: h5py.File, chain: Chain, rows: int,
-                      progress: bool) -> None:
+                      attributes: dict[str, Any], progress: bool) -> None:
     out = dst.create_dataset(GRADIENTS, shape=gradients.shape, dtype=gradients.dtype,
                              chunks=gradients.chunks, compression=gradients.compression)
     limit = float(np.finfo(gradients.dtype).max)
@@ -58,7 +58,7 @@ def _defend_gradients(gradients: h5py.Dataset, dst: h5py.File, chain: Chain, row
                       desc=f"defend {chain.spec}"):
         stop = min(start + CHUNK_ROWS, rows)
         block = torch.from_numpy(gradients[start:stop].astype(np.float32))
-        defended = chain.gradients(block, torch.arange(start, stop))
+        defended = chain.gradients(block, row_keys(attributes, start, stop))
         if float(defended.abs().amax()) > limit:
             raise CaptureFileError(f"defense {chain.spec!r} produced entries beyond "
                                    f"{gradients.dtype}'s range in rows {start}..{stop - 1}")

@@ -23,7 +23,7 @@ from gradleak.attacks.action_rules import recover_actions
 from gradleak.attacks.optim.solve import GradientMatchingAttack, OptimConfig
 from gradleak.capture.reader import CaptureFile
 from gradleak.capture.schema import layers_from_json
-from gradleak.defenses import Chain
+from gradleak.defenses import Chain, parse_defense
 from gradleak.errors import ConfigError
 from gradleak.metrics.images import mse, psnr, ssim
 from gradleak.metrics.lpips import LPIPS, unavailable_reason
@@ -49,6 +49,7 @@ class MethodScores:
     frames: int = 0
     parameters: int | None = None
     samples: np.ndarray | None = None  # (S, T, H, W, 3) uint8 for the figure
+    defense_mode: str | None = None  # learned attackers under a defense: zero-shot or adaptive
 
 
 def _frame_scores(prediction: torch.Tensor, truth: torch.Tensor, lpips: LPIPS | None
@@ -67,16 +68,13 @@ class Evaluation:
                  max_windows: int | None = None, samples: int = 4,
                  baselines: dict[str, OptimConfig] | None = None, baseline_windows: int = 2,
                  progress: bool = False, defense: Chain | None = None) -> None:
-        if defense is not None and not defense.per_step:
-            raise ConfigError(f"--defense {defense.spec!r} aggregates steps; scoring "
-                              "aggregated streams is not supported by `evaluate` yet")
         self.defense = defense
         self.models = {name: load_attacker(path) for name, path in attackers.items()}
         windows = [m[0].config.window for m in self.models.values() if hasattr(m[0].config,
                                                                                "window")]
         self.window = window or (windows[0] if windows else 8)
         self.dataset = WindowDataset(data, window=self.window, stride=self.window, part="all",
-                                     expect_split="heldout")
+                                     expect_split="heldout", defense=defense)
         for name, (_, meta) in self.models.items():
             fingerprint_from_dict(meta["fingerprint"]).check(self.dataset.fingerprint,
                                                              f"held-out data for {name}")
@@ -107,8 +105,9 @@ class Evaluation:
 
     def run(self, batch_size: int = 16) -> dict[str, MethodScores]:
         methods = {name: MethodScores(name, "learned",
-                                      parameters=sum(p.numel() for p in model.parameters()))
-                   for name, (model, _) in self.models.items()}
+                                      parameters=sum(p.numel() for p in model.parameters()),
+                                      defense_mode=self._defense_mode(meta))
+                   for name, (model, meta) in self.models.items()}
         methods.update({name: MethodScores(name, "optimisation") for name in self.baselines})
         methods["action rule (odd-sign)"] = MethodScores("action rule (odd-sign)", "rule")
         methods[MEAN_IMAGE] = MethodScores(MEAN_IMAGE, "reference")
@@ -119,8 +118,6 @@ class Evaluation:
         for start in range(0, count, batch_size):
             batch = collate([self.dataset[i] for i in range(start, min(start + batch_size,
                                                                        count))])
-            if self.defense is not None:  # zero-shot: the attackers were trained on clean data
-                batch.observed = ObservedWindows(self._defended(batch))
             self._score_batch(batch, methods)
             self._score_baselines(batch, methods, max(0, self.baseline_windows - start))
         return methods
@@ -154,10 +151,14 @@ class Evaluation:
             scores.samples = new if scores.samples is None else np.concatenate([scores.samples,
                                                                                 new])
 
-    def _defended(self, batch: Any) -> torch.Tensor:
-        gradients = batch.observed.gradients
-        flat = self.defense.gradients(gradients.flatten(0, 1), batch.rows.flatten())
-        return flat.view(gradients.shape)
+    def _defense_mode(self, meta: dict[str, Any]) -> str | None:
+        """Adaptive: trained under the very defense it is now attacked with (Learning to
+        Invert's protocol); zero-shot: trained on anything else (the TRACE paper's)."""
+        if self.defense is None:
+            return None
+        trained = parse_defense(meta.get("fit", {}).get("defense", "none"))
+        return "adaptive" if trained.describe()["transforms"] == \
+            self.defense.describe()["transforms"] else "zero-shot"
 
     def _score_baselines(self, batch: Any, methods: dict[str, MethodScores], windows: int
                          ) -> None:
@@ -226,6 +227,8 @@ def summarise(methods: dict[str, MethodScores]) -> dict[str, Any]:
         row["ms_per_frame"] = 1e3 * scores.seconds / scores.frames if scores.frames else None
         row["frames"] = scores.frames
         row["parameters"] = scores.parameters
+        if scores.defense_mode is not None:
+            row["defense_mode"] = scores.defense_mode
         row["order"] = len(rows)  # JSON files sort their keys; tables keep this order
         rows[name] = row
     base = rows[MEAN_IMAGE]["psnr"]

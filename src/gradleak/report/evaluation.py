@@ -35,8 +35,9 @@ def table_rows(methods: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     for name in ordered(methods):
         row = methods[name]
         gain = row.get("psnr_gain_over_mean_image")
+        mode = row.get("defense_mode")
         rows.append({
-            "method": name, "MSE": _pm(row, "mse", 4), "PSNR (dB)": _pm(row, "psnr", 2),
+            "method": f"{name} [{mode}]" if mode else name, "MSE": _pm(row, "mse", 4), "PSNR (dB)": _pm(row, "psnr", 2),
             "gain vs mean image": None if gain is None or row["kind"] == "rule"
             else f"{gain:+.2f}",
             "SSIM": _pm(row, "ssim", 3), "LPIPS": _pm(row, "lpips", 3),
@@ -65,8 +66,9 @@ def markdown_report(result: dict[str, Any]) -> str:
     return "\n".join([
         f"# Reconstruction on held-out scenes ({result['windows']} windows of "
         f"T = {result['window']})", "",
-        *([f"Defense: `{result['defense']['spec']}` applied to the held-out gradients "
-           "(zero-shot: the attackers were trained on clean gradients).", ""]
+        *([f"Defense: `{result['defense']['spec']}` applied to the held-out gradients. "
+           "[adaptive]: the attacker was trained under the same defense; [zero-shot]: it was "
+           "not.", ""]
           if result.get("defense") else []),
         markdown_table(table_rows(methods), TABLE_COLUMNS), "",
         "Mean ± std over frames. The two reference rows use no gradient: the mean training "

@@ -19,12 +19,12 @@ from torch.utils.data import Dataset
 
 from gradleak.capture.reader import open_captures
 from gradleak.capture.schema import GRADIENTS
+from gradleak.defenses.base import Chain, row_keys
 from gradleak.errors import CaptureFileError, ConfigError
 from gradleak.threat import ObservedWindows
 from gradleak.victims.base import VictimConfig
 
 PARTS = ("train", "val", "all")
-ROW_KEY_SHIFT = 40  # a row's key: its file's index in the high bits, its row in the low ones
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ class WindowBatch:
     observed: ObservedWindows
     images: torch.Tensor  # (B, T, 3, H, W) float in [0, 1]: targets, or teacher context
     actions: torch.Tensor  # (B, T)
-    rows: torch.Tensor | None = None  # (B, T) row keys (file index << 40 | row): seed defenses
+    rows: torch.Tensor | None = None  # (B, T) row keys (defenses.base.row_keys)
 
 
 def episode_is_validation(seed: int, file_index: int, episode: int, fraction: float) -> bool:
@@ -64,19 +64,25 @@ class WindowDataset(Dataset):
 
     def __init__(self, paths: Sequence[str | os.PathLike[str]], window: int, stride: int = 2,
                  part: str = "all", val_fraction: float = 0.05, seed: int = 0,
-                 expect_split: str | None = None) -> None:
+                 expect_split: str | None = None, defense: Chain | None = None) -> None:
         if part not in PARTS:
             raise ConfigError(f"part {part!r}: expected one of {', '.join(PARTS)}")
         if window < 1 or stride < 1:
             raise ConfigError(f"window {window} and stride {stride} must be positive")
         self.paths = [str(p) for p in paths]
         self.window = window
+        if defense is not None and not defense.per_step:
+            raise ConfigError(f"defense {defense.spec!r} aggregates steps; windows of aggregated "
+                              "streams are not supported yet")
+        self.defense = defense
         files = open_captures(self.paths)
         try:
             first = files[0]
             self.fingerprint = CaptureFingerprint(first.attrs["theta0_sha256"],
                                                   first.attrs["layer_table"], first.victim)
             self.gradient_dim = int(first.attrs["gradient_dim"])
+            self.file_attrs = [{k: capture.attrs[k] for k in ("split", "seed", "shard")
+                                if k in capture.attrs} for capture in files]
             for capture in files:
                 if expect_split and capture.attrs["split"] != expect_split:
                     raise CaptureFileError(
@@ -137,10 +143,14 @@ class WindowDataset(Dataset):
         file_index, start, _ = (int(v) for v in self.rows[index])
         handle = self._files()[file_index]
         stop = start + self.window
-        return {"gradients": torch.from_numpy(handle[GRADIENTS][start:stop].astype(np.float32)),
+        keys = row_keys(self.file_attrs[file_index], start, stop)
+        gradients = torch.from_numpy(handle[GRADIENTS][start:stop].astype(np.float32))
+        if self.defense is not None:  # keyed seeding: the same noise however windows overlap
+            gradients = self.defense.gradients(gradients, keys)
+        return {"gradients": gradients,
                 "images": torch.from_numpy(handle["images"][start:stop]),
                 "actions": torch.from_numpy(handle["actions"][start:stop]),
-                "rows": torch.arange(start, stop) + (file_index << ROW_KEY_SHIFT)}
+                "rows": keys}
 
     def gradient_rows(self, limit: int, seed: int = 0) -> Iterator[torch.Tensor]:
         """Up to `limit` gradient rows from random windows, in chunks: normaliser statistics."""

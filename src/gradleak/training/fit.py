@@ -24,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 from tqdm import tqdm
 
+from gradleak.defenses import parse_defense
 from gradleak.errors import ConfigError
 from gradleak.io import load_tensors, read_json
 from gradleak.metrics.images import psnr
@@ -67,6 +68,8 @@ class FitConfig:
     lpips_weights: str | None = None
     time_limit_minutes: float | None = None  # stop after the epoch that passes it
     seed: int = 0
+    defense: str = "none"  # train under this defense (an adaptive attacker), e.g. "quant:4"
+    defense_seed: int = 1  # differs from evaluation's default 0: other noise draws
 
 
 def scheduled_sampling_beta(config: FitConfig, epoch: int) -> float:
@@ -139,7 +142,8 @@ class AttackerFit:
         window = model_config.window if kind == "trace" else 1
         stride = config.stride if kind == "trace" else 1
         common = dict(window=window, stride=stride, val_fraction=config.val_fraction,
-                      seed=config.seed, expect_split="train")
+                      seed=config.seed, expect_split="train",
+                      defense=parse_defense(config.defense, config.defense_seed))
         self.train_data = WindowDataset(train_paths, part="train", **common)
         self.val_data = WindowDataset(train_paths, part="val", **common)
         victim = self.train_data.fingerprint.victim
