@@ -58,6 +58,7 @@ def test_zero_shot_evaluation_sees_the_defended_gradients(trained_attackers, ran
     noisy = evaluate([random_capture], attackers, tmp_path / "noisy",
                      defense=parse_defense("quant:1"))
     assert noisy["defense"]["spec"] == "quant:1" and clean["defense"] is None
+    assert 0 < noisy["utility"]["cosine"] < 1 and noisy["utility"]["relative_norm_error"] > 0
     assert noisy["methods"]["TRACE"]["psnr"] != clean["methods"]["TRACE"]["psnr"]
     # the scaled sign keeps every sign, so the odd-sign action rule is untouched
     assert (noisy["methods"]["action rule (odd-sign)"]["action_accuracy"]

@@ -118,3 +118,19 @@ def test_bad_specs_say_what_was_expected(spec: str, message: str) -> None:
 def test_none_is_the_identity() -> None:
     g = torch.randn(2, 5)
     torch.testing.assert_close(parse_defense("none").gradients(g), g, rtol=0, atol=0)
+
+
+def test_update_distortion_by_hand() -> None:
+    from gradleak.defenses.utility import block_distortion
+
+    g = torch.tensor([[1.0, 0.0], [1.0, 2.0], [3.0, 0.0], [3.0, 2.0]])
+    stream = Stream.of(g, torch.arange(4), [0, 0, 0, 0])
+    assert block_distortion(parse_defense("none"), stream) == pytest.approx((1.0, 0.0))
+    assert block_distortion(parse_defense("agg:2"), stream) == pytest.approx((1.0, 0.0))
+    # prune:0.5 keeps the larger entry of each row: (1,0), (0,2), (3,0), (3,0), mean (1.75, 0.5),
+    # against the clean mean (2, 1)
+    cosine, error = block_distortion(parse_defense("prune:0.5"), stream)
+    assert cosine == pytest.approx(4.0 / (np.sqrt(3.3125) * np.sqrt(5)))
+    assert error == pytest.approx(np.sqrt(0.3125) / np.sqrt(5))
+    # agg over 3 steps drops the 4th: the reference is the mean of the 3 covered steps
+    assert block_distortion(parse_defense("agg:3"), stream) == pytest.approx((1.0, 0.0))

@@ -24,6 +24,7 @@ from gradleak.attacks.optim.solve import GradientMatchingAttack, OptimConfig
 from gradleak.capture.reader import CaptureFile
 from gradleak.capture.schema import layers_from_json
 from gradleak.defenses import Chain, parse_defense
+from gradleak.defenses.utility import update_distortion
 from gradleak.errors import ConfigError
 from gradleak.metrics.images import mse, psnr, ssim
 from gradleak.metrics.lpips import LPIPS, unavailable_reason
@@ -252,6 +253,7 @@ def evaluate(data: Sequence[str | os.PathLike[str]], attackers: dict[str, str], 
     result = {"data": [str(p) for p in data], "attackers": attackers,
               "baselines": {name: asdict(config) for name, config in (baselines or {}).items()},
               "defense": defense.describe() if defense is not None else None,
+              "utility": update_distortion(defense, data[0]) if defense is not None else None,
               "window": evaluation.window, "windows": min(len(evaluation.dataset),
                                                           max_windows or len(evaluation.dataset)),
               "lpips": evaluation.lpips_note or "available", "methods": summarise(methods)}

@@ -37,7 +37,8 @@ def table_rows(methods: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
         gain = row.get("psnr_gain_over_mean_image")
         mode = row.get("defense_mode")
         rows.append({
-            "method": f"{name} [{mode}]" if mode else name, "MSE": _pm(row, "mse", 4), "PSNR (dB)": _pm(row, "psnr", 2),
+            "method": f"{name} [{mode}]" if mode else name, "MSE": _pm(row, "mse", 4),
+            "PSNR (dB)": _pm(row, "psnr", 2),
             "gain vs mean image": None if gain is None or row["kind"] == "rule"
             else f"{gain:+.2f}",
             "SSIM": _pm(row, "ssim", 3), "LPIPS": _pm(row, "lpips", 3),
@@ -60,6 +61,14 @@ def psnr_by_t_rows(methods: dict[str, dict[str, Any]]) -> tuple[list[dict[str, A
     return rows, columns
 
 
+def utility_sentence(utility: dict[str, Any] | None) -> str:
+    if not utility or utility.get("cosine") is None:
+        return ""
+    return (f"Utility: the defended mean gradient of an update ({utility['steps_per_update']} "
+            f"steps, median over {utility['updates']}) has cosine {utility['cosine']:.3f} with "
+            f"the clean one and relative norm error {utility['relative_norm_error']:.3f}.")
+
+
 def markdown_report(result: dict[str, Any]) -> str:
     methods = result["methods"]
     by_t, columns = psnr_by_t_rows(methods)
@@ -68,7 +77,7 @@ def markdown_report(result: dict[str, Any]) -> str:
         f"T = {result['window']})", "",
         *([f"Defense: `{result['defense']['spec']}` applied to the held-out gradients. "
            "[adaptive]: the attacker was trained under the same defense; [zero-shot]: it was "
-           "not.", ""]
+           "not. " + utility_sentence(result.get("utility")), ""]
           if result.get("defense") else []),
         markdown_table(table_rows(methods), TABLE_COLUMNS), "",
         "Mean ± std over frames. The two reference rows use no gradient: the mean training "
