@@ -233,7 +233,7 @@ def _optim_config(args: argparse.Namespace, name: str) -> Any:
 def cmd_evaluate(args: argparse.Namespace) -> None:
     from gradleak.attacks.optim.solve import BASELINES
     from gradleak.evaluation.reconstructions import evaluate
-    from gradleak.report.evaluation import TABLE_COLUMNS, table_rows
+    from gradleak.report.evaluation import table_columns, table_rows
     from gradleak.report.tables import text_table
 
     optim = {name.upper().replace("-PROBE", " (probe loss)"): _optim_config(args, name)
@@ -243,7 +243,8 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
                       args.max_windows, baselines=optim,
                       baseline_windows=args.baseline_windows,
                       progress=not (args.quiet or args.json), defense=defense)
-    text = (text_table(table_rows(result["methods"]), TABLE_COLUMNS)
+    rows = table_rows(result["methods"])
+    text = (text_table(rows, table_columns(rows))
             + f"\nLPIPS: {result['lpips']}\noutputs in {args.out}")
     _emit(args, result, text)
 

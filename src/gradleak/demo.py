@@ -23,7 +23,7 @@ from gradleak.evaluation import evaluate_action_rules
 from gradleak.evaluation.reconstructions import evaluate
 from gradleak.io import write_json
 from gradleak.presets import Preset
-from gradleak.report.evaluation import TABLE_COLUMNS, table_rows
+from gradleak.report.evaluation import table_columns, table_rows
 from gradleak.report.html import write_report
 from gradleak.report.plots import plot_action_recovery
 from gradleak.report.tables import text_table
@@ -116,7 +116,8 @@ def _text(result: dict[str, Any], preset: Preset) -> str:
         f"T = {result['evaluation']['window']}; attackers trained "
         + ", ".join(f"{label} {a['minutes']:.1f} min" for label, a in
                     result["attackers"].items()) + "):",
-        text_table(table_rows(result["evaluation"]["methods"]), TABLE_COLUMNS),
+        text_table(table_rows(result["evaluation"]["methods"]),
+                   table_columns(table_rows(result["evaluation"]["methods"]))),
         f"LPIPS: {result['evaluation']['lpips']}",
         "",
         f"done in {result['seconds']} s; report: {result['report']}",

@@ -67,8 +67,6 @@ def test_zero_shot_evaluation_sees_the_defended_gradients(trained_attackers, ran
     assert "Defense: `quant:1`" in table and "| TRACE [zero-shot] |" in table
     saved = json.loads((tmp_path / "noisy" / "metrics.json").read_text())
     assert saved["defense"]["transforms"][0] == {"name": "quant", "bits": 1}
-    with pytest.raises(ConfigError, match="aggregates steps"):
-        evaluate([random_capture], attackers, tmp_path / "agg", defense=parse_defense("agg:2"))
 
 
 def test_the_defended_file_is_a_valid_capture(random_capture: Path, tmp_path: Path) -> None:
@@ -108,3 +106,61 @@ def test_training_and_held_out_files_never_share_noise(train_capture: Path,
     with CaptureFile(train_capture) as train, CaptureFile(random_capture) as heldout:
         assert not set(row_keys(train.attrs, 0, 50).tolist()) & set(
             row_keys(heldout.attrs, 0, 50).tolist())
+
+
+def test_aggregated_windows_average_blocks_and_target_last_frames_and_histograms(
+        random_capture: Path) -> None:
+    from gradleak.training.data import WindowDataset
+
+    clean = WindowDataset([random_capture], window=4, stride=1, part="all")
+    aggregated = WindowDataset([random_capture], window=2, stride=1, part="all",
+                               defense=parse_defense("agg:2"))
+    with CaptureFile(random_capture) as capture:
+        episodes = capture.column("episode_ids")
+        actions = capture.column("actions")
+        starts = {int(np.flatnonzero(episodes == e)[0]) for e in np.unique(episodes)}
+    for index in range(len(aggregated)):
+        _, start, episode = (int(v) for v in aggregated.rows[index])
+        first = min(s for s in starts if episodes[s] == episode)
+        assert (start - first) % 2 == 0  # blocks counted from the episode's start
+        assert (episodes[start:start + 4] == episode).all()  # never across episodes
+    item = aggregated[0]
+    start = int(aggregated.rows[0][1])
+    reference = clean[int(np.flatnonzero(clean.rows[:, 1] == start)[0])]
+    np.testing.assert_allclose(item["gradients"][0], reference["gradients"][:2].mean(0),
+                               rtol=1e-6, atol=1e-8)
+    np.testing.assert_array_equal(item["images"], reference["images"][[1, 3]])
+    histogram = np.zeros(5)
+    np.add.at(histogram, actions[start:start + 2], 0.5)
+    np.testing.assert_allclose(item["actions"][0], histogram)
+
+
+def test_aggregated_evaluation_scores_histograms_against_the_uniform_baseline(
+        trained_attackers, random_capture: Path, tmp_path: Path) -> None:
+    attackers = {"TRACE": str(trained_attackers["trace"])}
+    result = evaluate([random_capture], attackers, tmp_path / "agg",
+                      defense=parse_defense("agg:2"))
+    methods = result["methods"]
+    assert 0 <= methods["TRACE"]["histogram_tv"] <= 1
+    assert 0 <= methods["uniform 1/K histogram"]["histogram_tv"] <= 1
+    assert "histogram_tv" in methods["action rule (odd-sign)"]
+    table = (tmp_path / "agg" / "metrics.md").read_text()
+    assert "hist. TV" in table and "Aggregated stream" in table
+    with pytest.raises(ConfigError, match="optimisation baselines invert single steps"):
+        from gradleak.attacks.optim.solve import baseline_config
+
+        evaluate([random_capture], attackers, tmp_path / "x", defense=parse_defense("agg:2"),
+                 baselines={"IG": baseline_config("ig", iterations=1)})
+
+
+def test_an_adaptive_attacker_learns_from_action_histograms(train_capture: Path,
+                                                            tmp_path: Path) -> None:
+    from conftest import tiny_attack_settings
+
+    from gradleak.training.fit import fit_attacker
+
+    model, fit = tiny_attack_settings("lti")
+    fit.epochs, fit.defense = 1, "agg:4"
+    result = fit_attacker("lti", model, fit, [str(train_capture)], tmp_path / "agg",
+                          progress=False)
+    assert np.isfinite(result["last"]["val_loss"])

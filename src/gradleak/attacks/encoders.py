@@ -204,4 +204,5 @@ class WindowAttacker(nn.Module):
         finally:
             self.train(was_training)
         images = (frames.clamp(0, 1) * 255).round().to(torch.uint8).movedim(-3, -1)
-        return Reconstruction(actions=logits.argmax(-1).numpy(), images=images.numpy())
+        return Reconstruction(actions=logits.argmax(-1).numpy(), images=images.numpy(),
+                              extras={"action_probs": logits.softmax(-1).numpy()})

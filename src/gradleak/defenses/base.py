@@ -44,6 +44,7 @@ class Defense:
 
     name: ClassVar[str]
     per_step: ClassVar[bool] = True  # False: it changes which rows exist (aggregation)
+    steps_per_row: int = 1  # capture steps behind one output row
 
     def __call__(self, stream: Stream, generator_seed: int) -> Stream:
         raise NotImplementedError
@@ -115,6 +116,11 @@ class Chain:
     @property
     def per_step(self) -> bool:
         return all(d.per_step for d in self.defenses)
+
+    @property
+    def span(self) -> int:
+        """Capture steps behind one defended row (the product of the chain's agg:k)."""
+        return int(np.prod([d.steps_per_row for d in self.defenses], dtype=np.int64))
 
     def describe(self) -> dict[str, Any]:
         return {"spec": self.spec, "seed": self.seed,

@@ -164,7 +164,7 @@ class Aggregate(Defense):
     def __init__(self, k: int) -> None:
         if k < 1:
             raise ConfigError(f"defense agg:{k}: k must be >= 1")
-        self.k = k
+        self.k = self.steps_per_row = k
 
     @classmethod
     def parse(cls, arguments: str, spec: str) -> Aggregate:

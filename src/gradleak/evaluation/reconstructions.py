@@ -33,6 +33,7 @@ from gradleak.training.checkpoint import fingerprint_from_dict, load_attacker
 from gradleak.training.data import WindowDataset, collate
 
 MEAN_IMAGE, MEAN_COLOUR = "mean training image", "mean colour (oracle)"
+UNIFORM = "uniform 1/K histogram"
 
 
 @dataclass
@@ -46,6 +47,7 @@ class MethodScores:
     ssim: list[np.ndarray] = field(default_factory=list)
     lpips: list[np.ndarray] = field(default_factory=list)
     correct: list[np.ndarray] = field(default_factory=list)
+    tv: list[np.ndarray] = field(default_factory=list)  # action-histogram error (agg streams)
     seconds: float = 0.0
     frames: int = 0
     parameters: int | None = None
@@ -70,6 +72,9 @@ class Evaluation:
                  baselines: dict[str, OptimConfig] | None = None, baseline_windows: int = 2,
                  progress: bool = False, defense: Chain | None = None) -> None:
         self.defense = defense
+        if baselines and defense is not None and defense.span > 1:
+            raise ConfigError(f"--defense {defense.spec!r} aggregates steps: the optimisation "
+                              "baselines invert single steps and are not run on it")
         self.models = {name: load_attacker(path) for name, path in attackers.items()}
         windows = [m[0].config.window for m in self.models.values() if hasattr(m[0].config,
                                                                                "window")]
@@ -113,6 +118,8 @@ class Evaluation:
         methods["action rule (odd-sign)"] = MethodScores("action rule (odd-sign)", "rule")
         methods[MEAN_IMAGE] = MethodScores(MEAN_IMAGE, "reference")
         methods[MEAN_COLOUR] = MethodScores(MEAN_COLOUR, "reference")
+        if self.dataset.span > 1:
+            methods[UNIFORM] = MethodScores(UNIFORM, "reference")
         count = len(self.dataset) if self.max_windows is None else min(len(self.dataset),
                                                                       self.max_windows)
         self.truth_samples: list[np.ndarray] = []
@@ -128,10 +135,14 @@ class Evaluation:
         observed = ObservedWindows(batch.observed.gradients)
         for name, (model, _) in self.models.items():
             tick = time.perf_counter()
-            images, predicted = _reconstruct_in_spans(model, observed)
+            images, probs = _reconstruct_in_spans(model, observed)
             self._add(methods[name], torch.from_numpy(images).permute(0, 1, 4, 2, 3)
-                      .float() / 255.0, truth, predicted == actions, time.perf_counter() - tick)
+                      .float() / 255.0, truth, None, time.perf_counter() - tick)
+            _score_actions(methods[name], probs, actions)
         self._add_rule(methods["action rule (odd-sign)"], observed, actions)
+        if UNIFORM in methods:
+            _score_actions(methods[UNIFORM], np.full(actions.shape, 1.0 / actions.shape[-1]),
+                           actions)
         mean = self.mean_image.expand_as(truth)
         self._add(methods[MEAN_IMAGE], mean, truth, None, 0.0)
         colour = truth.mean(dim=(-2, -1), keepdim=True).expand_as(truth)
@@ -192,18 +203,29 @@ class Evaluation:
         predicted = recover_actions(flat, "odd-sign").actions.reshape(b, t)
         scores.seconds += time.perf_counter() - tick
         scores.frames += b * t
-        scores.correct.append(predicted == actions)
+        _score_actions(scores, np.eye(self.dataset.num_actions)[predicted], actions)
+
+
+def _score_actions(scores: MethodScores, probs: np.ndarray, actions: np.ndarray) -> None:
+    """probs (B, T, K) against true actions (B, T), or against action histograms (B, T, K) of
+    an aggregated stream: total variation ½ Σ_k |p̂_k − q_k| and whether the modes agree."""
+    if actions.ndim == probs.ndim:
+        scores.tv.append(0.5 * np.abs(probs - actions).sum(-1))
+        scores.correct.append(probs.argmax(-1) == actions.argmax(-1))
+    else:
+        scores.correct.append(probs.argmax(-1) == actions)
 
 
 def _reconstruct_in_spans(model: Any, observed: ObservedWindows) -> tuple[np.ndarray, np.ndarray]:
-    """An attacker with a shorter window (TRACE at T = 1) sees each span afresh, as it would in
-    an attack: its context never reaches across spans."""
+    """(images, action probabilities). An attacker with a shorter window (TRACE at T = 1) sees
+    each span afresh, as it would in an attack: its context never reaches across spans."""
     b, t, d = observed.gradients.shape
     span = getattr(model.config, "window", t)
     pieces = observed.gradients.reshape(b * (t // span), span, d)
     result = model.reconstruct(ObservedWindows(pieces))
+    probs = result.extras["action_probs"]
     return (result.images.reshape(b, t, *result.images.shape[2:]),
-            result.actions.reshape(b, t))
+            probs.reshape(b, t, probs.shape[-1]))
 
 
 def _to_uint8(frames: torch.Tensor) -> np.ndarray:
@@ -225,6 +247,10 @@ def summarise(methods: dict[str, MethodScores]) -> dict[str, Any]:
                     row["psnr_by_t"] = stacked.mean(axis=0).tolist()
         if scores.correct:
             row["action_accuracy"] = float(np.concatenate(scores.correct).mean())
+        if scores.tv:
+            stacked = np.concatenate(scores.tv)
+            row["histogram_tv"], row["histogram_tv_std"] = float(stacked.mean()), float(
+                stacked.std())
         row["ms_per_frame"] = 1e3 * scores.seconds / scores.frames if scores.frames else None
         row["frames"] = scores.frames
         row["parameters"] = scores.parameters

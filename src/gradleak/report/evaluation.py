@@ -12,7 +12,8 @@ from gradleak.report.plots import _save, plt
 from gradleak.report.tables import markdown_table
 
 TABLE_COLUMNS = ["method", "MSE", "PSNR (dB)", "gain vs mean image", "SSIM", "LPIPS",
-                 "action acc.", "ms / frame", "parameters", "frames"]
+                 "action acc.", "hist. TV", "ms / frame", "parameters", "frames"]
+OPTIONAL_COLUMNS = ("hist. TV",)  # shown only when some row has it (aggregated streams)
 KIND_ORDER = {"learned": 0, "optimisation": 1, "rule": 2, "reference": 3}
 
 
@@ -47,8 +48,13 @@ def table_rows(methods: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
             "ms / frame": (f"{row['ms_per_frame']:.2f}" if row.get("ms_per_frame") and
                            row["kind"] != "reference" else None),
             "parameters": f"{row['parameters']:,}" if row.get("parameters") else None,
-            "frames": row.get("frames")})
+            "hist. TV": _pm(row, "histogram_tv", 3), "frames": row.get("frames") or None})
     return rows
+
+
+def table_columns(rows: list[dict[str, Any]]) -> list[str]:
+    return [c for c in TABLE_COLUMNS
+            if c not in OPTIONAL_COLUMNS or any(r.get(c) is not None for r in rows)]
 
 
 def psnr_by_t_rows(methods: dict[str, dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
@@ -79,7 +85,12 @@ def markdown_report(result: dict[str, Any]) -> str:
            "[adaptive]: the attacker was trained under the same defense; [zero-shot]: it was "
            "not. " + utility_sentence(result.get("utility")), ""]
           if result.get("defense") else []),
-        markdown_table(table_rows(methods), TABLE_COLUMNS), "",
+        *(["Aggregated stream: each observed gradient averages k steps of one episode. The "
+           "image target is the block's last frame; action accuracy asks whether the predicted "
+           "and true action histograms share their mode; hist. TV = ½ Σ_k |p̂_k − q_k|, with the "
+           "uniform 1/K histogram as reference.", ""]
+          if any("histogram_tv" in row for row in methods.values()) else []),
+        markdown_table(table_rows(methods), table_columns(table_rows(methods))), "",
         "Mean ± std over frames. The two reference rows use no gradient: the mean training "
         "image, and each frame's own mean colour (an oracle: it reads the true frame). "
         "Optimisation baselines (DLG, IG) score only the frames of the first windows, and "

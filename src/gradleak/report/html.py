@@ -14,7 +14,7 @@ from typing import Any
 
 from gradleak.errors import ConfigError
 from gradleak.io import atomic_path
-from gradleak.report.evaluation import TABLE_COLUMNS, psnr_by_t_rows, table_rows
+from gradleak.report.evaluation import psnr_by_t_rows, table_columns, table_rows
 
 FIGURES = (("reconstructions.png", "Ground truth above each method's reconstruction"),
            ("psnr_by_t.png", "PSNR by position in the window"),
@@ -57,7 +57,7 @@ def write_report(run: Path) -> Path:
              f"<p>{result['windows']} held-out windows of T = {result['window']} from "
              f"{html.escape(', '.join(result['data']))}. LPIPS: "
              f"{html.escape(result['lpips'])}.</p>",
-             _table(table_rows(methods), TABLE_COLUMNS),
+             _table(table_rows(methods), table_columns(table_rows(methods))),
              "<p>Mean ± std over frames. The reference rows use no gradient; the mean-colour "
              "row is an oracle (it reads each true frame).</p>",
              "<h2>PSNR by position in the window</h2>", _table(by_t, columns)]

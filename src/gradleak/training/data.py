@@ -15,11 +15,12 @@ from typing import Any
 import h5py
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 from gradleak.capture.reader import open_captures
 from gradleak.capture.schema import GRADIENTS
-from gradleak.defenses.base import Chain, row_keys
+from gradleak.defenses.base import Chain, Stream, row_keys
 from gradleak.errors import CaptureFileError, ConfigError
 from gradleak.threat import ObservedWindows
 from gradleak.victims.base import VictimConfig
@@ -71,16 +72,18 @@ class WindowDataset(Dataset):
             raise ConfigError(f"window {window} and stride {stride} must be positive")
         self.paths = [str(p) for p in paths]
         self.window = window
-        if defense is not None and not defense.per_step:
-            raise ConfigError(f"defense {defense.spec!r} aggregates steps; windows of aggregated "
-                              "streams are not supported yet")
         self.defense = defense
+        # Under agg:k a window is T aggregated rows: T·k steps from an aggregation boundary
+        # (k-step blocks counted from the episode's start), its targets the last frame of each
+        # block and the block's action histogram (paper Table 11).
+        self.span = 1 if defense is None else defense.span
         files = open_captures(self.paths)
         try:
             first = files[0]
             self.fingerprint = CaptureFingerprint(first.attrs["theta0_sha256"],
                                                   first.attrs["layer_table"], first.victim)
             self.gradient_dim = int(first.attrs["gradient_dim"])
+            self.num_actions = first.victim.num_actions
             self.file_attrs = [{k: capture.attrs[k] for k in ("split", "seed", "shard")
                                 if k in capture.attrs} for capture in files]
             for capture in files:
@@ -109,8 +112,9 @@ class WindowDataset(Dataset):
             for start, end, episode in zip(starts, ends, episodes[starts], strict=True):
                 longest = max(longest, int(end - start))
                 if int(episode) in chosen:
+                    steps = self.window * self.span
                     rows += [(file_index, int(s), int(episode))
-                             for s in range(start, end - self.window + 1, stride)]
+                             for s in range(start, end - steps + 1, stride * self.span)]
         return rows, longest
 
     @staticmethod
@@ -142,15 +146,23 @@ class WindowDataset(Dataset):
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         file_index, start, _ = (int(v) for v in self.rows[index])
         handle = self._files()[file_index]
-        stop = start + self.window
+        stop = start + self.window * self.span
         keys = row_keys(self.file_attrs[file_index], start, stop)
         gradients = torch.from_numpy(handle[GRADIENTS][start:stop].astype(np.float32))
-        if self.defense is not None:  # keyed seeding: the same noise however windows overlap
-            gradients = self.defense.gradients(gradients, keys)
-        return {"gradients": gradients,
-                "images": torch.from_numpy(handle["images"][start:stop]),
-                "actions": torch.from_numpy(handle["actions"][start:stop]),
-                "rows": keys}
+        actions = torch.from_numpy(handle["actions"][start:stop])
+        if self.defense is None:
+            return {"gradients": gradients, "actions": actions, "rows": keys,
+                    "images": torch.from_numpy(handle["images"][start:stop])}
+        # keyed seeding: the same noise however windows overlap or are batched
+        stream = self.defense.apply(Stream.of(gradients, keys))
+        last = slice(self.span - 1, None, self.span)
+        item = {"gradients": stream.gradients, "rows": stream.keys,
+                "images": torch.from_numpy(handle["images"][start + self.span - 1:stop:self.span]),
+                "actions": actions[last]}
+        if self.span > 1:  # the targets of an aggregated row: the last frame, the histogram
+            counts = F.one_hot(actions.view(self.window, self.span), self.num_actions)
+            item["actions"] = counts.float().mean(1)  # (T, K)
+        return item
 
     def gradient_rows(self, limit: int, seed: int = 0) -> Iterator[torch.Tensor]:
         """Up to `limit` gradient rows from random windows, in chunks: normaliser statistics."""

@@ -51,11 +51,18 @@ class Perceptual(nn.Module):
         return (1.0 - ssim(prediction, truth)).mean()
 
 
+def action_cross_entropy(logits: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
+    """Against action indices (B, T), or action histograms (B, T, K) of aggregated streams."""
+    if actions.is_floating_point():
+        return F.cross_entropy(logits.flatten(0, -2), actions.flatten(0, -2))
+    return F.cross_entropy(logits.flatten(0, -2), actions.flatten())
+
+
 def _image_terms(prediction: torch.Tensor, truth: torch.Tensor, logits: torch.Tensor,
                  actions: torch.Tensor, perceptual: Perceptual, weights: LossWeights
                  ) -> dict[str, torch.Tensor]:
     parts = {"mse": F.mse_loss(prediction, truth), "l1": F.l1_loss(prediction, truth),
-             "action": F.cross_entropy(logits.flatten(0, -2), actions.flatten())}
+             "action": action_cross_entropy(logits, actions)}
     if weights.perceptual:
         parts["perceptual"] = perceptual(prediction, truth)
     return parts
