@@ -164,3 +164,24 @@ def test_an_adaptive_attacker_learns_from_action_histograms(train_capture: Path,
     result = fit_attacker("lti", model, fit, [str(train_capture)], tmp_path / "agg",
                           progress=False)
     assert np.isfinite(result["last"]["val_loss"])
+
+
+def test_fine_tuning_starts_from_the_clean_attackers_weights(trained_attackers,
+                                                             train_capture: Path,
+                                                             tmp_path: Path) -> None:
+    import torch
+    from conftest import tiny_attack_settings
+
+    from gradleak.training.checkpoint import load_attacker
+    from gradleak.training.fit import AttackerFit
+
+    model, fit = tiny_attack_settings("lti")
+    fit.defense, fit.init_from = "noise:0.001", str(trained_attackers["lti"])
+    fresh = AttackerFit("lti", model, fit, [str(train_capture)], tmp_path / "ft", progress=False)
+    clean, _ = load_attacker(trained_attackers["lti"])
+    for (name, weight), (_, start) in zip(clean.named_parameters(),
+                                          fresh.model.named_parameters(), strict=True):
+        torch.testing.assert_close(start, weight, msg=name)
+    fit.init_from = str(trained_attackers["trace"])
+    with pytest.raises(ConfigError, match="is a trace attacker, not lti"):
+        AttackerFit("lti", model, fit, [str(train_capture)], tmp_path / "x", progress=False)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,9 @@ from gradleak.training.checkpoint import (
     META,
     WEIGHTS,
     build_model,
+    fingerprint_from_dict,
     fingerprint_to_dict,
+    load_attacker,
     load_training_state,
     save_attacker,
     save_training_state,
@@ -70,6 +72,7 @@ class FitConfig:
     seed: int = 0
     defense: str = "none"  # train under this defense (an adaptive attacker), e.g. "quant:4"
     defense_seed: int = 1  # differs from evaluation's default 0: other noise draws
+    init_from: str | None = None  # start from this attacker's weights (fine-tuning)
 
 
 def scheduled_sampling_beta(config: FitConfig, epoch: int) -> float:
@@ -149,8 +152,7 @@ class AttackerFit:
         victim = self.train_data.fingerprint.victim
         self.model_config = replace(model_config, gradient_dim=self.train_data.gradient_dim,
                                     frame_size=victim.frame_size, num_actions=victim.num_actions)
-        torch.manual_seed(config.seed)
-        self.model = build_model(kind, asdict(self.model_config)).to(self.device)
+        self.model = self._build_model().to(self.device)
         self.perceptual = Perceptual(config.lpips_weights).to(self.device)
         self.objective = self._objective()
         self.optimiser = torch.optim.AdamW(self.model.parameters(), lr=config.lr,
@@ -171,6 +173,26 @@ class AttackerFit:
             self._prepare()
         self.engine = (DistributedDataParallel(self.objective) if self.world > 1
                        else self.objective)
+
+    def _build_model(self) -> nn.Module:
+        """A fresh model, or (init_from) a trained attacker's: same kind, victim and θ0."""
+        torch.manual_seed(self.config.seed)
+        source = self.config.init_from
+        if not source:
+            return build_model(self.kind, asdict(self.model_config))
+        model, meta = load_attacker(source, best=True)
+        if meta["kind"] != self.kind:
+            raise ConfigError(f"init_from {source} is a {meta['kind']} attacker, not {self.kind}")
+        fingerprint_from_dict(meta["fingerprint"]).check(self.train_data.fingerprint,
+                                                         f"init_from {source}")
+        known = {f.name for f in fields(self.model_config)}
+        self.model_config = replace(self.model_config, **{k: v for k, v in meta["model"].items()
+                                                          if k in known})
+        window = getattr(self.model_config, "window", 1) if self.kind == "trace" else 1
+        if window != self.train_data.window:
+            raise ConfigError(f"init_from {source} reads windows of {window} steps, this fit "
+                              f"{self.train_data.window}")
+        return model.train()
 
     def _objective(self) -> nn.Module:
         weights = self.config.weights

@@ -1,0 +1,150 @@
+"""The paper's defense grid (Tables 3 and 11) against the cpu-bench attackers, with utility.
+
+For every defense: the clean attackers of benchmarks/trace_vs_lti.py attacked zero-shot (the
+paper's protocol), and with --adaptive-minutes M > 0 adaptive ones: each clean attacker
+fine-tuned for about M minutes on training-scene gradients under the same defense (Learning to
+Invert trains from scratch; fine-tuning fits a CPU budget, and says so in the results). Scores:
+MSE, PSNR, SSIM, action accuracy, action-histogram TV for aggregation, and the defense's cost to
+the victim's update. Writes benchmarks/results/defenses.{json,md,png}.
+
+    python benchmarks/defenses.py [--work runs/bench-attack] [--max-windows 100]
+        [--adaptive-minutes 0] [--only quant:4,noise:0.1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+from gradleak.defenses import parse_defense
+from gradleak.evaluation.reconstructions import evaluate
+from gradleak.io import atomic_path
+from gradleak.presets import load_preset
+from gradleak.report.tables import markdown_table
+from gradleak.training.checkpoint import META
+from gradleak.training.fit import fit_attacker
+
+RESULTS = Path(__file__).parent / "results" / "defenses.json"
+GRID = ["none", "quant:8", "quant:4", "quant:2", "prune:0.9", "prune:0.5", "prune:0.1",
+        "noise:0.001", "noise:0.01", "noise:0.1", "dpsgd:eps=10", "dpsgd:eps=5", "dpsgd:eps=1",
+        "agg:4", "agg:8"]
+ATTACKERS = {"TRACE": ("trace", "TRACE-T=8"), "LtI": ("lti", "LtI")}
+METRICS = ("mse", "psnr", "ssim", "action_accuracy", "histogram_tv")
+
+
+def slug(spec: str) -> str:
+    return spec.replace(":", "-").replace("=", "").replace(",", "_").replace("+", "__")
+
+
+def adapt(preset: Any, kind: str, clean: Path, spec: str, minutes: float, train: Path,
+          out: Path) -> str:
+    """Fine-tune a clean attacker under `spec` for about `minutes` (short epochs, one per
+    minute or so, so the time limit lands near the budget)."""
+    fit = copy.deepcopy(getattr(preset.attack, f"{kind}_fit"))
+    fit.defense, fit.init_from = spec, str(clean)
+    fit.epochs = max(1, round(minutes))
+    fit.max_train_windows = 400 if kind == "trace" else 4000
+    fit.warmup_epochs, fit.teacher_forcing_epochs, fit.lr = 0.1, 0, fit.lr / 3
+    fit.time_limit_minutes = minutes
+    model = copy.deepcopy(getattr(preset.attack, kind))
+    fit_attacker(kind, model, fit, [str(train)], out, resume=(out / META).exists(),
+                 progress=True)
+    return str(out)
+
+
+def rows_of(spec: str, result: dict[str, Any]) -> list[dict[str, Any]]:
+    rows = []
+    for name, row in result["methods"].items():
+        if row["kind"] == "reference" and name not in ("uniform 1/K histogram",
+                                                       "mean training image"):
+            continue
+        rows.append({"defense": spec, "method": name, "mode": row.get("defense_mode", "-"),
+                     **{m: row.get(m) for m in METRICS},
+                     "utility_cosine": (result.get("utility") or {}).get("cosine"),
+                     "utility_relative_error": (result.get("utility") or {}).get(
+                         "relative_norm_error")})
+    return rows
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    def fmt(value: Any, digits: int) -> str | None:
+        return None if value is None else f"{value:.{digits}f}"
+
+    table = [{"defense": r["defense"], "method": r["method"], "mode": r["mode"],
+              "MSE": fmt(r["mse"], 4), "PSNR": fmt(r["psnr"], 2), "SSIM": fmt(r["ssim"], 3),
+              "action acc.": fmt(r["action_accuracy"], 3), "hist. TV": fmt(r["histogram_tv"], 3),
+              "update cos": fmt(r["utility_cosine"], 3),
+              "update rel. err": fmt(r["utility_relative_error"], 3)} for r in rows]
+    return markdown_table(table, list(table[0])) if table else ""
+
+
+def bar_chart(rows: list[dict[str, Any]], path: Path) -> None:
+    from gradleak.report.plots import _save, plt
+
+    series = {}
+    for row in rows:
+        if row["psnr"] is not None and row["mode"] != "-":
+            series.setdefault(f"{row['method']} ({row['mode']})", {})[row["defense"]] = row["psnr"]
+        elif row["psnr"] is not None and row["defense"] == "none":
+            series.setdefault(f"{row['method']} (zero-shot)", {})["none"] = row["psnr"]
+    specs = list(dict.fromkeys(r["defense"] for r in rows))
+    figure, axis = plt.subplots(figsize=(max(6, 0.7 * len(specs)), 3.4))
+    width = 0.8 / max(1, len(series))
+    for i, (name, values) in enumerate(series.items()):
+        axis.bar([j + i * width for j in range(len(specs))],
+                 [values.get(s, 0.0) for s in specs], width, label=name)
+    axis.set_xticks([j + 0.4 - width / 2 for j in range(len(specs))], specs, rotation=45,
+                    ha="right", fontsize=7)
+    axis.set_ylabel("PSNR (dB)")
+    axis.legend(fontsize=7)
+    _save(figure, path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--work", type=Path, default=Path("runs/bench-attack"))
+    parser.add_argument("--preset", default="cpu-bench")
+    parser.add_argument("--max-windows", type=int, default=100)
+    parser.add_argument("--adaptive-minutes", type=float, default=0.0)
+    parser.add_argument("--only", default=None,
+                        help="defenses separated by ';' (a spec may hold commas)")
+    parser.add_argument("--results", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    preset = load_preset(args.preset)
+    grid = args.only.split(";") if args.only else GRID
+    heldout, train = args.work / "heldout.h5", args.work / "train.h5"
+    clean = {name: args.work / folder for name, (_, folder) in ATTACKERS.items()
+             if (args.work / folder / META).exists()}
+    rows, runs = [], {}
+    for spec in grid:
+        chain = parse_defense(spec)
+        attackers = {name: str(path) for name, path in clean.items()}
+        if args.adaptive_minutes > 0 and spec != "none":
+            for name in clean:
+                kind = ATTACKERS[name][0]
+                attackers[f"{name} (adaptive)"] = adapt(
+                    preset, kind, clean[name], spec, args.adaptive_minutes, train,
+                    args.work / "defenses" / slug(spec) / kind)
+        out = args.work / "defenses" / slug(spec) / "eval"
+        result = evaluate([heldout], attackers, out, max_windows=args.max_windows,
+                          defense=None if spec == "none" else chain)
+        runs[spec] = {"defense": result["defense"], "utility": result["utility"],
+                      "windows": result["windows"], "window": result["window"]}
+        rows += rows_of(spec, result)
+        print(json.dumps(rows_of(spec, result)))
+    summary = {"preset": args.preset, "max_windows": args.max_windows,
+               "adaptive_minutes": args.adaptive_minutes,
+               "adaptive_protocol": "fine-tuned from the clean attacker under the defense",
+               "runs": runs, "rows": rows}
+    with atomic_path(args.results) as tmp:
+        tmp.write_text(json.dumps(summary, indent=2) + "\n")
+    with atomic_path(args.results.with_suffix(".md")) as tmp:
+        tmp.write_text(markdown(rows) + "\n")
+    bar_chart(rows, args.results.with_suffix(".png"))
+
+
+if __name__ == "__main__":
+    main()
