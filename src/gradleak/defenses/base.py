@@ -44,13 +44,28 @@ class Defense:
 
     name: ClassVar[str]
     per_step: ClassVar[bool] = True  # False: it changes which rows exist (aggregation)
+    arguments: ClassVar[dict[str, type]] = {}  # the spec's arguments, the first positional
+    usage: ClassVar[str] = ""  # shown when the first argument is missing
     steps_per_row: int = 1  # capture steps behind one output row
+
+    @classmethod
+    def parse(cls, arguments: str, spec: str) -> Defense:
+        first = next(iter(cls.arguments))
+        values = parse_arguments(arguments, spec, first, cls.arguments)
+        if first not in values:
+            raise ConfigError(f"defense {spec!r}: expected {cls.usage}")
+        return cls(**values)
 
     def __call__(self, stream: Stream, generator_seed: int) -> Stream:
         raise NotImplementedError
 
     def describe(self) -> dict[str, Any]:
-        return {"name": self.name}
+        """The name, the arguments as parsed, and anything derived (DP-SGD's σ and ε)."""
+        return {"name": self.name, **{key: getattr(self, key) for key in self.arguments},
+                **self.derived()}
+
+    def derived(self) -> dict[str, Any]:
+        return {}
 
 
 DEFENSES: Registry[type[Defense]] = Registry("defense")

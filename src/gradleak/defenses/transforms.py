@@ -11,7 +11,6 @@ from gradleak.defenses.base import (
     Defense,
     Stream,
     gaussian_like,
-    parse_arguments,
     register_defense,
     with_gradients,
 )
@@ -27,18 +26,13 @@ class Quantize(Defense):
     """
 
     name = "quant"
+    arguments = {"bits": int}
+    usage = "quant:BITS, e.g. quant:8"
 
     def __init__(self, bits: int) -> None:
         if not 1 <= bits <= 16:
             raise ConfigError(f"defense quant:{bits}: bits must be 1..16")
         self.bits = bits
-
-    @classmethod
-    def parse(cls, arguments: str, spec: str) -> Quantize:
-        values = parse_arguments(arguments, spec, "bits", {"bits": int})
-        if "bits" not in values:
-            raise ConfigError(f"defense {spec!r}: expected quant:BITS, e.g. quant:8")
-        return cls(values["bits"])
 
     def __call__(self, stream: Stream, generator_seed: int) -> Stream:
         g = stream.gradients
@@ -49,27 +43,19 @@ class Quantize(Defense):
         scale = torch.where(high > low, (high - low) / levels, torch.ones_like(high))
         return with_gradients(stream, torch.round((g - low) / scale) * scale + low)
 
-    def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "bits": self.bits}
-
 
 @register_defense
 class Prune(Defense):
     """Keep the top `keep` fraction of entries by magnitude, zero the rest (Zhu et al. 2019)."""
 
     name = "prune"
+    arguments = {"keep": float}
+    usage = "prune:FRACTION, e.g. prune:0.1"
 
     def __init__(self, keep: float) -> None:
         if not 0.0 < keep <= 1.0:
             raise ConfigError(f"defense prune:{keep}: the kept fraction must be in (0, 1]")
         self.keep = keep
-
-    @classmethod
-    def parse(cls, arguments: str, spec: str) -> Prune:
-        values = parse_arguments(arguments, spec, "keep", {"keep": float})
-        if "keep" not in values:
-            raise ConfigError(f"defense {spec!r}: expected prune:FRACTION, e.g. prune:0.1")
-        return cls(values["keep"])
 
     def __call__(self, stream: Stream, generator_seed: int) -> Stream:
         g = stream.gradients
@@ -79,34 +65,23 @@ class Prune(Defense):
                                                               True)
         return with_gradients(stream, torch.where(kept, g, torch.zeros_like(g)))
 
-    def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "keep": self.keep}
-
 
 @register_defense
 class Noise(Defense):
     """Add N(0, σ²) to every entry."""
 
     name = "noise"
+    arguments = {"sigma": float}
+    usage = "noise:SIGMA, e.g. noise:0.01"
 
     def __init__(self, sigma: float) -> None:
         if not sigma >= 0.0:
             raise ConfigError(f"defense noise:{sigma}: σ must be >= 0")
         self.sigma = sigma
 
-    @classmethod
-    def parse(cls, arguments: str, spec: str) -> Noise:
-        values = parse_arguments(arguments, spec, "sigma", {"sigma": float})
-        if "sigma" not in values:
-            raise ConfigError(f"defense {spec!r}: expected noise:SIGMA, e.g. noise:0.01")
-        return cls(values["sigma"])
-
     def __call__(self, stream: Stream, generator_seed: int) -> Stream:
         return with_gradients(stream, stream.gradients + gaussian_like(stream, self.sigma,
                                                                        generator_seed))
-
-    def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "sigma": self.sigma}
 
 
 @register_defense
@@ -118,6 +93,8 @@ class DPSGD(Defense):
     """
 
     name = "dpsgd"
+    arguments = {"eps": float, "delta": float, "clip": float, "q": float, "steps": int}
+    usage = "dpsgd:eps=E[,delta=D,clip=C,q=Q,steps=S]"
 
     def __init__(self, eps: float, delta: float = 1e-5, clip: float = 1.0,
                  q: float = 1 / 128, steps: int = 1000) -> None:
@@ -130,16 +107,6 @@ class DPSGD(Defense):
         self.eps, self.delta, self.clip, self.q, self.steps = eps, delta, clip, q, steps
         self.sigma, self.achieved_eps = dp_noise_multiplier(eps, delta, q, steps)
 
-    @classmethod
-    def parse(cls, arguments: str, spec: str) -> DPSGD:
-        values = parse_arguments(arguments, spec, "eps", {"eps": float, "delta": float,
-                                                          "clip": float, "q": float,
-                                                          "steps": int})
-        if "eps" not in values:
-            raise ConfigError(f"defense {spec!r}: expected dpsgd:eps=E[,delta=D,clip=C,q=Q,"
-                              "steps=S]")
-        return cls(**values)
-
     def __call__(self, stream: Stream, generator_seed: int) -> Stream:
         g = stream.gradients
         norms = g.norm(dim=1, keepdim=True)
@@ -147,10 +114,9 @@ class DPSGD(Defense):
         noise = gaussian_like(stream, self.sigma * self.clip, generator_seed)
         return with_gradients(stream, clipped + noise)
 
-    def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "eps": self.eps, "delta": self.delta, "clip": self.clip,
-                "q": self.q, "steps": self.steps, "sigma": self.sigma,
-                "achieved_eps": self.achieved_eps, "accountant": "opacus rdp"}
+    def derived(self) -> dict[str, Any]:
+        return {"sigma": self.sigma, "achieved_eps": self.achieved_eps,
+                "accountant": "opacus rdp"}
 
 
 @register_defense
@@ -160,18 +126,13 @@ class Aggregate(Defense):
 
     name = "agg"
     per_step = False
+    arguments = {"k": int}
+    usage = "agg:K, e.g. agg:4"
 
     def __init__(self, k: int) -> None:
         if k < 1:
             raise ConfigError(f"defense agg:{k}: k must be >= 1")
         self.k = self.steps_per_row = k
-
-    @classmethod
-    def parse(cls, arguments: str, spec: str) -> Aggregate:
-        values = parse_arguments(arguments, spec, "k", {"k": int})
-        if "k" not in values:
-            raise ConfigError(f"defense {spec!r}: expected agg:K, e.g. agg:4")
-        return cls(values["k"])
 
     def __call__(self, stream: Stream, generator_seed: int) -> Stream:
         starts = []
@@ -187,5 +148,3 @@ class Aggregate(Defense):
                       episode_ids=stream.episode_ids[index[:, 0]],
                       sources=stream.sources[index].flatten(1))
 
-    def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "k": self.k}
