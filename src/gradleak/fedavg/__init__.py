@@ -1,0 +1,1 @@
+"""Multi-step FedAvg: client simulation, victim classifiers, and (coming) IG/SME/NL-SME."""

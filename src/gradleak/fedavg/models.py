@@ -1,0 +1,35 @@
+"""FedAvg victim classifiers, in a registry: image (B, C, H, W) in [0, 1] → logits."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import nn
+
+from gradleak.registry import Registry
+
+FEDAVG_MODELS: Registry[Callable[..., nn.Module]] = Registry("FedAvg model")
+
+
+@FEDAVG_MODELS.register("lenet-sigmoid")
+def lenet_sigmoid(channels: int, size: int, classes: int) -> nn.Module:
+    """DLG's LeNet: sigmoid activations, no pooling; twice differentiable everywhere, so
+    gradient matching on it is the sanity check of every inversion paper."""
+    def block(c_in: int, c_out: int, stride: int) -> list[nn.Module]:
+        return [nn.Conv2d(c_in, c_out, 5, stride=stride, padding=2), nn.Sigmoid()]
+
+    after = (size - 1) // 2 + 1  # two stride-2 convolutions with padding 2, kernel 5
+    after = (after - 1) // 2 + 1
+    return nn.Sequential(*block(channels, 12, 2), *block(12, 12, 2), *block(12, 12, 1),
+                         nn.Flatten(), nn.Linear(12 * after * after, classes))
+
+
+@FEDAVG_MODELS.register("cnn")
+def small_cnn(channels: int, size: int, classes: int) -> nn.Module:
+    """LEAF's FEMNIST CNN (Caldas et al. 2018), the kind SME attacks: two 5×5 conv + max-pool
+    blocks (32, 64 channels), a 2048-unit hidden layer. Also used for 3×32×32 photos."""
+    pooled = size // 4
+    return nn.Sequential(nn.Conv2d(channels, 32, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Conv2d(32, 64, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Flatten(), nn.Linear(64 * pooled * pooled, 2048), nn.ReLU(),
+                         nn.Linear(2048, classes))
