@@ -20,8 +20,13 @@ def lenet_sigmoid(channels: int, size: int, classes: int) -> nn.Module:
 
     after = (size - 1) // 2 + 1  # two stride-2 convolutions with padding 2, kernel 5
     after = (after - 1) // 2 + 1
-    return nn.Sequential(*block(channels, 12, 2), *block(12, 12, 2), *block(12, 12, 1),
-                         nn.Flatten(), nn.Linear(12 * after * after, classes))
+    model = nn.Sequential(*block(channels, 12, 2), *block(12, 12, 2), *block(12, 12, 1),
+                          nn.Flatten(), nn.Linear(12 * after * after, classes))
+    # DLG's initialisation, U(−0.5, 0.5): with torch's default the sigmoids sit in their
+    # linear range and IG matches the gradient (L_sim ~ 1e-6) yet recovers only 13 dB
+    for parameter in model.parameters():
+        nn.init.uniform_(parameter, -0.5, 0.5)
+    return model
 
 
 @FEDAVG_MODELS.register("cnn")

@@ -1,0 +1,76 @@
+"""The surrogate identities: NL-SME at the midpoint is SME, SME at α = 0 is IG."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gradleak.errors import ConfigError
+from gradleak.fedavg.attacks import FedAttackConfig, UpdateInversion
+from gradleak.fedavg.client import ClientConfig, train_client
+from gradleak.fedavg.models import FEDAVG_MODELS
+
+
+@pytest.fixture(scope="module")
+def client():
+    torch.manual_seed(0)
+    model = FEDAVG_MODELS.get("lenet-sigmoid")(1, 16, 10)
+    generator = torch.Generator().manual_seed(1)
+    images = torch.rand(4, 1, 16, 16, generator=generator)
+    labels = torch.tensor([1, 3, 3, 7])
+    update = train_client(model, images, labels, ClientConfig(epochs=3, samples=4, batch=2,
+                                                               lr=0.1))
+    return model, images, labels, update
+
+
+def image_gradient(model, update, labels, method: str, position: float, **overrides):
+    config = FedAttackConfig(method=method, tv=0.0, lambda_control=0.0, lambda_scale=0.0,
+                             seed=4, **overrides)
+    attack = UpdateInversion(model, update, labels, (1, 16, 16), config)
+    with torch.no_grad():
+        attack.surrogate.position.fill_(position)
+    total, _ = attack.objective()
+    (gradient,) = torch.autograd.grad(total, attack.images)
+    return gradient, total
+
+
+def test_nlsme_at_the_midpoint_with_unit_scale_is_sme_at_alpha_t(client) -> None:
+    model, _, labels, update = client
+    sme, sme_loss = image_gradient(model, update, labels, "sme", 0.3)
+    nlsme, nlsme_loss = image_gradient(model, update, labels, "nlsme-nod", 0.3)
+    # the two points differ only by float rounding of (1 − t)² w0 + 2 (1 − t) t mid + t² w_T
+    atol = 1e-5 * float(sme.abs().max())
+    torch.testing.assert_close(nlsme, sme, rtol=1e-4, atol=atol)
+    torch.testing.assert_close(nlsme_loss, sme_loss)
+    scaled, _ = image_gradient(model, update, labels, "nlsme", 0.3)  # d = 1 at the start
+    torch.testing.assert_close(scaled, sme, rtol=1e-4, atol=atol)
+
+
+def test_sme_at_alpha_zero_is_ig_on_the_update(client) -> None:
+    model, _, labels, update = client
+    ig, _ = image_gradient(model, update, labels, "ig", 0.0)
+    sme, _ = image_gradient(model, update, labels, "sme", 0.0)
+    torch.testing.assert_close(sme, ig, rtol=1e-6, atol=1e-10)
+    moved, _ = image_gradient(model, update, labels, "sme", 0.7)
+    assert not torch.allclose(moved, ig)  # the identity could fail
+
+
+def test_ig_recovers_one_image_from_a_one_step_update() -> None:
+    torch.manual_seed(0)
+    model = FEDAVG_MODELS.get("lenet-sigmoid")(1, 16, 10)
+    coarse = torch.rand(1, 1, 4, 4, generator=torch.Generator().manual_seed(3))
+    image = torch.nn.functional.interpolate(coarse, size=(16, 16), mode="bilinear")
+    label = torch.tensor([4])
+    update = train_client(model, image, label, ClientConfig(epochs=1, samples=1, batch=1,
+                                                            lr=0.01))
+    config = FedAttackConfig(method="ig", iterations=400, lr_images=0.1, tv=1e-4)
+    result = UpdateInversion(model, update, label, (1, 16, 16), config).run()
+    mse = float((result["images"] - image).pow(2).mean())
+    assert 10 * torch.log10(torch.tensor(1.0 / mse)) >= 30.0
+    assert result["l_sim_raw"] < 1e-3
+
+
+def test_an_unknown_method_is_named(client) -> None:
+    model, _, labels, update = client
+    with pytest.raises(ConfigError, match="FedAvg attack 'fedleak'"):
+        UpdateInversion(model, update, labels, (1, 16, 16), FedAttackConfig(method="fedleak"))
