@@ -27,6 +27,10 @@ class CaptureFileError(GradleakError):
     """A capture file that is truncated, foreign, inconsistent, or holds non-finite values."""
 
 
+class DataFileError(GradleakError):
+    """A dataset file (FEMNIST, EMNIST, CIFAR-100) that is missing or malformed."""
+
+
 def expect(condition: bool, error: type[GradleakError], message: str) -> None:
     """Raise `error(message)` unless `condition` holds (keeps validation code flat)."""
     if not condition:
