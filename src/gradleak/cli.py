@@ -301,6 +301,25 @@ def _optim_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=None, help="frames solved at once")
 
 
+def cmd_fedavg(args: argparse.Namespace) -> None:
+    from gradleak.fedavg.attacks import FedAttackConfig
+    from gradleak.fedavg.client import ClientConfig
+    from gradleak.fedavg.experiment import run_fedavg
+
+    client = ClientConfig(epochs=args.epochs, samples=args.samples, batch=args.batch,
+                          lr=args.client_lr, optimiser=args.optimiser, seed=args.seed)
+    attack = FedAttackConfig(method=args.attack, iterations=args.iters, cls=args.cls,
+                             seed=args.seed)
+    result = run_fedavg(args.dataset, args.model, client, attack, Path(args.out),
+                        progress=not (args.quiet or args.json))
+    text = (f"{args.attack} on {result['dataset']} (E={args.epochs}, N={args.samples}, "
+            f"B={args.batch}): PSNR {result['psnr']:.2f} ± {result['psnr_std']:.2f} dB, SSIM "
+            f"{result['ssim']:.3f}, L_sim raw {result['l_sim_raw']:.4f}"
+            + (f" (scaled {result['l_sim_scaled']:.4f})" if result["l_sim_scaled"] is not None
+               else "") + f", {result['seconds']:.1f} s -> {args.out}")
+    _emit(args, result, text)
+
+
 def cmd_report(args: argparse.Namespace) -> None:
     from gradleak.report.html import write_report
 
@@ -428,6 +447,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     _optim_flags(p)
     p.set_defaults(func=cmd_attack)
+
+    p = sub.add_parser("fedavg", help="simulate a FedAvg client and invert its update")
+    _common(p)
+    p.add_argument("--dataset", default="digits",
+                   help="digits, photos (embedded stand-ins), femnist:PATH or cifar100:PATH")
+    p.add_argument("--model", default="cnn", help="cnn (LEAF/SME) or lenet-sigmoid")
+    p.add_argument("--epochs", type=int, default=20)
+    p.add_argument("--samples", type=int, default=50)
+    p.add_argument("--batch", type=int, default=10)
+    p.add_argument("--client-lr", type=float, default=0.004)
+    p.add_argument("--optimiser", default="sgd", help="the client's: sgd, momentum, adamw")
+    p.add_argument("--attack", default="nlsme", help="ig, sme, nlsme, sme-dvec, nlsme-nod")
+    p.add_argument("--iters", type=int, default=1000)
+    p.add_argument("--cls", type=float, default=0.0, help="λ_cls (uses the labels)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=cmd_fedavg)
 
     p = sub.add_parser("report", help="write a self-contained report.html for an evaluation")
     _common(p)

@@ -185,4 +185,4 @@ class UpdateInversion:
             history.append({"loss": float(total.detach()), **parts})
         _, final = self.objective()
         return {"images": self.images.detach().clone(), "history": history, **final,
-                "position": float(self.surrogate.position)}
+                "position": float(self.surrogate.position.detach())}

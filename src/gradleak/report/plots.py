@@ -72,3 +72,20 @@ def plot_optimisation_history(truth: Any, snapshots: list[tuple[int, Any]], loss
         curve.tick_params(labelsize=6)
     figure.suptitle(title, fontsize=8)
     _save(figure, path)
+
+
+def plot_private_vs_reconstructed(private: Any, recovered: Any, path: Path, title: str,
+                                  most: int = 16) -> None:
+    """Two rows: the client's images, and the reconstruction matched to each."""
+    count = min(most, len(private))
+    figure, axes = plt.subplots(2, count, figsize=(0.9 * count + 0.6, 2.2), squeeze=False)
+    for row, (label, images) in enumerate((("private", private), ("recovered", recovered))):
+        for i in range(count):
+            image = images[i].permute(1, 2, 0).clamp(0, 1).numpy()
+            axes[row, i].imshow(image.squeeze(-1) if image.shape[-1] == 1 else image,
+                                cmap="gray", vmin=0, vmax=1, interpolation="nearest")
+            axes[row, i].set_xticks([])
+            axes[row, i].set_yticks([])
+        axes[row, 0].set_ylabel(label, fontsize=7)
+    figure.suptitle(title, fontsize=8)
+    _save(figure, path)
