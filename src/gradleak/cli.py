@@ -307,7 +307,8 @@ def cmd_fedavg(args: argparse.Namespace) -> None:
     from gradleak.fedavg.experiment import run_fedavg
 
     client = ClientConfig(epochs=args.epochs, samples=args.samples, batch=args.batch,
-                          lr=args.client_lr, optimiser=args.optimiser, seed=args.seed)
+                          lr=args.client_lr, optimiser=args.optimiser,
+                          batchnorm_train=args.batchnorm_train, seed=args.seed)
     attack = FedAttackConfig(method=args.attack, iterations=args.iters, cls=args.cls,
                              seed=args.seed)
     result = run_fedavg(args.dataset, args.model, client, attack, Path(args.out),
@@ -452,12 +453,14 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     p.add_argument("--dataset", default="digits",
                    help="digits, photos (embedded stand-ins), femnist:PATH or cifar100:PATH")
-    p.add_argument("--model", default="cnn", help="cnn (LEAF/SME) or lenet-sigmoid")
+    p.add_argument("--model", default="cnn", help="cnn (LEAF/SME), cnn-bn or lenet-sigmoid")
     p.add_argument("--epochs", type=int, default=20)
     p.add_argument("--samples", type=int, default=50)
     p.add_argument("--batch", type=int, default=10)
     p.add_argument("--client-lr", type=float, default=0.004)
     p.add_argument("--optimiser", default="sgd", help="the client's: sgd, momentum, adamw")
+    p.add_argument("--batchnorm-train", action="store_true",
+                   help="the client trains with BatchNorm in train mode (model cnn-bn)")
     p.add_argument("--attack", default="nlsme", help="ig, sme, nlsme, sme-dvec, nlsme-nod")
     p.add_argument("--iters", type=int, default=1000)
     p.add_argument("--cls", type=float, default=0.0, help="λ_cls (uses the labels)")

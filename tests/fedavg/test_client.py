@@ -82,3 +82,17 @@ def test_bad_client_settings_name_the_field() -> None:
         train_client(fresh(), images, labels, ClientConfig(samples=4, optimiser="lion"))
     with pytest.raises(ConfigError, match="unknown FedAvg model"):
         FEDAVG_MODELS.get("resnet")
+
+
+def test_batchnorm_in_train_mode_matches_torch_and_updates_its_statistics() -> None:
+    images, labels = client_data(4)
+    config = ClientConfig(epochs=2, samples=4, batch=2, lr=0.05, batchnorm_train=True)
+    update = train_client(fresh("cnn-bn"), images, labels, config)
+    reference = fresh("cnn-bn").train()
+    optimiser = torch.optim.SGD(reference.parameters(), lr=0.05)
+    for index in batch_order(config):
+        optimiser.zero_grad()
+        F.cross_entropy(reference(images[index]), labels[index]).backward()
+        optimiser.step()
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(update.wT[name], p.detach(), rtol=1e-4, atol=1e-6)

@@ -83,16 +83,17 @@ def train_client(model: nn.Module, images: torch.Tensor, labels: torch.Tensor,
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     weights = {name: p.clone() for name, p in w0.items()}
 
-    def loss(parameters: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor
-             ) -> torch.Tensor:
-        return F.cross_entropy(functional_call(model, (parameters, buffers), (x,)), y)
+    def loss(parameters: dict[str, torch.Tensor], running: dict[str, torch.Tensor],
+             x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        # buffers are an input, not a capture: BatchNorm in train mode updates them in place
+        return F.cross_entropy(functional_call(model, (parameters, running), (x,)), y)
 
     step_gradient = grad(loss)
     state = {name: torch.zeros_like(p) for name, p in weights.items()}
     second = {name: torch.zeros_like(p) for name, p in weights.items()}
     steps = batch_order(config)
     for t, index in enumerate(steps, start=1):
-        gradients = step_gradient(weights, images[index], labels[index])
+        gradients = step_gradient(weights, buffers, images[index], labels[index])
         weights = _update(weights, gradients, state, second, config, t)
     return ClientUpdate(w0, weights, config, len(steps), labels.clone() if labels_known else None)
 

@@ -38,3 +38,14 @@ def small_cnn(channels: int, size: int, classes: int) -> nn.Module:
                          nn.Conv2d(32, 64, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
                          nn.Flatten(), nn.Linear(64 * pooled * pooled, 2048), nn.ReLU(),
                          nn.Linear(2048, classes))
+
+
+@FEDAVG_MODELS.register("cnn-bn")
+def small_cnn_batchnorm(channels: int, size: int, classes: int) -> nn.Module:
+    """`cnn` with BatchNorm after each convolution: for the BatchNorm robustness setting."""
+    pooled = size // 4
+    return nn.Sequential(nn.Conv2d(channels, 32, 5, padding=2), nn.BatchNorm2d(32), nn.ReLU(),
+                         nn.MaxPool2d(2), nn.Conv2d(32, 64, 5, padding=2), nn.BatchNorm2d(64),
+                         nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+                         nn.Linear(64 * pooled * pooled, 2048), nn.ReLU(),
+                         nn.Linear(2048, classes))
