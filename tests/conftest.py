@@ -74,3 +74,18 @@ def trained_attackers(tmp_path_factory: pytest.TempPathFactory, train_capture: P
         model, fit = tiny_attack_settings(kind)
         fit_attacker(kind, model, fit, [str(train_capture)], root / kind, progress=False)
     return {"trace": root / "trace", "lti": root / "lti"}
+
+
+@pytest.fixture(scope="session", params=["ppo", "a2c"])
+def float32_capture(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+                    ) -> Path:
+    """12 held-out steps with gradients stored exactly (float32), for PPO and for A2C."""
+    from gradleak.capture.run import CaptureJob, run_capture
+
+    preset = tiny_preset()
+    preset.capture.gradient_dtype = "float32"
+    out = tmp_path_factory.mktemp(request.param) / "heldout.h5"
+    run_capture(CaptureJob(victim="cnn-small", random_init=True, algorithm=request.param,
+                           split="heldout", steps=12, out=out, preset=preset, progress=False,
+                           seed=5))
+    return out

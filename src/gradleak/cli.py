@@ -301,6 +301,22 @@ def _optim_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=None, help="frames solved at once")
 
 
+def cmd_analytic(args: argparse.Namespace) -> None:
+    from gradleak.evaluation.analytic import evaluate_analytic
+
+    results = evaluate_analytic(args.files, args.max_rows)
+    lines = []
+    for path, r in results.items():
+        layers = ", ".join(f"{name} {v['median_relative_error']:.2e}"
+                           for name, v in r["layer_inputs"].items())
+        lines.append(f"{path}: {r['rows']} steps; action {100 * r['action_accuracy']:.2f}%; "
+                     f"max |Δπ| {r['probs_max_abs_error']:.2e}, |ΔV| "
+                     f"{r['values_max_abs_error']:.2e}, |ΔA| {r['advantage_max_abs_error']:.2e},"
+                     f" |ΔR| {r['returns_max_abs_error']:.2e}; layer inputs (median relative "
+                     f"error): {layers}")
+    _emit(args, results, "\n".join(lines))
+
+
 def cmd_fedavg(args: argparse.Namespace) -> None:
     from gradleak.fedavg.attacks import FedAttackConfig
     from gradleak.fedavg.client import ClientConfig
@@ -448,6 +464,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     _optim_flags(p)
     p.set_defaults(func=cmd_attack)
+
+    p = sub.add_parser("analytic", help="closed-form recovery of layer inputs, π, V, a, A, R")
+    _common(p)
+    p.add_argument("files", nargs="+", help="capture files")
+    p.add_argument("--max-rows", type=int, default=None)
+    p.set_defaults(func=cmd_analytic)
 
     p = sub.add_parser("fedavg", help="simulate a FedAvg client and invert its update")
     _common(p)

@@ -7,7 +7,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_preset
 
 from gradleak.attacks.optim.lbfgs import BatchedLBFGS
 from gradleak.attacks.optim.solve import (
@@ -22,20 +21,6 @@ from gradleak.metrics.images import psnr
 from gradleak.rl.losses import LossCoefficients
 from gradleak.threat import Observation
 from gradleak.victims import create_victim, layer_table
-
-
-@pytest.fixture(scope="module", params=["ppo", "a2c"])
-def float32_capture(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-                    ) -> Path:
-    from gradleak.capture.run import CaptureJob, run_capture
-
-    preset = tiny_preset()
-    preset.capture.gradient_dtype = "float32"
-    out = tmp_path_factory.mktemp(request.param) / "heldout.h5"
-    run_capture(CaptureJob(victim="cnn-small", random_init=True, algorithm=request.param,
-                           split="heldout", steps=12, out=out, preset=preset, progress=False,
-                           seed=5))
-    return out
 
 
 def dummy_gradient_at_truth(path: Path, loss: str = "victim") -> tuple[np.ndarray, np.ndarray]:

@@ -1,0 +1,120 @@
+"""Exact recovery from one per-step gradient and θ0, in closed form.
+
+A Linear layer y = W x + b on one sample has ∇W = δ xᵀ and ∇b = δ, so its input is
+x = ∇Wᵀ ∇b / ‖∇b‖² (least squares over the rows: exact without noise, the robust estimate with
+it). That gives the FC layer's input (the flattened conv features of the frame) and the heads'
+input h. With θ0, h gives the logits, π and V. The policy head's bias gradient is
+A (π − e_a) + c_e π ⊙ (log π + H): remove the known entropy term, then the taken action is the
+one whose (π − e_a) explains the rest with no residual, and A is the fitted scale. The value
+head's bias gradient 2 c_v (V − R) gives the return R.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from gradleak.errors import ConfigError
+from gradleak.threat import Observation, Reconstruction
+
+POLICY, VALUE = "policy_head", "value_head"
+
+
+@dataclass(frozen=True)
+class LinearLayer:
+    name: str  # the module's name, e.g. "fc"
+    weight: np.ndarray  # θ0's W (out, in)
+    bias: np.ndarray  # θ0's b (out,)
+
+
+def linear_layers(observation: Observation) -> list[str]:
+    """Modules with both a 2-D weight and a bias gradient in the observation."""
+    names = {layer.name: layer for layer in observation.layers}
+    found = []
+    for name, layer in names.items():
+        module = name.removesuffix(".weight")
+        if name.endswith(".weight") and len(layer.shape) == 2 and f"{module}.bias" in names:
+            found.append(module)
+    return found
+
+
+def layer_input(observation: Observation, module: str) -> np.ndarray:
+    """(N, in): x = ∇Wᵀ ∇b / ‖∇b‖² per step (NaN where ∇b is exactly zero)."""
+    weight = observation.block(f"{module}.weight").astype(np.float64)  # (N, out, in)
+    bias = observation.block(f"{module}.bias").astype(np.float64)  # (N, out)
+    norm = (bias ** 2).sum(1, keepdims=True)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.einsum("no,noi->ni", bias, weight) / norm
+
+
+def _head(observation: Observation, module: str) -> LinearLayer:
+    try:
+        return LinearLayer(module, np.asarray(observation.theta0[f"{module}.weight"], np.float64),
+                           np.asarray(observation.theta0[f"{module}.bias"], np.float64))
+    except KeyError:
+        raise ConfigError(f"analytic recovery needs θ0's {module}.weight and {module}.bias "
+                          "(read the observation with with_theta0=True)") from None
+
+
+def check_supported(observation: Observation) -> None:
+    layers = set(linear_layers(observation))
+    missing = {POLICY, VALUE} - layers
+    if missing:
+        raise ConfigError(f"victim {observation.victim.name}: analytic recovery needs Linear "
+                          f"heads with a bias, and the gradients of {', '.join(sorted(missing))}"
+                          " (capture with --components including 'heads')")
+    if "value" not in observation.hyperparameters or "entropy" not in \
+            observation.hyperparameters:
+        raise ConfigError("analytic recovery needs the declared loss coefficients (value, "
+                          "entropy) in the observation's hyperparameters")
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = np.exp(logits - logits.max(1, keepdims=True))
+    return shifted / shifted.sum(1, keepdims=True)
+
+
+def action_and_advantage(residual_gradient: np.ndarray, probs: np.ndarray
+                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """r = A (π − e_a): for each candidate a the least-squares A, and the a leaving the least
+    residual. Returns (actions, advantages, relative residual)."""
+    n, k = probs.shape
+    best_residual = np.full(n, np.inf)
+    actions, advantages = np.zeros(n, np.int64), np.zeros(n)
+    for a in range(k):
+        direction = probs.copy()
+        direction[:, a] -= 1.0
+        scale = (residual_gradient * direction).sum(1) / (direction ** 2).sum(1)
+        residual = ((residual_gradient - scale[:, None] * direction) ** 2).sum(1)
+        better = residual < best_residual
+        actions[better], advantages[better], best_residual[better] = a, scale[better], \
+            residual[better]
+    size = (residual_gradient ** 2).sum(1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return actions, advantages, np.sqrt(best_residual / size)
+
+
+def recover_analytically(observation: Observation) -> Reconstruction:
+    """Actions, and in extras: every Linear layer's input, h, π, V, A, R, the fit residual."""
+    check_supported(observation)
+    inputs = {module: layer_input(observation, module) for module in linear_layers(observation)}
+    policy, value = _head(observation, POLICY), _head(observation, VALUE)
+    features = inputs[POLICY]
+    # A step whose policy-bias gradient is exactly zero still has the value head's
+    fallback = ~np.isfinite(features).all(1)
+    features[fallback] = inputs[VALUE][fallback]
+    probs = softmax(features @ policy.weight.T + policy.bias)
+    values = (features @ value.weight.T + value.bias)[:, 0]
+    entropy_coef = float(observation.hyperparameters["entropy"])
+    value_coef = float(observation.hyperparameters["value"])
+    log_probs = np.log(np.clip(probs, 1e-300, None))
+    entropy = -(probs * log_probs).sum(1, keepdims=True)
+    policy_bias = observation.block(f"{POLICY}.bias").astype(np.float64)
+    residual = policy_bias - entropy_coef * probs * (log_probs + entropy)
+    actions, advantages, misfit = action_and_advantage(residual, probs)
+    returns = values - observation.block(f"{VALUE}.bias").astype(np.float64)[:, 0] / (
+        2.0 * value_coef)
+    return Reconstruction(actions=actions, extras={
+        "layer_inputs": inputs, "features": features, "probs": probs, "values": values,
+        "advantages": advantages, "returns": returns, "misfit": misfit})

@@ -1,0 +1,71 @@
+"""Score the closed-form recovery against the capture's private ground truth."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from gradleak.attacks.analytic import recover_analytically
+from gradleak.attacks.optim.matching import victim_at_theta0
+from gradleak.capture.reader import CaptureFile
+from gradleak.threat import Observation, Target
+
+
+def true_layer_inputs(observation: Observation, images: np.ndarray, modules: list[str]
+                      ) -> dict[str, np.ndarray]:
+    """What each Linear module really received for the private frames (forward pre-hooks)."""
+    victim = victim_at_theta0(observation)
+    seen: dict[str, list[torch.Tensor]] = {name: [] for name in modules}
+    named = dict(victim.named_modules())
+    handles = [named[name].register_forward_pre_hook(
+        lambda module, args, name=name: seen[name].append(args[0].detach()))
+        for name in modules]
+    try:
+        with torch.no_grad():
+            for start in range(0, len(images), 256):
+                victim(torch.from_numpy(images[start:start + 256]))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {name: torch.cat(values).double().numpy() for name, values in seen.items()}
+
+
+def relative_errors(estimate: np.ndarray, truth: np.ndarray) -> np.ndarray:
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.linalg.norm(estimate - truth, axis=1) / np.linalg.norm(truth, axis=1)
+
+
+def score(observation: Observation, target: Target) -> dict[str, Any]:
+    result = recover_analytically(observation)
+    extras = result.extras
+    truth_inputs = true_layer_inputs(observation, target.images, list(extras["layer_inputs"]))
+    layers = {}
+    for name, estimate in extras["layer_inputs"].items():
+        errors = relative_errors(estimate, truth_inputs[name])
+        layers[name] = {"median_relative_error": float(np.nanmedian(errors)),
+                        "max_relative_error": float(np.nanmax(errors)),
+                        "rows_without_signal": int(np.isnan(errors).sum())}
+    advantage_error = np.abs(extras["advantages"] - target.advantages)
+    return {"rows": len(observation), "action_accuracy": float((result.actions ==
+                                                                target.actions).mean()),
+            "probs_max_abs_error": float(np.abs(extras["probs"] - target.probs).max()),
+            "values_max_abs_error": float(np.abs(extras["values"] - target.values).max()),
+            "advantage_max_abs_error": float(advantage_error.max()),
+            "advantage_median_relative_error": float(np.median(
+                advantage_error / np.maximum(np.abs(target.advantages), 1e-8))),
+            "returns_max_abs_error": float(np.abs(extras["returns"] - target.returns).max()),
+            "median_misfit": float(np.nanmedian(extras["misfit"])), "layer_inputs": layers}
+
+
+def evaluate_analytic(paths: Sequence[str | os.PathLike[str]], max_rows: int | None = None
+                      ) -> dict[str, dict[str, Any]]:
+    results = {}
+    for path in paths:
+        with CaptureFile(path) as capture:
+            rows = slice(0, min(len(capture), max_rows or len(capture)))
+            results[str(path)] = score(capture.observation(rows), capture.target(rows))
+    return results
