@@ -1,9 +1,18 @@
-"""Test helpers: a synthetic Doom PWAD built byte by byte."""
+"""Test helpers: a synthetic Doom PWAD built byte by byte; a fully connected victim's
+per-step observation."""
 
 from __future__ import annotations
 
 import struct
 from pathlib import Path
+
+import numpy as np
+import torch
+
+from gradleak.capture.grads import StepBatch, per_step_gradients
+from gradleak.rl.losses import LossCoefficients
+from gradleak.threat import Observation
+from gradleak.victims import create_victim, layer_table
 
 # Two 512x512 rooms joined by a closed door (a sector whose ceiling meets its floor); room B
 # holds a nukage pool, room A a tree (a solid thing) and the player start.
@@ -97,3 +106,34 @@ class ColourRoom:
                 return self._frame(int(action)), float(action == 2), self._t >= 15, False, {}
 
         return _ColourRoom(*args, **kwargs)
+
+
+# -- a victim with a fully connected first layer, and its per-step observation ----------------
+
+
+def smooth_frame(size: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    coarse = torch.rand(1, 3, 4, 4, generator=generator)
+    image = torch.nn.functional.interpolate(coarse, size=(size, size), mode="bilinear")
+    return (image[0].permute(1, 2, 0) * 255).round().to(torch.uint8)
+
+
+def mlp_observation(frames: int = 2, size: int = 12) -> tuple[Observation, torch.Tensor]:
+    torch.manual_seed(1)
+    victim = create_victim("mlp", frame_size=size, options={"hidden": 32}).eval()
+    images = torch.stack([smooth_frame(size, seed) for seed in range(frames)])
+    with torch.no_grad():
+        logits, _ = victim(images)
+    actions = torch.arange(frames) % 5
+    log_probs = torch.log_softmax(logits, -1).gather(-1, actions[:, None])[:, 0]
+    batch = StepBatch(images, actions, torch.tensor([1.2, -0.7] * (frames // 2))[:frames],
+                      torch.tensor([0.4, -0.3] * (frames // 2))[:frames], log_probs)
+    layers = layer_table(victim)
+    coefficients = LossCoefficients()
+    gradients = per_step_gradients(victim, batch, coefficients, layers)
+    observation = Observation(
+        gradients=gradients.numpy(), layers=tuple(layers), victim=victim.config,
+        hyperparameters={"algorithm": "ppo", **coefficients.to_dict()},
+        episode_ids=np.zeros(frames, np.int64), step_in_episode=np.arange(frames),
+        theta0={k: v.numpy() for k, v in victim.state_dict().items()})
+    return observation, images

@@ -304,7 +304,7 @@ def _optim_flags(parser: argparse.ArgumentParser) -> None:
 def cmd_analytic(args: argparse.Namespace) -> None:
     from gradleak.evaluation.analytic import evaluate_analytic
 
-    results = evaluate_analytic(args.files, args.max_rows)
+    results = evaluate_analytic(args.files, args.max_rows, args.invert)
     lines = []
     for path, r in results.items():
         layers = ", ".join(f"{name} {v['median_relative_error']:.2e}"
@@ -314,6 +314,12 @@ def cmd_analytic(args: argparse.Namespace) -> None:
                      f"{r['values_max_abs_error']:.2e}, |ΔA| {r['advantage_max_abs_error']:.2e},"
                      f" |ΔR| {r['returns_max_abs_error']:.2e}; layer inputs (median relative "
                      f"error): {layers}")
+        if "feature_inversion" in r:
+            inv = r["feature_inversion"]
+            mean = inv["psnr_of_their_mean_image"]
+            lines.append(f"  frames from the FC input by optimisation ({inv['frames']}): PSNR "
+                         f"{inv['psnr']:.2f} dB (their mean image {mean:.2f}), SSIM "
+                         f"{inv['ssim']:.3f}, {inv['seconds_per_frame']:.2f} s/frame")
     _emit(args, results, "\n".join(lines))
 
 
@@ -469,6 +475,8 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     p.add_argument("files", nargs="+", help="capture files")
     p.add_argument("--max-rows", type=int, default=None)
+    p.add_argument("--invert", type=int, default=0, metavar="N",
+                   help="also reconstruct N frames from the recovered conv features")
     p.set_defaults(func=cmd_analytic)
 
     p = sub.add_parser("fedavg", help="simulate a FedAvg client and invert its update")

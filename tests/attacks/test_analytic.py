@@ -87,3 +87,15 @@ def test_unsupported_observations_are_named() -> None:
         recover_analytically(replace(observation, hyperparameters={}))
     with pytest.raises(ConfigError, match="needs θ0's policy_head"):
         recover_analytically(replace(observation, theta0={}))
+
+
+def test_feature_inversion_through_a_linear_first_layer_is_exact() -> None:
+    from helpers import mlp_observation
+
+    from gradleak.attacks.analytic import invert_features
+    from gradleak.metrics.images import psnr, to_unit_tensor
+
+    observation, images = mlp_observation(frames=2)
+    features = recover_analytically(observation).extras["layer_inputs"]["fc"]
+    recovered = invert_features(observation, features, iterations=300, lr=0.02, tv=0.0)
+    assert float(psnr(to_unit_tensor(recovered), to_unit_tensor(images.numpy())).min()) > 35

@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import mlp_observation
 
 from gradleak.attacks.optim.lbfgs import BatchedLBFGS
 from gradleak.attacks.optim.solve import (
@@ -14,13 +15,11 @@ from gradleak.attacks.optim.solve import (
     baseline_config,
     pick_restarts,
 )
-from gradleak.capture.grads import StepBatch, per_step_gradients
 from gradleak.capture.reader import CaptureFile
 from gradleak.errors import ConfigError
 from gradleak.metrics.images import psnr
 from gradleak.rl.losses import LossCoefficients
-from gradleak.threat import Observation
-from gradleak.victims import create_victim, layer_table
+from gradleak.victims import create_victim
 
 
 def dummy_gradient_at_truth(path: Path, loss: str = "victim") -> tuple[np.ndarray, np.ndarray]:
@@ -104,34 +103,6 @@ def test_batched_lbfgs_follows_torch_lbfgs_problem_by_problem(history: int) -> N
 
 
 # -- the optimiser on a victim whose first layer is fully connected ------------------------------
-def smooth_frame(size: int, seed: int) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    coarse = torch.rand(1, 3, 4, 4, generator=generator)
-    image = torch.nn.functional.interpolate(coarse, size=(size, size), mode="bilinear")
-    return (image[0].permute(1, 2, 0) * 255).round().to(torch.uint8)
-
-
-def mlp_observation(frames: int = 2, size: int = 12) -> tuple[Observation, torch.Tensor]:
-    torch.manual_seed(1)
-    victim = create_victim("mlp", frame_size=size, options={"hidden": 32}).eval()
-    images = torch.stack([smooth_frame(size, seed) for seed in range(frames)])
-    with torch.no_grad():
-        logits, _ = victim(images)
-    actions = torch.arange(frames) % 5
-    log_probs = torch.log_softmax(logits, -1).gather(-1, actions[:, None])[:, 0]
-    batch = StepBatch(images, actions, torch.tensor([1.2, -0.7] * (frames // 2))[:frames],
-                      torch.tensor([0.4, -0.3] * (frames // 2))[:frames], log_probs)
-    layers = layer_table(victim)
-    coefficients = LossCoefficients()
-    gradients = per_step_gradients(victim, batch, coefficients, layers)
-    observation = Observation(
-        gradients=gradients.numpy(), layers=tuple(layers), victim=victim.config,
-        hyperparameters={"algorithm": "ppo", **coefficients.to_dict()},
-        episode_ids=np.zeros(frames, np.int64), step_in_episode=np.arange(frames),
-        theta0={k: v.numpy() for k, v in victim.state_dict().items()})
-    return observation, images
-
-
 def test_inverting_gradients_recovers_the_frame_through_a_linear_first_layer() -> None:
     observation, images = mlp_observation()
     config = baseline_config("ig", iterations=600)

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from gradleak.errors import ConfigError
 from gradleak.threat import Observation, Reconstruction
@@ -118,3 +119,61 @@ def recover_analytically(observation: Observation) -> Reconstruction:
     return Reconstruction(actions=actions, extras={
         "layer_inputs": inputs, "features": features, "probs": probs, "values": values,
         "advantages": advantages, "returns": returns, "misfit": misfit})
+
+
+class _Captured(Exception):
+    """Stops the victim's forward pass once the wanted module's input is in hand."""
+
+
+def module_input(victim: torch.nn.Module, module: str, images: torch.Tensor) -> torch.Tensor:
+    """The input `module` receives when the victim sees `images` (the rest is not run)."""
+    captured: list[torch.Tensor] = []
+
+    def grab(_: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+        captured.append(args[0])
+        raise _Captured
+
+    handle = dict(victim.named_modules())[module].register_forward_pre_hook(grab)
+    try:
+        victim(images)
+    except _Captured:
+        pass
+    finally:
+        handle.remove()
+    return captured[0]
+
+
+def invert_features(observation: Observation, features: np.ndarray, module: str = "fc",
+                    iterations: int = 600, lr: float = 0.01, tv: float = 0.3,
+                    seed: int = 0) -> np.ndarray:
+    """Frames whose `module` input matches the recovered one: Adam on the pixels, relative
+    squared error plus anisotropic TV, clamped to [0, 1]. Frames are independent (the loss is a
+    sum over them and Adam is element-wise), so a batch solves them all at once.
+
+    Defaults from a sweep on 16 cpu-bench held-out frames (random-init cnn-small, 64×64):
+    TV 0.02 → 11 dB, 0.2 → 18.1 dB, 0.5 → 17.9 dB, 1.0 → 16.0 dB (mean of those frames:
+    21.8 dB): the 4×4×32 feature map alone does not pin the frame down."""
+    from gradleak.attacks.optim.matching import victim_at_theta0
+
+    victim = victim_at_theta0(observation)
+    for parameter in victim.parameters():
+        parameter.requires_grad_(False)
+    target = torch.from_numpy(features).float()
+    size = observation.victim.frame_size
+    generator = torch.Generator().manual_seed(seed)
+    images = torch.full((len(target), size, size, 3), 0.5).add_(
+        0.05 * torch.randn(len(target), size, size, 3, generator=generator))
+    images.requires_grad_(True)
+    optimiser = torch.optim.Adam([images], lr=lr)
+    scale = target.pow(2).sum(1).clamp_min(1e-12)
+    for _ in range(iterations):
+        optimiser.zero_grad(set_to_none=True)
+        produced = module_input(victim, module, images * 255.0).flatten(1)
+        mismatch = ((produced - target) ** 2).sum(1) / scale
+        variation = ((images[:, 1:] - images[:, :-1]).abs().mean((1, 2, 3))
+                     + (images[:, :, 1:] - images[:, :, :-1]).abs().mean((1, 2, 3)))
+        (mismatch + tv * variation).sum().backward()
+        optimiser.step()
+        with torch.no_grad():
+            images.clamp_(0.0, 1.0)
+    return (images.detach() * 255).round().to(torch.uint8).numpy()

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from gradleak.attacks.analytic import recover_analytically
+from gradleak.attacks.analytic import invert_features, recover_analytically
 from gradleak.attacks.optim.matching import victim_at_theta0
 from gradleak.capture.reader import CaptureFile
 from gradleak.threat import Observation, Target
@@ -61,11 +62,31 @@ def score(observation: Observation, target: Target) -> dict[str, Any]:
             "median_misfit": float(np.nanmedian(extras["misfit"])), "layer_inputs": layers}
 
 
-def evaluate_analytic(paths: Sequence[str | os.PathLike[str]], max_rows: int | None = None
-                      ) -> dict[str, dict[str, Any]]:
+def score_inversion(observation: Observation, target: Target, count: int) -> dict[str, Any]:
+    """Frames from the recovered FC input alone (optimisation), on `count` evenly spaced steps."""
+    from gradleak.metrics.images import psnr, ssim, to_unit_tensor
+
+    rows = np.linspace(0, len(observation) - 1, count).astype(int)
+    features = recover_analytically(observation).extras["layer_inputs"]["fc"][rows]
+    start = time.perf_counter()
+    frames = invert_features(observation, features)
+    seconds = (time.perf_counter() - start) / count
+    truth, guess = to_unit_tensor(target.images[rows]), to_unit_tensor(frames)
+    mean = truth.mean(0, keepdim=True).expand_as(truth)
+    return {"frames": count, "psnr": float(psnr(guess, truth).mean()),
+            "ssim": float(ssim(guess, truth).mean()), "seconds_per_frame": seconds,
+            "psnr_of_their_mean_image": float(psnr(mean, truth).mean())}
+
+
+def evaluate_analytic(paths: Sequence[str | os.PathLike[str]], max_rows: int | None = None,
+                      invert: int = 0) -> dict[str, dict[str, Any]]:
     results = {}
     for path in paths:
         with CaptureFile(path) as capture:
             rows = slice(0, min(len(capture), max_rows or len(capture)))
-            results[str(path)] = score(capture.observation(rows), capture.target(rows))
+            observation, target = capture.observation(rows), capture.target(rows)
+        results[str(path)] = score(observation, target)
+        if invert:
+            results[str(path)]["feature_inversion"] = score_inversion(observation, target,
+                                                                      invert)
     return results
