@@ -114,3 +114,13 @@ def test_attack_rejects_a_row_outside_the_capture(capsys, tmp_path: Path,
                  str(tmp_path / "o")]) == 2
     assert "--index 50" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_analytic_reports_exact_recovery_and_feature_inversion(capsys,
+                                                              random_capture: Path) -> None:
+    data = run_json(capsys, "analytic", str(random_capture), "--invert", "2")
+    result = data[str(random_capture)]
+    assert result["rows"] == 50 and result["action_accuracy"] == 1.0
+    assert result["layer_inputs"]["fc"]["median_relative_error"] <= 1e-3
+    assert result["feature_inversion"]["frames"] == 2
+    assert result["feature_inversion"]["psnr"] > 0
