@@ -8,6 +8,7 @@ scale), then per-coordinate standardisation with statistics of the training data
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterable
 
@@ -16,8 +17,9 @@ from torch import nn
 
 from gradleak.errors import ConfigError
 from gradleak.threat import ObservedWindows, Reconstruction
+from gradleak.victims.base import LayerInfo
 
-PROJECTIONS = ("dense", "lowrank", "subsample")
+PROJECTIONS = ("dense", "lowrank", "subsample", "structured")
 
 
 def subsample_index(gradient_dim: int, fraction: float, seed: int) -> torch.Tensor:
@@ -32,10 +34,11 @@ def subsample_index(gradient_dim: int, fraction: float, seed: int) -> torch.Tens
 class GradientInput(nn.Module):
     """(..., d) raw gradients → (..., k + 1) normalised features (k kept coordinates + log RMS)."""
 
-    def __init__(self, gradient_dim: int, index: torch.Tensor | None = None) -> None:
+    def __init__(self, gradient_dim: int, index: torch.Tensor | None = None,
+                 selected: int | None = None) -> None:
         super().__init__()
         self.gradient_dim = gradient_dim
-        kept = gradient_dim if index is None else len(index)
+        kept = selected or (gradient_dim if index is None else len(index))
         self.register_buffer("index", index if index is not None else torch.zeros(0,
                                                                                   dtype=torch.long))
         self.register_buffer("mean", torch.zeros(kept))
@@ -87,6 +90,53 @@ class GradientInput(nn.Module):
         return torch.cat([standard, level], dim=-1)
 
 
+class StructuredInput(GradientInput):
+    """The gradient read through its structure instead of coordinate by coordinate.
+
+    For every Linear layer with a bias (one sample: ∇W = δ xᵀ, ∇b = δ) its exact input
+    x = ∇Wᵀ∇b/‖∇b‖² and δ itself; for every conv weight the norm of each output channel's
+    gradient; every other 1-D parameter's gradient as it is (conv biases, BatchNorm). For
+    cnn-small that is ~1.7k features instead of 163k coordinates.
+    """
+
+    def __init__(self, gradient_dim: int, layer_table: str) -> None:
+        layers = [LayerInfo(row["name"], tuple(row["shape"]), int(row["offset"]),
+                            row["component"]) for row in json.loads(layer_table or "[]")]
+        by_name = {layer.name: layer for layer in layers}
+        linear = [(layer, by_name[layer.name.removesuffix("weight") + "bias"])
+                  for layer in layers if layer.name.endswith(".weight") and
+                  len(layer.shape) == 2 and layer.name.removesuffix("weight") + "bias" in by_name]
+        if not linear:
+            raise ConfigError("the structured projection needs Linear layers with a bias in the "
+                              "captured gradients; use projection 'dense' for this victim")
+        used = {layer.name for pair in linear for layer in pair}
+        convs = [layer for layer in layers if len(layer.shape) == 4]
+        vectors = [layer for layer in layers if len(layer.shape) == 1 and layer.name not in used]
+        width = (sum(w.shape[1] + w.shape[0] for w, _ in linear) + sum(c.shape[0] for c in convs)
+                 + sum(v.size for v in vectors))
+        super().__init__(gradient_dim, None, selected=width)
+        self.linear, self.convs, self.vectors = linear, convs, vectors
+
+    def select(self, gradients: torch.Tensor) -> torch.Tensor:
+        if gradients.shape[-1] != self.gradient_dim:
+            raise ConfigError(f"gradient width {gradients.shape[-1]} does not match the "
+                              f"attacker's {self.gradient_dim}")
+
+        def block(layer: LayerInfo) -> torch.Tensor:
+            return gradients[..., layer.offset:layer.offset + layer.size]
+
+        parts = []
+        for weight, bias in self.linear:
+            delta = block(bias)
+            outer = block(weight).unflatten(-1, weight.shape)  # (..., out, in)
+            inputs = torch.einsum("...o,...oi->...i", delta, outer)
+            inputs = inputs / delta.pow(2).sum(-1, keepdim=True).clamp_min(1e-30)
+            parts += [inputs, delta]
+        parts += [block(c).unflatten(-1, (c.shape[0], -1)).norm(dim=-1) for c in self.convs]
+        parts += [block(v) for v in self.vectors]
+        return torch.cat(parts, dim=-1)
+
+
 class ResidualMLP(nn.Module):
     """Pre-norm residual block: x + W2 · GELU(W1 · LN(x))."""
 
@@ -102,8 +152,8 @@ class ResidualMLP(nn.Module):
 
 
 def input_projection(kind: str, features: int, width: int, rank: int) -> nn.Module:
-    """dense: Linear(d, d_enc) (the paper); lowrank: d → r → d_enc; subsample: the subset
-    was already taken by GradientInput, so a dense layer on the kept coordinates."""
+    """dense: Linear(d, d_enc) (the paper); lowrank: d → r → d_enc; subsample and structured:
+    GradientInput already reduced the gradient, so a dense layer on what it kept."""
     if kind not in PROJECTIONS:
         raise ConfigError(f"projection {kind!r}: expected one of {', '.join(PROJECTIONS)}")
     if kind == "lowrank":

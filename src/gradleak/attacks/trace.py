@@ -22,6 +22,7 @@ from gradleak.attacks.encoders import (
     GradientInput,
     ImageDecoder,
     ImageEncoder,
+    StructuredInput,
     WindowAttacker,
     subsample_index,
 )
@@ -34,7 +35,8 @@ class TraceConfig:
     frame_size: int = 64
     num_actions: int = 5
     window: int = 8  # T
-    projection: str = "subsample"  # dense (the paper), lowrank, subsample
+    projection: str = "subsample"  # dense (the paper), lowrank, subsample, structured
+    layer_table: str = ""  # set from the training capture: the structured projection reads it
     rank: int = 256  # lowrank only
     subsample_fraction: float = 0.1  # subsample only
     encoder_width: int = 512  # d_enc
@@ -104,17 +106,23 @@ class GatedBlock(nn.Module):
         return x + torch.sigmoid(self.alpha_ffn) * self.ffn(self.norm_ffn(x))
 
 
+def gradient_input(config: TraceConfig) -> GradientInput:
+    if config.projection == "structured":
+        return StructuredInput(config.gradient_dim, config.layer_table)
+    index = (subsample_index(config.gradient_dim, config.subsample_fraction, config.seed)
+             if config.projection == "subsample" else None)
+    return GradientInput(config.gradient_dim, index)
+
+
 class Trace(WindowAttacker):
     name = "TRACE"
 
     def __init__(self, config: TraceConfig) -> None:
         super().__init__()
         self.config = config
-        index = (subsample_index(config.gradient_dim, config.subsample_fraction, config.seed)
-                 if config.projection == "subsample" else None)
         d = config.latent
         self.gradient_encoder = GradientEncoder(
-            GradientInput(config.gradient_dim, index), config.projection, config.encoder_width,
+            gradient_input(config), config.projection, config.encoder_width,
             d, config.encoder_blocks, config.rank, config.dropout)
         self.image_encoder = ImageEncoder(d, config.image_channels)
         self.start = nn.Parameter(torch.zeros(d))

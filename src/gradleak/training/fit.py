@@ -152,6 +152,9 @@ class AttackerFit:
         victim = self.train_data.fingerprint.victim
         self.model_config = replace(model_config, gradient_dim=self.train_data.gradient_dim,
                                     frame_size=victim.frame_size, num_actions=victim.num_actions)
+        if hasattr(self.model_config, "layer_table"):  # the structured projection reads it
+            self.model_config = replace(self.model_config,
+                                        layer_table=self.train_data.fingerprint.layer_table)
         self.model = self._build_model().to(self.device)
         self.perceptual = Perceptual(config.lpips_weights).to(self.device)
         self.objective = self._objective()

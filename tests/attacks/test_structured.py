@@ -1,0 +1,54 @@
+"""The structured gradient input: exact layer inputs as features, trainable end to end."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from gradleak.attacks.analytic import layer_input
+from gradleak.attacks.encoders import StructuredInput
+from gradleak.capture.reader import CaptureFile
+from gradleak.errors import ConfigError
+
+
+def test_structured_features_hold_the_exact_layer_inputs(float32_capture: Path) -> None:
+    with CaptureFile(float32_capture) as capture:
+        observation = capture.observation()
+        table = capture.attrs["layer_table"]
+    structured = StructuredInput(observation.gradients.shape[1], table)
+    features = structured.select(torch.from_numpy(observation.gradients)).double().numpy()
+    fc = layer_input(observation, "fc")
+    np.testing.assert_allclose(features[:, :fc.shape[1]], fc, rtol=1e-4, atol=1e-6)
+    assert structured.features == features.shape[1] + 1 < observation.gradients.shape[1] / 40
+
+
+def test_a_structured_trace_trains_and_is_far_smaller(train_capture: Path,
+                                                      tmp_path: Path) -> None:
+    from conftest import tiny_attack_settings
+
+    from gradleak.training.checkpoint import load_attacker
+    from gradleak.training.fit import fit_attacker
+
+    model, fit = tiny_attack_settings("trace")
+    model.projection, fit.epochs = "structured", 1
+    result = fit_attacker("trace", model, fit, [str(train_capture)], tmp_path / "s",
+                          progress=False)
+    assert np.isfinite(result["last"]["val_loss"])
+    reloaded, meta = load_attacker(tmp_path / "s")
+    assert meta["model"]["projection"] == "structured"
+    dense_model, _ = tiny_attack_settings("trace")
+    dense_model.projection = "dense"
+    dense = fit_attacker("trace", dense_model, fit, [str(train_capture)], tmp_path / "d",
+                         progress=False)
+    assert result["parameters"] < dense["parameters"] / 5
+
+
+def test_a_victim_without_linear_layers_is_refused() -> None:
+    table = json.dumps([{"name": "conv.weight", "shape": [4, 3, 3, 3], "offset": 0,
+                         "component": "cnn"}])
+    with pytest.raises(ConfigError, match="use projection 'dense'"):
+        StructuredInput(108, table)
