@@ -118,22 +118,31 @@ def smooth_frame(size: int, seed: int) -> torch.Tensor:
     return (image[0].permute(1, 2, 0) * 255).round().to(torch.uint8)
 
 
+def observe(victim: torch.nn.Module, images: torch.Tensor, actions: torch.Tensor,
+            advantages: torch.Tensor, returns: torch.Tensor,
+            coefficients: LossCoefficients | None = None) -> tuple[Observation, StepBatch]:
+    """The per-step gradients a server would see for these steps, as an Observation."""
+    coefficients = coefficients or LossCoefficients()
+    with torch.no_grad():
+        logits, _ = victim(images)
+    log_probs = torch.log_softmax(logits, -1).gather(-1, actions[:, None])[:, 0]
+    batch = StepBatch(images, actions, advantages, returns, log_probs)
+    layers = layer_table(victim)
+    gradients = per_step_gradients(victim, batch, coefficients, layers)
+    n = len(actions)
+    observation = Observation(
+        gradients=gradients.numpy(), layers=tuple(layers), victim=victim.config,
+        hyperparameters={"algorithm": "ppo", **coefficients.to_dict()},
+        episode_ids=np.zeros(n, np.int64), step_in_episode=np.arange(n),
+        theta0={k: v.numpy() for k, v in victim.state_dict().items()})
+    return observation, batch
+
+
 def mlp_observation(frames: int = 2, size: int = 12) -> tuple[Observation, torch.Tensor]:
     torch.manual_seed(1)
     victim = create_victim("mlp", frame_size=size, options={"hidden": 32}).eval()
     images = torch.stack([smooth_frame(size, seed) for seed in range(frames)])
-    with torch.no_grad():
-        logits, _ = victim(images)
-    actions = torch.arange(frames) % 5
-    log_probs = torch.log_softmax(logits, -1).gather(-1, actions[:, None])[:, 0]
-    batch = StepBatch(images, actions, torch.tensor([1.2, -0.7] * (frames // 2))[:frames],
-                      torch.tensor([0.4, -0.3] * (frames // 2))[:frames], log_probs)
-    layers = layer_table(victim)
-    coefficients = LossCoefficients()
-    gradients = per_step_gradients(victim, batch, coefficients, layers)
-    observation = Observation(
-        gradients=gradients.numpy(), layers=tuple(layers), victim=victim.config,
-        hyperparameters={"algorithm": "ppo", **coefficients.to_dict()},
-        episode_ids=np.zeros(frames, np.int64), step_in_episode=np.arange(frames),
-        theta0={k: v.numpy() for k, v in victim.state_dict().items()})
+    observation, _ = observe(victim, images, torch.arange(frames) % 5,
+                             torch.tensor([1.2, -0.7] * (frames // 2))[:frames],
+                             torch.tensor([0.4, -0.3] * (frames // 2))[:frames])
     return observation, images

@@ -8,15 +8,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import observe
 
 from gradleak.attacks.analytic import recover_analytically
-from gradleak.capture.grads import StepBatch, per_step_gradients
+from gradleak.capture.grads import StepBatch
 from gradleak.capture.reader import CaptureFile
 from gradleak.errors import ConfigError
 from gradleak.evaluation.analytic import score
 from gradleak.rl.losses import LossCoefficients
 from gradleak.threat import Observation
-from gradleak.victims import create_victim, layer_table
+from gradleak.victims import create_victim
 
 
 def test_exact_on_float32_captures(float32_capture: Path) -> None:
@@ -46,21 +47,8 @@ def synthetic(entropy: float, peak: float, seed: int = 0) -> tuple[Observation, 
     generator = torch.Generator().manual_seed(seed)
     n = 40
     images = torch.randint(0, 256, (n, 32, 32, 3), dtype=torch.uint8, generator=generator)
-    with torch.no_grad():
-        logits, _ = victim(images)
-    actions = torch.arange(n) % 5
-    log_probs = torch.log_softmax(logits, -1).gather(-1, actions[:, None])[:, 0]
-    batch = StepBatch(images, actions, torch.randn(n, generator=generator),
-                      torch.randn(n, generator=generator), log_probs)
-    coefficients = LossCoefficients(entropy=entropy)
-    layers = layer_table(victim)
-    gradients = per_step_gradients(victim, batch, coefficients, layers)
-    observation = Observation(
-        gradients=gradients.numpy(), layers=tuple(layers), victim=victim.config,
-        hyperparameters={"algorithm": "ppo", **coefficients.to_dict()},
-        episode_ids=np.zeros(n, np.int64), step_in_episode=np.arange(n),
-        theta0={k: v.numpy() for k, v in victim.state_dict().items()})
-    return observation, batch
+    return observe(victim, images, torch.arange(n) % 5, torch.randn(n, generator=generator),
+                   torch.randn(n, generator=generator), LossCoefficients(entropy=entropy))
 
 
 @pytest.mark.parametrize("entropy", [0.0, 0.01, 0.05])
