@@ -52,3 +52,19 @@ def test_a_victim_without_linear_layers_is_refused() -> None:
                          "component": "cnn"}])
     with pytest.raises(ConfigError, match="use projection 'dense'"):
         StructuredInput(108, table)
+
+
+def test_lti_learns_from_the_exact_features(train_capture: Path, tmp_path: Path) -> None:
+    from conftest import tiny_attack_settings
+
+    from gradleak.io import read_json
+    from gradleak.training.fit import fit_attacker
+
+    model, fit = tiny_attack_settings("lti")
+    model.projection, fit.epochs, fit.lr = "structured", 4, 3e-3
+    fit_attacker("lti", model, fit, [str(train_capture)], tmp_path / "l", progress=False)
+    history = read_json(tmp_path / "l" / "attacker.json", "attacker")["history"]
+    assert history[-1]["train_loss"] < history[0]["train_loss"]
+    model.projection = "dense"
+    with pytest.raises(ConfigError, match="LtI projection 'dense'"):
+        fit_attacker("lti", model, fit, [str(train_capture)], tmp_path / "x", progress=False)

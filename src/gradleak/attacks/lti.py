@@ -1,7 +1,8 @@
 """Learning to Invert (Wu et al., 2023), the paper's single-frame learned baseline.
 
 An MLP from a fixed random 10% of the gradient's coordinates to the frame and the action; each
-step is inverted on its own, without temporal context.
+step is inverted on its own, without temporal context. With projection "structured" the MLP
+reads the exact Linear-layer inputs instead (a learned decoder of the recovered conv features).
 """
 
 from __future__ import annotations
@@ -12,7 +13,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradleak.attacks.encoders import GradientInput, WindowAttacker, subsample_index
+from gradleak.attacks.encoders import (
+    GradientInput,
+    StructuredInput,
+    WindowAttacker,
+    subsample_index,
+)
+from gradleak.errors import ConfigError
 
 
 @dataclass
@@ -21,6 +28,8 @@ class LtiConfig:
     frame_size: int = 64
     num_actions: int = 5
     subsample_fraction: float = 0.1
+    projection: str = "subsample"  # LtI's random subset, or "structured" (exact layer inputs)
+    layer_table: str = ""  # set from the training capture: the structured input reads it
     hidden: int = 3000  # the paper's width; CPU presets use less
     layers: int = 2  # hidden layers
     seed: int = 0
@@ -35,8 +44,14 @@ class LearningToInvert(WindowAttacker):
     def __init__(self, config: LtiConfig) -> None:
         super().__init__()
         self.config = config
-        index = subsample_index(config.gradient_dim, config.subsample_fraction, config.seed)
-        self.input = GradientInput(config.gradient_dim, index)
+        if config.projection == "structured":
+            self.input: GradientInput = StructuredInput(config.gradient_dim, config.layer_table)
+        elif config.projection == "subsample":
+            index = subsample_index(config.gradient_dim, config.subsample_fraction, config.seed)
+            self.input = GradientInput(config.gradient_dim, index)
+        else:
+            raise ConfigError(f"LtI projection {config.projection!r}: expected subsample or "
+                              "structured")
         layers: list[nn.Module] = []
         width = self.input.features
         for _ in range(config.layers):
