@@ -51,6 +51,13 @@ def train(preset, kind: str, window: int | None, minutes: float, data: Path, out
                         progress=True)
 
 
+def training_minutes(out: Path) -> float:
+    """Minutes spent in training epochs over every run that built this attacker (resumes
+    included), from its own history."""
+    history = json.loads((out / META).read_text())["history"]
+    return round(sum(record["train_minutes"] for record in history), 1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--victim", default=None, help="a victim checkpoint (default: random-init)")
@@ -79,7 +86,8 @@ def main() -> None:
                "train_steps": args.train_steps or preset.capture.steps_train,
                "heldout_steps": args.heldout_steps or preset.capture.steps_heldout,
                "minutes_budget": args.minutes,
-               "training": {name: {k: r[k] for k in ("epochs", "minutes", "parameters")}
+               "training": {name: {"epochs": r["epochs"], "parameters": r["parameters"],
+                                   "minutes": training_minutes(Path(r["out"]))}
                             for name, r in training.items()},
                "evaluation": result}
     text = json.dumps(summary, indent=2)
