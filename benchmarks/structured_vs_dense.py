@@ -2,11 +2,17 @@
 
 Trains, each for at most --minutes on the same training capture: TRACE with the paper's dense
 projection, TRACE with the structured input (exact Linear-layer inputs, deltas, conv-channel
-norms), and LtI with the structured input (a learned decoder of the recovered features). Scores
+norms), LtI with the structured input (a learned decoder of the recovered features, trained on
+gradients), and for --decoder-minutes the analytic decoder (the FC input recovered in closed
+form, decoded by a conv decoder trained on auxiliary frames only: no stored gradient). Scores
 them with the subsample TRACE and LtI already in --work, plus feature inversion by optimisation
-on --invert held-out frames. Writes benchmarks/results/structured_vs_dense.{json,md}.
+on --invert held-out frames. With --defenses, every attacker is also scored zero-shot under each
+listed defense (the robustness of the identities). Writes
+benchmarks/results/structured_vs_dense.{json,md}.
 
     python benchmarks/structured_vs_dense.py [--work runs/bench-attack] [--minutes 60]
+        [--decoder-minutes 20] [--variants TRACE-dense,TRACE-structured,LtI-structured,decoder]
+        [--defenses "quant:8;noise:0.01;prune:0.1"] [--max-windows N]
 """
 
 from __future__ import annotations
@@ -15,18 +21,60 @@ import argparse
 import copy
 import json
 from pathlib import Path
+from typing import Any
 
+from gradleak.defenses import parse_defense
 from gradleak.evaluation.analytic import evaluate_analytic
 from gradleak.evaluation.reconstructions import evaluate
 from gradleak.io import atomic_path
 from gradleak.presets import load_preset
+from gradleak.report.tables import markdown_table
+from gradleak.training.auxiliary import fit_decoder
 from gradleak.training.checkpoint import META
 from gradleak.training.fit import fit_attacker
 
 RESULTS = Path(__file__).parent / "results" / "structured_vs_dense.json"
 VARIANTS = {"TRACE-dense": ("trace", "dense"), "TRACE-structured": ("trace", "structured"),
             "LtI-structured": ("lti", "structured")}
+DECODER = "analytic+decoder"
 EXISTING = {"TRACE (T=8, subsample)": "TRACE-T=8", "LtI (subsample)": "LtI"}
+SUMMARY = ("psnr", "ssim", "mse", "action_accuracy", "psnr_gain_over_mean_image", "parameters",
+           "ms_per_frame")
+
+
+def train_variant(preset: Any, name: str, minutes: float, train: Path, work: Path
+                  ) -> dict[str, Any]:
+    out = work / name
+    if name == DECODER:
+        fit = copy.deepcopy(preset.attack.decoder_fit)
+        fit.time_limit_minutes = minutes
+        return fit_decoder(copy.deepcopy(preset.attack.decoder), fit, [str(train)], out,
+                           resume=(out / META).exists(), progress=True)
+    kind, projection = VARIANTS[name]
+    model = copy.deepcopy(getattr(preset.attack, kind))
+    fit = copy.deepcopy(getattr(preset.attack, f"{kind}_fit"))
+    model.projection, fit.time_limit_minutes = projection, minutes
+    return fit_attacker(kind, model, fit, [str(train)], out, resume=(out / META).exists(),
+                        progress=True)
+
+
+def rows(defense: str, result: dict[str, Any]) -> list[dict[str, Any]]:
+    return [{"defense": defense, "method": name, **{k: row.get(k) for k in SUMMARY}}
+            for name, row in result["methods"].items()
+            if row["kind"] in ("learned", "rule") or name == "mean training image"]
+
+
+def markdown(table: list[dict[str, Any]]) -> str:
+    def fmt(value: Any, digits: int) -> str | None:
+        return None if value is None else f"{value:.{digits}f}"
+
+    cells = [{
+        "defense": r["defense"], "method": r["method"], "PSNR": fmt(r["psnr"], 2),
+        "SSIM": fmt(r["ssim"], 3), "gain (dB)": fmt(r["psnr_gain_over_mean_image"], 2),
+        "action acc.": fmt(r["action_accuracy"], 3),
+        "parameters": None if r["parameters"] is None else f"{r['parameters']:,}",
+        "ms/frame": fmt(r["ms_per_frame"], 2)} for r in table]
+    return markdown_table(cells, list(cells[0])) if cells else ""
 
 
 def main() -> None:
@@ -34,33 +82,50 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path("runs/bench-attack"))
     parser.add_argument("--preset", default="cpu-bench")
     parser.add_argument("--minutes", type=float, default=60.0)
+    parser.add_argument("--decoder-minutes", type=float, default=20.0)
+    parser.add_argument("--variants", default=",".join([*VARIANTS, "decoder"]))
     parser.add_argument("--invert", type=int, default=32)
+    parser.add_argument("--defenses", default="", help="zero-shot robustness; ';'-separated")
+    parser.add_argument("--max-windows", type=int, default=None)
     parser.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args()
     preset = load_preset(args.preset)
     train, heldout = args.work / "train.h5", args.work / "heldout.h5"
+    names = [DECODER if v == "decoder" else v for v in args.variants.split(",") if v]
     training = {}
-    for name, (kind, projection) in VARIANTS.items():
-        model = copy.deepcopy(getattr(preset.attack, kind))
-        fit = copy.deepcopy(getattr(preset.attack, f"{kind}_fit"))
-        model.projection, fit.time_limit_minutes = projection, args.minutes
-        out = args.work / name
-        training[name] = fit_attacker(kind, model, fit, [str(train)], out,
-                                      resume=(out / META).exists(), progress=True)
-    attackers = {name: str(args.work / name) for name in VARIANTS}
+    for name in names:
+        minutes = args.decoder_minutes if name == DECODER else args.minutes
+        result = train_variant(preset, name, minutes, train, args.work)
+        training[name] = {k: result[k] for k in ("epochs", "minutes", "parameters")}
+        training[name]["last"] = result["last"]
+    attackers = {name: str(args.work / name) for name in names}
     attackers.update({name: str(args.work / folder) for name, folder in EXISTING.items()
                       if (args.work / folder / META).exists()})
-    result = evaluate([heldout], attackers, args.work / "eval-structured")
+    clean = evaluate([heldout], attackers, args.work / "eval-structured",
+                     max_windows=args.max_windows)
+    table = rows("none", clean)
+    robustness = {}
+    for spec in [s for s in args.defenses.split(";") if s]:
+        result = evaluate([heldout], attackers, args.work / "eval-structured" / spec.replace(
+            ":", "-"), max_windows=args.max_windows, defense=parse_defense(spec))
+        robustness[spec] = result["methods"]
+        table += rows(spec, result)
     analytic = evaluate_analytic([heldout], invert=args.invert)[str(heldout)]
     summary = {"preset": args.preset, "minutes_budget": args.minutes,
-               "training": {name: {k: r[k] for k in ("epochs", "minutes", "parameters")}
-                            for name, r in training.items()},
-               "evaluation": result, "analytic": analytic}
+               "decoder_minutes_budget": args.decoder_minutes, "training": training,
+               "evaluation": clean, "robustness_zero_shot": robustness, "analytic": analytic,
+               "rows": table}
     with atomic_path(args.results) as tmp:
         tmp.write_text(json.dumps(summary, indent=2) + "\n")
+    inversion = analytic.get("feature_inversion")
+    note = "" if not inversion else (
+        f"\n\nFeature inversion by optimisation ({inversion['frames']} frames): PSNR "
+        f"{inversion['psnr']:.2f}, SSIM {inversion['ssim']:.3f}, "
+        f"{inversion['seconds_per_frame']:.2f} s per frame (their mean image: "
+        f"{inversion['psnr_of_their_mean_image']:.2f} dB).")
     with atomic_path(args.results.with_suffix(".md")) as tmp:
-        tmp.write_text((args.work / "eval-structured" / "metrics.md").read_text())
-    print(json.dumps(summary["training"], indent=2))
+        tmp.write_text(markdown(table) + note + "\n")
+    print(json.dumps(training, indent=2))
 
 
 if __name__ == "__main__":

@@ -124,3 +124,19 @@ def test_analytic_reports_exact_recovery_and_feature_inversion(capsys,
     assert result["layer_inputs"]["fc"]["median_relative_error"] <= 1e-3
     assert result["feature_inversion"]["frames"] == 2
     assert result["feature_inversion"]["psnr"] > 0
+
+
+def test_train_decoder_then_evaluate_recovers_every_action(capsys, tmp_path: Path,
+                                                           train_capture: Path,
+                                                           random_capture: Path) -> None:
+    trained = run_json(capsys, "train-decoder", "--preset", "cpu-quick", *TINY, "--data",
+                       str(train_capture), "--out", str(tmp_path / "dec"), "--epochs", "1",
+                       "--extra-frames", "32", "--set", "attack.decoder.channels=16",
+                       "--set", "attack.decoder_fit.max_val_frames=16")
+    assert trained["train_frames"] == {"captured": trained["train_frames"]["captured"],
+                                       "rendered": 32} and trained["epochs"] == 1
+    result = run_json(capsys, "evaluate", "--attacker", str(tmp_path / "dec"), "--data",
+                      str(random_capture), "--out", str(tmp_path / "eval"), "--baselines",
+                      "action-rule", "--max-windows", "4")
+    row = result["methods"]["analytic+decoder"]
+    assert row["action_accuracy"] == 1.0 and row["frames"] == 32

@@ -187,6 +187,31 @@ def cmd_train_attacker(args: argparse.Namespace) -> None:
     _emit(args, result, text)
 
 
+def cmd_train_decoder(args: argparse.Namespace) -> None:
+    from gradleak.training.auxiliary import fit_decoder
+
+    preset = _preset(args)
+    fit = preset.attack.decoder_fit
+    for name in ("epochs", "extra_frames"):
+        if getattr(args, name) is not None:
+            setattr(fit, name, getattr(args, name))
+    if args.minutes is not None:
+        fit.time_limit_minutes = args.minutes
+    result = fit_decoder(preset.attack.decoder, fit, args.data, Path(args.out),
+                         resume=args.resume, progress=not (args.quiet or args.json))
+    last = result["last"]
+    frames = result["train_frames"]
+    text = (f"trained the analytic decoder ({result['parameters']:,} parameters) on "
+            f"{frames['captured']:,} captured + {frames['rendered']:,} rendered frames for "
+            f"{result['epochs']} epochs in {result['minutes']:.1f} min: validation PSNR "
+            f"{last.get('val_psnr', float('nan')):.2f} dB, SSIM "
+            f"{last.get('val_ssim', float('nan')):.3f} -> {args.out}")
+    _emit(args, result, text)
+
+
+DISPLAY_NAMES = {"trace": "TRACE", "lti": "LtI", "decoder": "analytic+decoder"}
+
+
 def _attackers(args: argparse.Namespace) -> dict[str, str]:
     attackers = {}
     for item in args.attacker:
@@ -197,7 +222,7 @@ def _attackers(args: argparse.Namespace) -> dict[str, str]:
             from gradleak.training.checkpoint import META
 
             name = read_json(Path(path) / META, "attacker config").get("kind", Path(path).name)
-            name = "TRACE" if name == "trace" else "LtI" if name == "lti" else name
+            name = DISPLAY_NAMES.get(name, name)
         attackers[name] = path
     baselines = _baseline_names(args)
     if "lti" in baselines and "LtI" not in attackers:
@@ -434,6 +459,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true")
     _defense_flags(p, required=False, seed=1)
     p.set_defaults(func=cmd_train_attacker)
+
+    p = sub.add_parser("train-decoder", help="fit the analytic decoder on training-scene "
+                       "frames: θ0's conv features → frame, no gradients needed")
+    _common(p)
+    _preset_flags(p)
+    p.add_argument("--data", nargs="+", required=True,
+                   help="training-scene capture files (their frames and scenes are used)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--epochs", type=int, default=None)
+    p.add_argument("--extra-frames", type=int, default=None,
+                   help="frames to render on the captures' training scenes (random policy)")
+    p.add_argument("--minutes", type=float, default=None, help="stop after the epoch past this")
+    p.add_argument("--resume", action="store_true")
+    p.set_defaults(func=cmd_train_decoder)
 
     p = sub.add_parser("evaluate", help="score attackers and baselines on held-out captures")
     _common(p)

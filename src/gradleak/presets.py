@@ -13,12 +13,14 @@ import typing
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from gradleak.attacks.feature_decoder import DecoderConfig
 from gradleak.attacks.lti import LtiConfig
 from gradleak.attacks.optim.solve import OptimConfig, deep_leakage, inverting_gradients
 from gradleak.attacks.trace import TraceConfig
 from gradleak.envs.doomnav import DoomNavConfig
 from gradleak.errors import ConfigError
 from gradleak.registry import Registry
+from gradleak.training.auxiliary import DecoderFitConfig
 from gradleak.training.fit import FitConfig
 from gradleak.training.objectives import LossWeights
 from gradleak.victims.base import COMPONENTS
@@ -76,6 +78,9 @@ class AttackConfig:
     lti_fit: FitConfig = field(default_factory=lambda: FitConfig(
         epochs=200, batch_size=64, accumulation=1, lr=1e-3, warmup_epochs=1, rollout_steps=0,
         teacher_forcing_epochs=0, weights=LossWeights(perceptual=0.0, rollout=0.0)))
+    # Analytic recovery + a decoder trained on auxiliary frames (no gradients needed).
+    decoder: DecoderConfig = field(default_factory=DecoderConfig)
+    decoder_fit: DecoderFitConfig = field(default_factory=DecoderFitConfig)
     # The optimisation baselines; their probe-loss variants start from these too.
     ig: OptimConfig = field(default_factory=inverting_gradients)
     dlg: OptimConfig = field(default_factory=deep_leakage)
@@ -120,6 +125,8 @@ def cpu_quick() -> Preset:
         lti_fit=FitConfig(epochs=8, batch_size=32, lr=1e-3, teacher_forcing_epochs=0,
                           rollout_steps=0, weights=LossWeights(perceptual=0.0, rollout=0.0),
                           max_train_windows=2048, **quick),
+        decoder=DecoderConfig(channels=64, global_channels=16),
+        decoder_fit=DecoderFitConfig(epochs=4, extra_frames=4096),
         ig=with_iterations(inverting_gradients(), 200),
         dlg=with_iterations(deep_leakage(), 200))
     return Preset("cpu-quick", env, train, CaptureConfig(steps_train=4096, steps_heldout=1024),
@@ -145,6 +152,8 @@ def cpu_bench() -> Preset:
         lti_fit=FitConfig(epochs=15, batch_size=64, lr=1e-3, warmup_epochs=0.3,
                           teacher_forcing_epochs=0, rollout_steps=0,
                           weights=LossWeights(perceptual=0.0, rollout=0.0), **bench),
+        decoder=DecoderConfig(channels=128, global_channels=32),
+        decoder_fit=DecoderFitConfig(epochs=12, extra_frames=20_000),
         ig=with_iterations(inverting_gradients(), 1200),
         dlg=with_iterations(deep_leakage(), 1200))
     return Preset("cpu-bench", env, train, CaptureConfig(steps_train=20_000, steps_heldout=4_000),
@@ -161,7 +170,9 @@ def paper() -> Preset:
         trace=TraceConfig(window=8, projection="dense", encoder_width=2048, encoder_blocks=4,
                           latent=1024, layers=6, heads=8, image_channels=64, dropout=0.1),
         trace_fit=FitConfig(),  # 50 epochs, batch 8 x 2, AdamW 1e-4, τ = 5, β 0.1 → 0.8, R = 3
-        lti=LtiConfig(hidden=3000, layers=2, subsample_fraction=0.1))
+        lti=LtiConfig(hidden=3000, layers=2, subsample_fraction=0.1),
+        decoder=DecoderConfig(channels=256, global_channels=64),
+        decoder_fit=DecoderFitConfig(epochs=40, extra_frames=200_000))
     return Preset("paper", env, train, CaptureConfig(steps_train=108_000, steps_heldout=12_000),
                   attack)
 

@@ -96,6 +96,16 @@ def action_and_advantage(residual_gradient: np.ndarray, probs: np.ndarray
         return actions, advantages, np.sqrt(best_residual / size)
 
 
+def actions_from_policy_bias(policy_bias: np.ndarray, probs: np.ndarray, entropy_coef: float
+                             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The policy head's bias gradient is A (π − e_a) + c_e π ⊙ (log π + H): remove the known
+    entropy term, then fit A (π − e_a). Returns (actions, advantages, relative residual)."""
+    log_probs = np.log(np.clip(probs, 1e-300, None))
+    entropy = -(probs * log_probs).sum(1, keepdims=True)
+    return action_and_advantage(policy_bias - entropy_coef * probs * (log_probs + entropy),
+                                probs)
+
+
 def recover_analytically(observation: Observation) -> Reconstruction:
     """Actions, and in extras: every Linear layer's input, h, π, V, A, R, the fit residual."""
     check_supported(observation)
@@ -107,13 +117,10 @@ def recover_analytically(observation: Observation) -> Reconstruction:
     features[fallback] = inputs[VALUE][fallback]
     probs = softmax(features @ policy.weight.T + policy.bias)
     values = (features @ value.weight.T + value.bias)[:, 0]
-    entropy_coef = float(observation.hyperparameters["entropy"])
     value_coef = float(observation.hyperparameters["value"])
-    log_probs = np.log(np.clip(probs, 1e-300, None))
-    entropy = -(probs * log_probs).sum(1, keepdims=True)
-    policy_bias = observation.block(f"{POLICY}.bias").astype(np.float64)
-    residual = policy_bias - entropy_coef * probs * (log_probs + entropy)
-    actions, advantages, misfit = action_and_advantage(residual, probs)
+    actions, advantages, misfit = actions_from_policy_bias(
+        observation.block(f"{POLICY}.bias").astype(np.float64), probs,
+        float(observation.hyperparameters["entropy"]))
     returns = values - observation.block(f"{VALUE}.bias").astype(np.float64)[:, 0] / (
         2.0 * value_coef)
     return Reconstruction(actions=actions, extras={

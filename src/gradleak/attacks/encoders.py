@@ -8,13 +8,13 @@ scale), then per-coordinate standardisation with statistics of the training data
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterable
 
 import torch
 from torch import nn
 
+from gradleak.capture.schema import layers_from_json
 from gradleak.errors import ConfigError
 from gradleak.threat import ObservedWindows, Reconstruction
 from gradleak.victims.base import LayerInfo
@@ -29,6 +29,27 @@ def subsample_index(gradient_dim: int, fraction: float, seed: int) -> torch.Tens
     count = max(1, round(gradient_dim * fraction))
     generator = torch.Generator().manual_seed(seed)
     return torch.randperm(gradient_dim, generator=generator)[:count].sort().values
+
+
+def linear_pairs(layers: list[LayerInfo]) -> list[tuple[LayerInfo, LayerInfo]]:
+    """(weight, bias) of every Linear layer whose bias gradient was captured too."""
+    by_name = {layer.name: layer for layer in layers}
+    return [(layer, by_name[layer.name.removesuffix("weight") + "bias"]) for layer in layers
+            if layer.name.endswith(".weight") and len(layer.shape) == 2
+            and layer.name.removesuffix("weight") + "bias" in by_name]
+
+
+def block(gradients: torch.Tensor, layer: LayerInfo) -> torch.Tensor:
+    return gradients[..., layer.offset:layer.offset + layer.size]
+
+
+def linear_input(gradients: torch.Tensor, weight: LayerInfo, bias: LayerInfo) -> torch.Tensor:
+    """(..., in): the layer's input x = ∇Wᵀ∇b/‖∇b‖², exact for one sample (∇W = δxᵀ, ∇b = δ);
+    zero where ∇b vanishes (nothing flowed back through the layer at that step)."""
+    delta = block(gradients, bias)
+    outer = block(gradients, weight).unflatten(-1, weight.shape)  # (..., out, in)
+    inputs = torch.einsum("...o,...oi->...i", delta, outer)
+    return inputs / delta.pow(2).sum(-1, keepdim=True).clamp_min(1e-30)
 
 
 class GradientInput(nn.Module):
@@ -100,12 +121,8 @@ class StructuredInput(GradientInput):
     """
 
     def __init__(self, gradient_dim: int, layer_table: str) -> None:
-        layers = [LayerInfo(row["name"], tuple(row["shape"]), int(row["offset"]),
-                            row["component"]) for row in json.loads(layer_table or "[]")]
-        by_name = {layer.name: layer for layer in layers}
-        linear = [(layer, by_name[layer.name.removesuffix("weight") + "bias"])
-                  for layer in layers if layer.name.endswith(".weight") and
-                  len(layer.shape) == 2 and layer.name.removesuffix("weight") + "bias" in by_name]
+        layers = layers_from_json(layer_table or "[]")
+        linear = linear_pairs(layers)
         if not linear:
             raise ConfigError("the structured projection needs Linear layers with a bias in the "
                               "captured gradients; use projection 'dense' for this victim")
@@ -122,18 +139,12 @@ class StructuredInput(GradientInput):
             raise ConfigError(f"gradient width {gradients.shape[-1]} does not match the "
                               f"attacker's {self.gradient_dim}")
 
-        def block(layer: LayerInfo) -> torch.Tensor:
-            return gradients[..., layer.offset:layer.offset + layer.size]
-
         parts = []
         for weight, bias in self.linear:
-            delta = block(bias)
-            outer = block(weight).unflatten(-1, weight.shape)  # (..., out, in)
-            inputs = torch.einsum("...o,...oi->...i", delta, outer)
-            inputs = inputs / delta.pow(2).sum(-1, keepdim=True).clamp_min(1e-30)
-            parts += [inputs, delta]
-        parts += [block(c).unflatten(-1, (c.shape[0], -1)).norm(dim=-1) for c in self.convs]
-        parts += [block(v) for v in self.vectors]
+            parts += [linear_input(gradients, weight, bias), block(gradients, bias)]
+        parts += [block(gradients, c).unflatten(-1, (c.shape[0], -1)).norm(dim=-1)
+                  for c in self.convs]
+        parts += [block(gradients, v) for v in self.vectors]
         return torch.cat(parts, dim=-1)
 
 

@@ -6,6 +6,7 @@ import copy
 from typing import TYPE_CHECKING, Any
 
 import gymnasium as gym
+import numpy as np
 
 from gradleak.envs.adapter import make_gym_env
 from gradleak.envs.doomnav import DoomNavEnv
@@ -63,3 +64,27 @@ def num_actions(config: EnvConfig) -> int:
         finally:
             env.close()
     return config.doomnav.num_actions
+
+
+def random_walk_frames(config: EnvConfig, scenes: list[str], count: int, seed: int,
+                       progress: bool = False) -> np.ndarray:
+    """(count, H, W, 3) uint8 frames of a uniformly random policy over `scenes`: auxiliary
+    views an attacker can render for itself, without any victim or gradient."""
+    from tqdm import tqdm
+
+    env = make_env(config, scenes)
+    rng = np.random.default_rng(seed)
+    frames: list[np.ndarray] = []
+    try:
+        observation, _ = env.reset(seed=seed)
+        with tqdm(total=count, disable=not progress, desc="rendering frames", leave=False) as bar:
+            while len(frames) < count:
+                frames.append(np.asarray(observation["image"], np.uint8))
+                bar.update(1)
+                observation, _, done, truncated, _ = env.step(int(rng.integers(
+                    env.action_space.n)))
+                if done or truncated:
+                    observation, _ = env.reset(seed=int(rng.integers(2**31)))
+    finally:
+        env.close()
+    return np.stack(frames) if frames else np.zeros((0, 0, 0, 3), np.uint8)

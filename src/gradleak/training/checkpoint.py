@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from gradleak.attacks.feature_decoder import DecoderConfig, FeatureDecoder
 from gradleak.attacks.lti import LearningToInvert, LtiConfig
 from gradleak.attacks.trace import Trace, TraceConfig
 from gradleak.errors import CheckpointError
@@ -26,6 +27,7 @@ WEIGHTS, BEST, META, STATE = ("attacker.safetensors", "best.safetensors", "attac
 MODELS: Registry[tuple[type, type]] = Registry("learned attacker")
 MODELS.register("trace")((Trace, TraceConfig))
 MODELS.register("lti")((LearningToInvert, LtiConfig))
+MODELS.register("decoder")((FeatureDecoder, DecoderConfig))
 
 
 def build_model(kind: str, config: dict[str, Any]) -> nn.Module:

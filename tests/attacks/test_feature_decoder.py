@@ -1,0 +1,150 @@
+"""The analytic decoder: exact features and actions from the gradient, a decoder that learns
+from frames alone, resumable fits, and clear errors for what it cannot attack."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from test_analytic import synthetic
+
+from gradleak.attacks.analytic import module_input
+from gradleak.attacks.feature_decoder import DecoderConfig, FeatureDecoder
+from gradleak.capture.reader import CaptureFile
+from gradleak.capture.schema import layers_to_json
+from gradleak.envs.factory import random_walk_frames
+from gradleak.errors import CaptureFileError, ConfigError
+from gradleak.io import load_tensors
+from gradleak.metrics.images import psnr
+from gradleak.training.auxiliary import (
+    DecoderFit,
+    DecoderFitConfig,
+    feature_map_shape,
+    fit_decoder,
+)
+from gradleak.training.checkpoint import WEIGHTS, load_attacker
+from gradleak.victims import create_victim
+
+
+def decoder_for(observation, channels: int = 16) -> FeatureDecoder:  # noqa: ANN001
+    config = DecoderConfig(gradient_dim=observation.gradients.shape[1],
+                           frame_size=observation.victim.frame_size,
+                           layer_table=layers_to_json(list(observation.layers)),
+                           feature_shape=[32, 2, 2], channels=channels, global_channels=4,
+                           entropy_coef=float(observation.hyperparameters["entropy"]))
+    decoder = FeatureDecoder(config)
+    decoder.set_policy_head(observation.theta0["policy_head.weight"],
+                            observation.theta0["policy_head.bias"])
+    return decoder
+
+
+def test_features_and_actions_are_exact_on_float32_captures(float32_capture: Path) -> None:
+    with CaptureFile(float32_capture) as capture:
+        observation, target = capture.observation(), capture.target()
+    from gradleak.attacks.optim.matching import victim_at_theta0
+
+    decoder = decoder_for(observation)
+    gradients = torch.from_numpy(observation.gradients)
+    recovered = decoder.recovered_features(gradients).double()
+    truth = module_input(victim_at_theta0(observation), "fc",
+                         torch.from_numpy(target.images)).detach().flatten(1).double()
+    assert float(((recovered - truth).norm(dim=1) / truth.norm(dim=1)).max()) <= 1e-5
+    actions = decoder.action_logits(gradients).argmax(-1).numpy()
+    np.testing.assert_array_equal(actions, target.actions)
+
+
+@pytest.mark.parametrize("entropy", [0.0, 0.05])
+@pytest.mark.parametrize("peak", [0.0, 7.0])
+def test_closed_form_action_for_peaked_policies(entropy: float, peak: float) -> None:
+    observation, batch = synthetic(entropy, peak)
+    logits = decoder_for(observation).action_logits(torch.from_numpy(observation.gradients))
+    np.testing.assert_array_equal(logits.argmax(-1).numpy(), batch.actions.numpy())
+
+
+def test_a_tiny_decoder_overfits_a_tiny_set(train_capture: Path) -> None:
+    """From θ0's exact features of 8 frames, the decoder learns those frames (≥ 8 dB better
+    than its start), which the mean of the frames cannot do."""
+    with CaptureFile(train_capture) as capture:
+        observation = capture.observation(slice(0, 8))
+        images = torch.from_numpy(capture.target(slice(0, 8)).images)
+    from gradleak.attacks.optim.matching import victim_at_theta0
+
+    torch.manual_seed(0)
+    decoder = decoder_for(observation, channels=32)
+    features = module_input(victim_at_theta0(observation), "fc", images).flatten(1).detach()
+    decoder.fit_normaliser(torch.cat([features, features + 1e-3]))
+    truth = images.permute(0, 3, 1, 2).float() / 255.0
+    optimiser = torch.optim.Adam(decoder.parameters(), lr=3e-3)
+    start = float(psnr(decoder(features), truth).mean())
+    for _ in range(300):
+        optimiser.zero_grad()
+        loss = (decoder(features) - truth).pow(2).mean()
+        loss.backward()
+        optimiser.step()
+    learned = float(psnr(decoder(features), truth).mean())
+    mean = float(psnr(truth.mean(0, keepdim=True).expand_as(truth), truth).mean())
+    assert learned > start + 8 and learned > mean + 5
+
+
+def tiny_fit(**changes: object) -> DecoderFitConfig:
+    return replace(DecoderFitConfig(epochs=2, batch_size=32, extra_frames=40, max_val_frames=16,
+                                    lr=1e-3), **changes)
+
+
+def test_resuming_gives_the_uninterrupted_weights(train_capture: Path, tmp_path: Path) -> None:
+    model = DecoderConfig(channels=16, global_channels=4)
+    fit_decoder(model, tiny_fit(epochs=2), [str(train_capture)], tmp_path / "whole",
+                progress=False)
+    interrupted = DecoderFit(model, tiny_fit(epochs=2), [str(train_capture)],
+                             tmp_path / "split", progress=False)
+    interrupted.config = replace(interrupted.config, epochs=1)  # killed after epoch 1
+    interrupted.run()
+    result = fit_decoder(model, tiny_fit(epochs=2), [str(train_capture)], tmp_path / "split",
+                         resume=True, progress=False)
+    assert result["epochs"] == 2 and result["train_frames"]["rendered"] == 40
+    whole = load_tensors(tmp_path / "whole" / WEIGHTS, "weights")
+    split = load_tensors(tmp_path / "split" / WEIGHTS, "weights")
+    for name, value in whole.items():
+        torch.testing.assert_close(split[name], value, rtol=0, atol=0, msg=name)
+    decoder, meta = load_attacker(tmp_path / "split")
+    assert meta["kind"] == "decoder" and isinstance(decoder, FeatureDecoder)
+    with pytest.raises(ConfigError, match="already holds an attacker"):
+        fit_decoder(model, tiny_fit(), [str(train_capture)], tmp_path / "whole",
+                    progress=False)
+
+
+def test_rendered_frames_are_seeded(train_capture: Path) -> None:
+    from gradleak.presets import EnvConfig, dataclass_from_dict
+    from gradleak.training.auxiliary import read_env_config
+
+    with CaptureFile(train_capture) as capture:
+        env, scenes = dataclass_from_dict(EnvConfig, read_env_config(capture)), capture.scenes
+    first, again = (random_walk_frames(env, list(scenes), 30, seed=4) for _ in range(2))
+    other = random_walk_frames(env, list(scenes), 30, seed=5)
+    assert first.shape == (30, 32, 32, 3) and first.dtype == np.uint8
+    np.testing.assert_array_equal(first, again)
+    assert not np.array_equal(first, other)
+
+
+def test_held_out_captures_are_refused_for_training(random_capture: Path, tmp_path: Path
+                                                   ) -> None:
+    with pytest.raises(CaptureFileError, match="held-out scenes are for testing only"):
+        fit_decoder(DecoderConfig(), tiny_fit(), [str(random_capture)], tmp_path / "d",
+                    progress=False)
+    assert not (tmp_path / "d").exists()
+
+
+def test_victims_without_the_structure_are_named() -> None:
+    observation, _ = synthetic(0.01, 0.0)
+    heads_only = [layer for layer in observation.layers if layer.component == "heads"]
+    with pytest.raises(ConfigError, match="Linear layer 'fc' with its bias"):
+        FeatureDecoder(DecoderConfig(layer_table=layers_to_json(heads_only),
+                                     feature_shape=[32, 2, 2]))
+    with pytest.raises(ConfigError, match="C·h·w = 128"):
+        FeatureDecoder(DecoderConfig(layer_table=layers_to_json(list(observation.layers)),
+                                     feature_shape=[32, 4, 4]))
+    with pytest.raises(ConfigError, match="no convolutional feature map"):
+        feature_map_shape(create_victim("mlp", frame_size=12, options={"hidden": 32}), "fc", 12)
