@@ -6,6 +6,7 @@ L_cls, on the same clients and budgets. Reports raw and scaled L_sim, PSNR, SSIM
 matched), seconds per client. Writes benchmarks/results/fedavg_controls.{json,md}.
 
     python benchmarks/fedavg_controls.py [--iters 1000] [--seeds 3] [--datasets digits,photos]
+        [--settings "20/10/10"] [--resume]
 """
 
 from __future__ import annotations
@@ -41,16 +42,21 @@ def main() -> None:
     parser.add_argument("--datasets", default="digits,photos")
     parser.add_argument("--settings", default=None, help="E/N/B;E/N/B (default: the three)")
     parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the runs already in --results and run only the missing ones")
     args = parser.parse_args()
     settings = ([tuple(int(v) for v in s.split("/")) for s in args.settings.split(";")]
                 if args.settings else SETTINGS)
-    runs = []
+    runs = previous_runs(args.results, args.iters) if args.resume else []
+    done = {run_key(run) for run in runs}
     for dataset in args.datasets.split(","):
         for epochs, samples, batch in settings:
             for seed in range(args.seeds):
                 client = ClientConfig(epochs=epochs, samples=samples, batch=batch, seed=seed)
                 for method in METHODS:
                     for cls in (0.0, CLS_WEIGHT):
+                        if (dataset, epochs, samples, batch, seed, method, cls > 0) in done:
+                            continue
                         attack = FedAttackConfig(method=method, iterations=args.iters, cls=cls,
                                                  seed=seed)
                         result = run_fedavg(dataset, "cnn", client, attack)
@@ -60,6 +66,30 @@ def main() -> None:
                                          "l_sim_raw", "l_sim_scaled", "psnr", "ssim",
                                          "seconds")}})
                         print(json.dumps(runs[-1]), flush=True)
+                        write(args, runs)
+    write(args, runs)
+
+
+def run_key(run: dict) -> tuple:
+    """The loop's coordinates of a stored run (its dataset is stored by display name)."""
+    return (run["dataset"].split(" ")[0], run["E"], run["N"], run["B"], run["seed"],
+            run["method"], run["l_cls"])
+
+
+def previous_runs(path: Path, iterations: int) -> list[dict]:
+    if not path.exists():
+        return []
+    stored = json.loads(path.read_text())
+    if stored.get("iterations") != iterations:
+        raise SystemExit(f"{path} holds runs of {stored.get('iterations')} iterations, not "
+                         f"{iterations}: --resume would mix budgets")
+    return list(stored["runs"])
+
+
+def write(args: argparse.Namespace, runs: list[dict]) -> None:
+    """Results so far, rewritten after every run: an interrupted grid resumes (--resume)."""
+    if not runs:
+        return
     groups: dict[tuple, list[dict]] = {}
     for run in runs:
         key = (run["dataset"], run["E"], run["N"], run["B"], run["method"], run["l_cls"])
@@ -70,12 +100,13 @@ def main() -> None:
               "L_sim scaled": mean_std([r["l_sim_scaled"] for r in v]),
               "PSNR": mean_std([r["psnr"] for r in v]), "SSIM": mean_std([r["ssim"] for r in v]),
               "s / client": mean_std([r["seconds"] for r in v])} for k, v in groups.items()]
-    summary = {"iterations": args.iters, "seeds": args.seeds, "labels": "known",
+    seeds = len({run["seed"] for run in runs})
+    summary = {"iterations": args.iters, "seeds": seeds, "labels": "known",
                "model": "cnn", "runs": runs}
     with atomic_path(args.results) as tmp:
         tmp.write_text(json.dumps(summary, indent=2) + "\n")
     with atomic_path(args.results.with_suffix(".md")) as tmp:
-        tmp.write_text(f"# FedAvg controls ({args.iters} iterations, {args.seeds} seed(s), "
+        tmp.write_text(f"# FedAvg controls ({args.iters} iterations, {seeds} seed(s), "
                        "labels known; datasets are the embedded stand-ins)\n\n"
                        + markdown_table(table, list(table[0])) + "\n")
 
