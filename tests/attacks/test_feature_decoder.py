@@ -29,12 +29,14 @@ from gradleak.training.checkpoint import WEIGHTS, load_attacker
 from gradleak.victims import create_victim
 
 
-def decoder_for(observation, channels: int = 16) -> FeatureDecoder:  # noqa: ANN001
+def decoder_for(observation, channels: int = 16, context: str = "none"  # noqa: ANN001
+                ) -> FeatureDecoder:
     config = DecoderConfig(gradient_dim=observation.gradients.shape[1],
                            frame_size=observation.victim.frame_size,
                            layer_table=layers_to_json(list(observation.layers)),
                            feature_shape=[32, 2, 2], channels=channels, global_channels=4,
-                           entropy_coef=float(observation.hyperparameters["entropy"]))
+                           entropy_coef=float(observation.hyperparameters["entropy"]),
+                           context=context, context_channels=4)
     decoder = FeatureDecoder(config)
     decoder.set_policy_head(observation.theta0["policy_head.weight"],
                             observation.theta0["policy_head.bias"])
@@ -78,13 +80,15 @@ def test_a_tiny_decoder_overfits_a_tiny_set(train_capture: Path) -> None:
     decoder.fit_normaliser(torch.cat([features, features + 1e-3]))
     truth = images.permute(0, 3, 1, 2).float() / 255.0
     optimiser = torch.optim.Adam(decoder.parameters(), lr=3e-3)
-    start = float(psnr(decoder(features), truth).mean())
+    with torch.no_grad():
+        start = float(psnr(decoder(features), truth).mean())
     for _ in range(300):
         optimiser.zero_grad()
         loss = (decoder(features) - truth).pow(2).mean()
         loss.backward()
         optimiser.step()
-    learned = float(psnr(decoder(features), truth).mean())
+    with torch.no_grad():
+        learned = float(psnr(decoder(features), truth).mean())
     mean = float(psnr(truth.mean(0, keepdim=True).expand_as(truth), truth).mean())
     assert learned > start + 8 and learned > mean + 5
 
@@ -94,8 +98,10 @@ def tiny_fit(**changes: object) -> DecoderFitConfig:
                                     lr=1e-3), **changes)
 
 
-def test_resuming_gives_the_uninterrupted_weights(train_capture: Path, tmp_path: Path) -> None:
-    model = DecoderConfig(channels=16, global_channels=4)
+@pytest.mark.parametrize("context", ["none", "warp"])
+def test_resuming_gives_the_uninterrupted_weights(context: str, train_capture: Path,
+                                                  tmp_path: Path) -> None:
+    model = DecoderConfig(channels=16, global_channels=4, context=context, context_channels=4)
     fit_decoder(model, tiny_fit(epochs=2), [str(train_capture)], tmp_path / "whole",
                 progress=False)
     interrupted = DecoderFit(model, tiny_fit(epochs=2), [str(train_capture)],
@@ -122,11 +128,83 @@ def test_rendered_frames_are_seeded(train_capture: Path) -> None:
 
     with CaptureFile(train_capture) as capture:
         env, scenes = dataclass_from_dict(EnvConfig, read_env_config(capture)), capture.scenes
-    first, again = (random_walk_frames(env, list(scenes), 30, seed=4) for _ in range(2))
-    other = random_walk_frames(env, list(scenes), 30, seed=5)
+    (first, actions, starts), (again, _, _) = (random_walk_frames(env, list(scenes), 30, seed=4)
+                                               for _ in range(2))
+    other, _, _ = random_walk_frames(env, list(scenes), 30, seed=5)
     assert first.shape == (30, 32, 32, 3) and first.dtype == np.uint8
+    assert starts[0] and actions.shape == (30,) and set(actions) <= set(range(5))
     np.testing.assert_array_equal(first, again)
     assert not np.array_equal(first, other)
+
+
+def test_the_motion_prior_explains_real_camera_motion(train_capture: Path) -> None:
+    """Warping each rendered frame by the action taken after it brings it closer to the next
+    frame than leaving it in place, for every turn and look."""
+    from gradleak.presets import EnvConfig, dataclass_from_dict
+    from gradleak.training.auxiliary import read_env_config
+
+    with CaptureFile(train_capture) as capture:
+        env, scenes = dataclass_from_dict(EnvConfig, read_env_config(capture)), capture.scenes
+    env.doomnav.frame_size = 64
+    images, actions, starts = random_walk_frames(env, list(scenes), 400, seed=1)
+    follows = ~starts[1:]
+    before = torch.from_numpy(images[:-1][follows]).permute(0, 3, 1, 2).float() / 255
+    after = torch.from_numpy(images[1:][follows]).permute(0, 3, 1, 2).float() / 255
+    taken = torch.from_numpy(actions[:-1][follows])
+    observation, _ = synthetic(0.01, 0.0)
+    decoder = decoder_for(observation, context="warp")
+    warped = decoder.warp(before, taken).detach()
+    for action in (1, 2, 3, 4):  # RotateLeft, RotateRight, LookDown, LookUp
+        chosen = taken == action
+        inner = (..., slice(8, -8), slice(8, -8))
+        moved = float((warped[chosen] - after[chosen])[inner].pow(2).mean())
+        still = float((before[chosen] - after[chosen])[inner].pow(2).mean())
+        assert moved < 0.8 * still, (action, moved, still)
+
+
+@pytest.mark.parametrize("context", ["concat", "warp"])
+def test_context_is_causal_and_used(context: str) -> None:
+    """Frame t reads steps t − 1 and t: a change at step 3 leaves frames 0–2 exactly as they
+    were, and a change at step 1 reaches frame 2 through the context."""
+    observation, _ = synthetic(0.01, 0.0)
+    torch.manual_seed(0)
+    decoder = decoder_for(observation, context=context).eval()
+    every = torch.from_numpy(observation.gradients)
+    gradients = every[:4][None]
+    frames, _ = decoder.attack(gradients)
+    late, early = gradients.clone(), gradients.clone()
+    late[0, 3], early[0, 1] = every[7], every[9]
+    changed_late, _ = decoder.attack(late)
+    changed_early, _ = decoder.attack(early)
+    torch.testing.assert_close(changed_late[0, :3], frames[0, :3], rtol=0, atol=0)
+    assert not torch.equal(changed_late[0, 3], frames[0, 3])
+    assert not torch.equal(changed_early[0, 2], frames[0, 2])
+    torch.testing.assert_close(changed_early[0, 0], frames[0, 0], rtol=0, atol=0)
+
+
+def test_captured_frames_link_predecessors_within_episodes(train_capture: Path) -> None:
+    from gradleak.training.auxiliary import captured_frames
+    from gradleak.training.data import WindowDataset
+
+    data = WindowDataset([train_capture], window=1, stride=1, part="train", expect_split="train")
+    frames = captured_frames([str(train_capture)], data.rows)
+    with CaptureFile(train_capture) as capture:
+        episodes, actions = capture.column("episode_ids"), capture.column("actions")
+    steps = data.rows[:, 1]
+    linked = frames.previous >= 0
+    assert linked.sum() == len(frames) - len(np.unique(data.rows[:, 2]))
+    np.testing.assert_array_equal(steps[frames.previous[linked]], steps[linked] - 1)
+    np.testing.assert_array_equal(episodes[steps[frames.previous[linked]]],
+                                  episodes[steps[linked]])
+    np.testing.assert_array_equal(frames.actions, actions[steps])
+
+
+def test_mirrored_actions_swap_left_and_right() -> None:
+    from gradleak.envs.actions import mirrored_actions
+
+    assert mirrored_actions(5) == (0, 2, 1, 3, 4)
+    ten = mirrored_actions(10)
+    assert [ten[i] for i in ten] == list(range(10)) and ten[6] == 7
 
 
 def test_held_out_captures_are_refused_for_training(random_capture: Path, tmp_path: Path

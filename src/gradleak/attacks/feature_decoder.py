@@ -7,6 +7,11 @@ The decoder is therefore trained on frames alone (auxiliary captures plus freshl
 training-scene frames, augmented), never on stored gradients; at attack time it reads the
 features recovered from the gradient. The action comes from the closed-form rule on the policy
 head's bias gradient, so it is exact on undefended streams.
+
+Temporal context (`context`): "concat" also feeds the previous step's reconstruction, "warp"
+first moves it by the recovered action (a learnable affine map per action, initialised from the
+camera motion measured on training scenes). The previous reconstruction is the context-free
+one, in training and in the attack alike, so frame t depends on steps t−1 and t only.
 """
 
 from __future__ import annotations
@@ -27,10 +32,18 @@ from gradleak.attacks.encoders import (
     linear_pairs,
 )
 from gradleak.capture.schema import layers_from_json
+from gradleak.envs.actions import action_set
 from gradleak.errors import ConfigError
 
 # The closed-form action is certain on clean streams; a large finite logit keeps softmax sane.
 CERTAIN = 20.0
+CONTEXTS = ("none", "concat", "warp")
+# (scale, x shift, y shift) of grid_sample's affine map from one frame to the next, per action:
+# the best on a grid over 200 random-walk pairs per action on the cpu-bench training scenes
+# (64×64); it cuts the frame-to-frame MSE from about 0.0115 to 0.005 for turns and looks.
+MOTION_PRIOR = {"MoveAhead": (0.95, 0.0, 0.0), "RotateLeft": (1.0, -0.3, 0.0),
+                "RotateRight": (1.0, 0.3, 0.0), "LookDown": (1.0, 0.0, 0.45),
+                "LookUp": (1.0, 0.0, -0.45)}
 
 
 @dataclass
@@ -44,6 +57,8 @@ class DecoderConfig:
     entropy_coef: float = 0.01  # the victim's declared loss coefficient (closed-form action)
     channels: int = 128  # widest decoder stage; halves with each ×2 upsampling, floor 16
     global_channels: int = 32  # a dense path from all features to every position of the map
+    context: str = "none"  # none, concat (previous reconstruction), warp (moved by the action)
+    context_channels: int = 16
     seed: int = 0
 
     def to_dict(self) -> dict[str, Any]:
@@ -78,16 +93,20 @@ class FeatureDecoder(WindowAttacker):
         self.register_buffer("policy_bias", torch.zeros(policy[0]))
         stages = self._stages(height, config.frame_size)
         widths = stage_widths(config.channels, stages)
+        if config.context not in CONTEXTS:
+            raise ConfigError(f"decoder context {config.context!r}: expected one of "
+                              f"{', '.join(CONTEXTS)}")
+        extra = config.context_channels if config.context != "none" else 0
         self.global_path = nn.Linear(channels * height * width,
                                      config.global_channels * height * width)
         self.stem = nn.Sequential(
-            nn.Conv2d(channels + config.global_channels, widths[0], 3, 1, 1), nn.GELU(),
+            nn.Conv2d(channels + config.global_channels + extra, widths[0], 3, 1, 1), nn.GELU(),
             ResidualConv(widths[0]))
-        self.up = nn.Sequential(*(nn.Sequential(
-            nn.Upsample(scale_factor=2, mode="nearest"),
-            nn.Conv2d(widths[i], widths[i + 1], 3, 1, 1), nn.GELU(), ResidualConv(widths[i + 1]))
-            for i in range(stages)))
+        self.up = nn.ModuleList(UpStage(widths[i], widths[i + 1], extra) for i in range(stages))
         self.head = nn.Sequential(nn.Conv2d(widths[-1], 3, 3, 1, 1), nn.Sigmoid())
+        if extra:
+            self.context = ContextPyramid(config.context_channels, stages)
+            self.motion = nn.Parameter(motion_prior(config.num_actions))
 
     @staticmethod
     def _check_shape(config: DecoderConfig, width: int) -> tuple[int, int, int]:
@@ -121,13 +140,43 @@ class FeatureDecoder(WindowAttacker):
         self.policy_weight.copy_(torch.from_numpy(np.asarray(weight, np.float32)))
         self.policy_bias.copy_(torch.from_numpy(np.asarray(bias, np.float32)))
 
-    def forward(self, features: torch.Tensor) -> torch.Tensor:
-        """(N, C·h·w) conv features → frames (N, 3, H, W) in [0, 1]."""
+    def forward(self, features: torch.Tensor, previous: torch.Tensor | None = None,
+                previous_actions: torch.Tensor | None = None,
+                has_previous: torch.Tensor | None = None) -> torch.Tensor:
+        """(N, C·h·w) conv features → frames (N, 3, H, W) in [0, 1]. Context models also take
+        the previous reconstruction (N, 3, H, W), the action taken after it and whether there
+        is one; without them they decode as if every step started an episode."""
         channels, height, width = self.config.feature_shape
         standard = torch.nan_to_num((features - self.feature_mean) / self.feature_std)
         spatial = standard.view(-1, channels, height, width)
         spread = self.global_path(standard).view(-1, self.config.global_channels, height, width)
-        return self.head(self.up(self.stem(torch.cat([spatial, spread], 1))))
+        levels: list[torch.Tensor | None] = [None] * (len(self.up) + 1)
+        if self.config.context != "none":
+            levels = self._context(len(features), previous, previous_actions, has_previous)
+        coarsest = [] if levels[-1] is None else [levels[-1]]
+        x = self.stem(torch.cat([spatial, spread, *coarsest], 1))
+        for i, stage in enumerate(self.up):
+            x = stage(x, levels[len(self.up) - 1 - i])
+        return self.head(x)
+
+    def _context(self, count: int, previous: torch.Tensor | None,
+                 actions: torch.Tensor | None, has: torch.Tensor | None) -> list[torch.Tensor]:
+        size = self.config.frame_size
+        if previous is None or has is None:
+            previous = self.feature_mean.new_zeros(count, 3, size, size)
+            has = torch.zeros(count, dtype=torch.bool, device=previous.device)
+        if self.config.context == "warp" and actions is not None:
+            previous = self.warp(previous, actions)
+        mask = has.to(previous.dtype)[:, None, None, None]
+        levels = self.context(torch.cat([previous * mask, mask.expand(-1, 1, size, size)], 1))
+        return levels
+
+    def warp(self, frames: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
+        """Move each frame by the camera motion of the action taken after it."""
+        grid = nn.functional.affine_grid(self.motion[actions], list(frames.shape),
+                                         align_corners=False)
+        return nn.functional.grid_sample(frames, grid, padding_mode="border",
+                                         align_corners=False)
 
     def recovered_features(self, gradients: torch.Tensor) -> torch.Tensor:
         return linear_input(gradients, *self.feature_layer)
@@ -148,8 +197,56 @@ class FeatureDecoder(WindowAttacker):
         return CERTAIN * (onehot.float() - 1.0)
 
     def attack(self, gradients: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        shape = gradients.shape[:-1]
+        b, t = gradients.shape[:2]
         flat = gradients.reshape(-1, gradients.shape[-1]).float().cpu()
-        frames = self(self.recovered_features(flat.to(self.feature_mean.device)))
-        logits = self.action_logits(flat).to(frames.device)
-        return frames.view(*shape, *frames.shape[1:]), logits.view(*shape, -1)
+        features = self.recovered_features(flat.to(self.feature_mean.device))
+        logits = self.action_logits(flat).to(features.device)
+        frames = self(features)
+        if self.config.context != "none":  # step t sees the context-free frame of t − 1
+            free = frames.view(b, t, *frames.shape[1:])
+            previous = torch.cat([torch.zeros_like(free[:, :1]), free[:, :-1]], 1)
+            actions = logits.argmax(-1).view(b, t)
+            previous_actions = torch.cat([torch.zeros_like(actions[:, :1]), actions[:, :-1]], 1)
+            has = (torch.arange(t, device=features.device) > 0).expand(b, t)
+            frames = self(features, previous.flatten(0, 1), previous_actions.flatten(),
+                          has.flatten())
+        return frames.view(b, t, *frames.shape[1:]), logits.view(b, t, -1)
+
+
+def motion_prior(num_actions: int) -> torch.Tensor:
+    """(K, 2, 3) affine maps: the measured camera motion per action, identity if unknown."""
+    theta = torch.zeros(num_actions, 2, 3)
+    for index, action in enumerate(action_set(num_actions)):
+        scale, dx, dy = MOTION_PRIOR.get(action.name, (1.0, 0.0, 0.0))
+        theta[index] = torch.tensor([[scale, 0.0, dx], [0.0, scale, dy]])
+    return theta
+
+
+class UpStage(nn.Module):
+    """×2 nearest upsampling, then (with the context at that resolution) conv + residual."""
+
+    def __init__(self, channels_in: int, channels_out: int, context: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(channels_in + context, channels_out, 3, 1, 1)
+        self.body = ResidualConv(channels_out)
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
+        x = nn.functional.interpolate(x, scale_factor=2, mode="nearest")
+        if context is not None:
+            x = torch.cat([x, context], 1)
+        return self.body(nn.functional.gelu(self.conv(x)))
+
+
+class ContextPyramid(nn.Module):
+    """(N, 4, H, W) previous frame + validity mask → features at H, H/2, …, H/2^levels."""
+
+    def __init__(self, channels: int, levels: int) -> None:
+        super().__init__()
+        self.inp = nn.Conv2d(4, channels, 3, 1, 1)
+        self.down = nn.ModuleList(nn.Conv2d(channels, channels, 4, 2, 1) for _ in range(levels))
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        levels = [nn.functional.gelu(self.inp(x))]
+        for down in self.down:
+            levels.append(nn.functional.gelu(down(levels[-1])))
+        return levels

@@ -50,3 +50,13 @@ def action_set(num_actions: int) -> tuple[Action, ...]:
 def wrap_degrees(angle: float) -> float:
     """Angle in (-180, 180]: the shortest signed rotation."""
     return (angle + 180.0) % 360.0 - 180.0
+
+
+MIRRORED = {"RotateLeft": "RotateRight", "RotateRight": "RotateLeft", "MoveLeft": "MoveRight",
+            "MoveRight": "MoveLeft"}
+
+
+def mirrored_actions(num_actions: int) -> tuple[int, ...]:
+    """For each action, the one that does the same in a left-right mirrored world."""
+    names = [action.name for action in action_set(num_actions)]
+    return tuple(names.index(MIRRORED.get(name, name)) for name in names)

@@ -26,6 +26,7 @@ from gradleak.attacks.analytic import POLICY, module_input
 from gradleak.attacks.feature_decoder import DecoderConfig, FeatureDecoder
 from gradleak.attacks.optim.matching import victim_at_theta0
 from gradleak.capture.reader import CaptureFile
+from gradleak.envs.actions import mirrored_actions
 from gradleak.errors import ConfigError
 from gradleak.io import load_tensors, read_json
 from gradleak.metrics.images import psnr, ssim
@@ -78,6 +79,41 @@ def feature_map_shape(victim: nn.Module, module: str, frame_size: int) -> list[i
     return shapes[-1]
 
 
+@dataclass
+class FrameSet:
+    """Frames in episode order: each frame's predecessor in its episode (−1 at an episode's
+    start) and the action taken after it (how the camera moved to the next frame)."""
+
+    images: np.ndarray  # (N, H, W, 3) uint8
+    previous: np.ndarray  # (N,) int64
+    actions: np.ndarray  # (N,) int64
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    @staticmethod
+    def join(sets: list[FrameSet]) -> FrameSet:
+        offsets = np.cumsum([0] + [len(s) for s in sets[:-1]])
+        return FrameSet(np.concatenate([s.images for s in sets]),
+                        np.concatenate([np.where(s.previous >= 0, s.previous + o, -1)
+                                        for s, o in zip(sets, offsets, strict=True)]),
+                        np.concatenate([s.actions for s in sets]))
+
+
+def captured_frames(paths: list[str], rows: np.ndarray) -> FrameSet:
+    """The frames of WindowDataset rows (file, row, episode) of window 1, stride 1."""
+    sets = []
+    for index, path in enumerate(paths):
+        chosen = rows[rows[:, 0] == index]
+        with CaptureFile(path) as capture:
+            images, actions = capture.column("images"), capture.column("actions")
+        steps, episodes = chosen[:, 1], chosen[:, 2]
+        follows = np.r_[False, (steps[1:] == steps[:-1] + 1) & (episodes[1:] == episodes[:-1])]
+        sets.append(FrameSet(images[steps], np.where(follows, np.arange(len(steps)) - 1, -1),
+                             actions[steps].astype(np.int64)))
+    return FrameSet.join(sets)
+
+
 class AuxiliaryFrames:
     """The frames the attacker trains on, split by episode, and θ0's feature extractor."""
 
@@ -87,7 +123,7 @@ class AuxiliaryFrames:
                       expect_split="train")
         train, val = (WindowDataset(paths, part=part, **common) for part in ("train", "val"))
         self.fingerprint = train.fingerprint
-        self.train, self.val = self._images(paths, train.rows), self._images(paths, val.rows)
+        self.train, self.val = captured_frames(paths, train.rows), captured_frames(paths, val.rows)
         with CaptureFile(paths[0]) as capture:
             observation = capture.observation(slice(0, 1))
             self.hyperparameters, self.theta0 = observation.hyperparameters, observation.theta0
@@ -95,36 +131,39 @@ class AuxiliaryFrames:
             self.rendered = self._render(capture, config, progress)
         for parameter in self.victim.parameters():
             parameter.requires_grad_(False)
-        self.val = self.val[np.linspace(0, len(self.val) - 1,
-                                        min(len(self.val), config.max_val_frames)).astype(int)]
+        self.val_rows = np.linspace(0, len(self.val) - 1,
+                                    min(len(self.val), config.max_val_frames)).astype(int)
 
     @staticmethod
-    def _images(paths: list[str], rows: np.ndarray) -> np.ndarray:
-        parts = []
-        for index, path in enumerate(paths):
-            with CaptureFile(path) as capture:
-                images = capture.column("images")
-            parts.append(images[rows[rows[:, 0] == index, 1]])
-        return np.concatenate(parts)
-
-    @staticmethod
-    def _render(capture: CaptureFile, config: DecoderFitConfig, progress: bool) -> np.ndarray:
+    def _render(capture: CaptureFile, config: DecoderFitConfig, progress: bool) -> FrameSet:
         if config.extra_frames <= 0:
-            return np.zeros((0, *capture.column("images", slice(0, 1)).shape[1:]), np.uint8)
+            empty = np.zeros(0, np.int64)
+            return FrameSet(capture.column("images", slice(0, 0)), empty, empty)
         from gradleak.envs.factory import random_walk_frames
         from gradleak.presets import EnvConfig, dataclass_from_dict
 
         env = dataclass_from_dict(EnvConfig, read_env_config(capture))
-        return random_walk_frames(env, list(capture.scenes), config.extra_frames,
-                                  seed=config.seed + 1, progress=progress)
+        images, actions, first = random_walk_frames(env, list(capture.scenes),
+                                                    config.extra_frames, seed=config.seed + 1,
+                                                    progress=progress)
+        return FrameSet(images, np.where(first, -1, np.arange(len(images)) - 1), actions)
 
-    def training_frames(self) -> np.ndarray:
-        return np.concatenate([self.train, self.rendered]) if len(self.rendered) else self.train
+    def training_frames(self) -> FrameSet:
+        return FrameSet.join([self.train, self.rendered])
 
     @torch.no_grad()
     def features(self, images: torch.Tensor, module: str) -> torch.Tensor:
         """(N, H, W, 3) uint8 → θ0's input to `module`, flattened: what the gradient reveals."""
         return module_input(self.victim, module, images).flatten(1)
+
+
+@dataclass
+class DecoderBatch:
+    features: torch.Tensor  # θ0's features of the frames
+    truth: torch.Tensor  # (N, 3, H, W) in [0, 1]
+    previous_features: torch.Tensor  # of each frame's predecessor (its own where none)
+    previous_actions: torch.Tensor  # the action from the predecessor to the frame
+    has_previous: torch.Tensor  # (N,) bool
 
 
 def read_env_config(capture: CaptureFile) -> dict[str, Any]:
@@ -158,6 +197,7 @@ class DecoderFit:
         self.optimiser = torch.optim.AdamW(self.model.parameters(), lr=config.lr,
                                            weight_decay=config.weight_decay)
         self.frames = self.data.training_frames()
+        self.mirror = torch.tensor(mirrored_actions(victim.num_actions))
         self.steps_per_epoch = max(1, len(self.frames) // config.batch_size)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimiser, warmup_cosine(config, self.steps_per_epoch))  # type: ignore[arg-type]
@@ -169,27 +209,55 @@ class DecoderFit:
 
     def _prepare(self) -> None:
         rows = np.random.default_rng(self.config.seed).permutation(len(self.frames))[:4096]
-        features = self.data.features(torch.from_numpy(self.frames[np.sort(rows)]),
+        features = self.data.features(torch.from_numpy(self.frames.images[np.sort(rows)]),
                                       self.model_config.feature_module)
         self.model.fit_normaliser(features)
         self.model.set_policy_head(self.data.theta0[f"{POLICY}.weight"],
                                    self.data.theta0[f"{POLICY}.bias"])
-        mean = self.data.train.mean(axis=0, dtype=np.float64) / 255.0  # no float copy of all
+        mean = self.data.train.images.mean(axis=0, dtype=np.float64) / 255.0  # no float copy
         self.mean_image = torch.from_numpy(mean).permute(2, 0, 1).float()
 
-    def _batch(self, indices: np.ndarray, generator: np.random.Generator
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        images = torch.from_numpy(self.frames[np.sort(indices)])
-        if self.config.mirror:
+    def _batch(self, frames: FrameSet, indices: np.ndarray,
+               generator: np.random.Generator | None) -> DecoderBatch:
+        """Frames (mirrored at random when a generator is given) with their predecessors."""
+        previous = frames.previous[indices]
+        has = previous >= 0
+        before = np.where(has, previous, indices)
+        images = torch.from_numpy(frames.images[indices])
+        earlier = torch.from_numpy(frames.images[before])
+        actions = torch.from_numpy(frames.actions[before])
+        if generator is not None and self.config.mirror:
             flip = torch.from_numpy(generator.random(len(images)) < 0.5)
             images = torch.where(flip[:, None, None, None], images.flip(2), images)
-        features = self.data.features(images, self.model_config.feature_module)
-        return features, images.permute(0, 3, 1, 2).float() / 255.0
+            earlier = torch.where(flip[:, None, None, None], earlier.flip(2), earlier)
+            actions = torch.where(flip, self.mirror[actions], actions)
+        module = self.model_config.feature_module
+        context = self.model_config.context != "none"
+        return DecoderBatch(
+            self.data.features(images, module), images.permute(0, 3, 1, 2).float() / 255.0,
+            self.data.features(earlier, module) if context else torch.zeros(0),
+            actions, torch.from_numpy(has))
+
+    def _reconstruct(self, batch: DecoderBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(context-free frames, the attack's frames): as `FeatureDecoder.attack` makes them,
+        the context being the predecessor's context-free reconstruction."""
+        free = self.model(batch.features)
+        if self.model_config.context == "none":
+            return free, free
+        with torch.no_grad():
+            earlier = self.model(batch.previous_features)
+        return free, self.model(batch.features, earlier, batch.previous_actions,
+                                batch.has_previous)
 
     def loss(self, frames: torch.Tensor, truth: torch.Tensor) -> torch.Tensor:
         config = self.config
         return ((frames - truth).pow(2).mean() + config.l1_weight * (frames - truth).abs().mean()
                 + config.ssim_weight * (1.0 - ssim(frames, truth).mean()))
+
+    def _objective(self, batch: DecoderBatch) -> torch.Tensor:
+        free, attacked = self._reconstruct(batch)
+        loss = self.loss(free, batch.truth)
+        return loss if attacked is free else loss + self.loss(attacked, batch.truth)
 
     def run(self) -> list[dict[str, Any]]:
         started = time.perf_counter()
@@ -212,9 +280,9 @@ class DecoderFit:
         steps = tqdm(range(self.steps_per_epoch), disable=not self.progress, leave=False,
                      desc=f"decoder epoch {self.epoch + 1}/{config.epochs}")
         for step in steps:
-            features, truth = self._batch(
-                order[step * config.batch_size:(step + 1) * config.batch_size], generator)
-            loss = self.loss(self.model(features), truth)
+            batch = self._batch(self.frames, order[step * config.batch_size:
+                                                   (step + 1) * config.batch_size], generator)
+            loss = self._objective(batch)
             self.optimiser.zero_grad(set_to_none=True)
             loss.backward()
             nn.utils.clip_grad_norm_(self.model.parameters(), config.grad_clip)
@@ -228,19 +296,24 @@ class DecoderFit:
 
     @torch.no_grad()
     def _validate(self) -> dict[str, float]:
-        """Loss, PSNR and SSIM on validation-episode frames (their exact θ0 features)."""
+        """Loss, PSNR and SSIM of the attack's frames on validation-episode frames (their exact
+        θ0 features), and PSNR of the context-free pass for context models."""
         self.model.eval()
-        losses, psnrs, ssims = [], [], []
-        for start in range(0, len(self.data.val), self.config.batch_size):
-            images = torch.from_numpy(self.data.val[start:start + self.config.batch_size])
-            truth = images.permute(0, 3, 1, 2).float() / 255.0
-            frames = self.model(self.data.features(images, self.model_config.feature_module))
-            losses.append(float(self.loss(frames, truth)) * len(images))
-            psnrs.append(psnr(frames, truth))
-            ssims.append(ssim(frames, truth))
-        count = max(1, len(self.data.val))
-        return {"val_loss": sum(losses) / count, "val_psnr": float(torch.cat(psnrs).mean()),
-                "val_ssim": float(torch.cat(ssims).mean())}
+        losses, psnrs, ssims, free_psnrs = [], [], [], []
+        rows = self.data.val_rows
+        for start in range(0, len(rows), self.config.batch_size):
+            batch = self._batch(self.data.val, rows[start:start + self.config.batch_size], None)
+            free, attacked = self._reconstruct(batch)
+            losses.append(float(self._objective(batch)) * len(batch.truth))
+            psnrs.append(psnr(attacked, batch.truth))
+            ssims.append(ssim(attacked, batch.truth))
+            free_psnrs.append(psnr(free, batch.truth))
+        count = max(1, len(rows))
+        record = {"val_loss": sum(losses) / count, "val_psnr": float(torch.cat(psnrs).mean()),
+                  "val_ssim": float(torch.cat(ssims).mean())}
+        if self.model_config.context != "none":
+            record["val_psnr_context_free"] = float(torch.cat(free_psnrs).mean())
+        return record
 
     def _save(self, record: dict[str, Any]) -> None:
         improved = record["val_loss"] < self.best
@@ -251,7 +324,7 @@ class DecoderFit:
                     self.data.fingerprint), "train_files": self.data.paths,
                 "train_frames": {"captured": len(self.data.train),
                                  "rendered": len(self.data.rendered)},
-                "val_frames": len(self.data.val), "last": record,
+                "val_frames": len(self.data.val_rows), "last": record,
                 "training_state": save_training_state(self.out, self.optimiser, self.scheduler),
                 "mean_image": self.mean_image.flatten().tolist()}
         save_attacker(self.out, self.model, meta, best=improved)
