@@ -3,15 +3,17 @@
 Trains, each for at most --minutes on the same training capture: TRACE with the paper's dense
 projection, TRACE with the structured input (exact Linear-layer inputs, deltas, conv-channel
 norms), LtI with the structured input (a learned decoder of the recovered features, trained on
-gradients), and for --decoder-minutes the analytic decoder (the FC input recovered in closed
-form, decoded by a conv decoder trained on auxiliary frames only: no stored gradient). Scores
-them with the subsample TRACE and LtI already in --work, plus feature inversion by optimisation
-on --invert held-out frames. With --defenses, every attacker is also scored zero-shot under each
-listed defense (the robustness of the identities). Writes
+gradients), and for --decoder-minutes each the analytic decoder (the FC input recovered in
+closed form, decoded by a conv decoder trained on auxiliary frames only: no stored gradient)
+without temporal context, with the previous reconstruction, and with it warped by the recovered
+action. Scores them with the subsample TRACE and LtI already in --work, plus feature inversion
+by optimisation on --invert held-out frames. With --defenses, every attacker is also scored
+zero-shot under each listed defense (the robustness of the identities). Writes
 benchmarks/results/structured_vs_dense.{json,md}.
 
     python benchmarks/structured_vs_dense.py [--work runs/bench-attack] [--minutes 60]
-        [--decoder-minutes 20] [--variants TRACE-dense,TRACE-structured,LtI-structured,decoder]
+        [--decoder-minutes 20] [--variants TRACE-dense,TRACE-structured,LtI-structured,
+        decoder,decoder-concat,decoder-warp]
         [--defenses "quant:8;noise:0.01;prune:0.1"] [--max-windows N]
 """
 
@@ -36,7 +38,9 @@ from gradleak.training.fit import fit_attacker
 RESULTS = Path(__file__).parent / "results" / "structured_vs_dense.json"
 VARIANTS = {"TRACE-dense": ("trace", "dense"), "TRACE-structured": ("trace", "structured"),
             "LtI-structured": ("lti", "structured")}
-DECODER = "analytic+decoder"
+DECODERS = {"decoder": ("analytic+decoder", "none"),
+            "decoder-concat": ("analytic+decoder (previous frame)", "concat"),
+            "decoder-warp": ("analytic+decoder (previous frame, warped)", "warp")}
 EXISTING = {"TRACE (T=8, subsample)": "TRACE-T=8", "LtI (subsample)": "LtI"}
 SUMMARY = ("psnr", "ssim", "mse", "action_accuracy", "psnr_gain_over_mean_image", "parameters",
            "ms_per_frame")
@@ -45,11 +49,12 @@ SUMMARY = ("psnr", "ssim", "mse", "action_accuracy", "psnr_gain_over_mean_image"
 def train_variant(preset: Any, name: str, minutes: float, train: Path, work: Path
                   ) -> dict[str, Any]:
     out = work / name
-    if name == DECODER:
+    if name in DECODERS:
+        model = copy.deepcopy(preset.attack.decoder)
         fit = copy.deepcopy(preset.attack.decoder_fit)
-        fit.time_limit_minutes = minutes
-        return fit_decoder(copy.deepcopy(preset.attack.decoder), fit, [str(train)], out,
-                           resume=(out / META).exists(), progress=True)
+        model.context, fit.time_limit_minutes = DECODERS[name][1], minutes
+        return fit_decoder(model, fit, [str(train)], out, resume=(out / META).exists(),
+                           progress=True)
     kind, projection = VARIANTS[name]
     model = copy.deepcopy(getattr(preset.attack, kind))
     fit = copy.deepcopy(getattr(preset.attack, f"{kind}_fit"))
@@ -83,7 +88,7 @@ def main() -> None:
     parser.add_argument("--preset", default="cpu-bench")
     parser.add_argument("--minutes", type=float, default=60.0)
     parser.add_argument("--decoder-minutes", type=float, default=20.0)
-    parser.add_argument("--variants", default=",".join([*VARIANTS, "decoder"]))
+    parser.add_argument("--variants", default=",".join([*VARIANTS, *DECODERS]))
     parser.add_argument("--invert", type=int, default=32)
     parser.add_argument("--defenses", default="", help="zero-shot robustness; ';'-separated")
     parser.add_argument("--max-windows", type=int, default=None)
@@ -91,14 +96,19 @@ def main() -> None:
     args = parser.parse_args()
     preset = load_preset(args.preset)
     train, heldout = args.work / "train.h5", args.work / "heldout.h5"
-    names = [DECODER if v == "decoder" else v for v in args.variants.split(",") if v]
+    names = [v for v in args.variants.split(",") if v]
+    unknown = sorted(set(names) - set(VARIANTS) - set(DECODERS))
+    if unknown:
+        parser.error(f"unknown variants {unknown}: expected some of "
+                     f"{', '.join([*VARIANTS, *DECODERS])}")
     training = {}
     for name in names:
-        minutes = args.decoder_minutes if name == DECODER else args.minutes
+        minutes = args.decoder_minutes if name in DECODERS else args.minutes
         result = train_variant(preset, name, minutes, train, args.work)
         training[name] = {k: result[k] for k in ("epochs", "minutes", "parameters")}
         training[name]["last"] = result["last"]
-    attackers = {name: str(args.work / name) for name in names}
+    attackers = {DECODERS[name][0] if name in DECODERS else name: str(args.work / name)
+                 for name in names}
     attackers.update({name: str(args.work / folder) for name, folder in EXISTING.items()
                       if (args.work / folder / META).exists()})
     clean = evaluate([heldout], attackers, args.work / "eval-structured",
