@@ -28,13 +28,11 @@ from gradleak.attacks.optim.matching import victim_at_theta0
 from gradleak.capture.reader import CaptureFile
 from gradleak.envs.actions import mirrored_actions
 from gradleak.errors import ConfigError
-from gradleak.io import load_tensors, read_json
 from gradleak.metrics.images import psnr, ssim
 from gradleak.training.checkpoint import (
     META,
-    WEIGHTS,
     fingerprint_to_dict,
-    load_training_state,
+    resume_run,
     save_attacker,
     save_training_state,
 )
@@ -330,16 +328,9 @@ class DecoderFit:
         save_attacker(self.out, self.model, meta, best=improved)
 
     def _resume(self) -> None:
-        meta = read_json(self.out / META, "attacker config")
-        if meta.get("kind") != "decoder":
-            raise ConfigError(f"{self.out / META} holds a {meta.get('kind')!r} attacker, "
-                              "not the analytic decoder")
-        self.model.load_state_dict(load_tensors(self.out / WEIGHTS, "attacker weights"))
-        load_training_state(self.out, self.optimiser, self.scheduler, meta["training_state"])
-        self.epoch, self.best = int(meta["epoch"]), float(meta["best_val_loss"])
-        self.history = list(meta["history"])
-        size = self.model_config.frame_size
-        self.mean_image = torch.tensor(meta["mean_image"]).view(3, size, size)
+        self.epoch, self.best, self.history, self.mean_image = resume_run(
+            self.out, "decoder", self.model, self.optimiser, self.scheduler,
+            self.model_config.frame_size)
 
 
 def _gradient_dim(path: str) -> int:

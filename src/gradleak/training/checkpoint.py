@@ -79,6 +79,21 @@ def load_training_state(out: Path, optimiser: torch.optim.Optimizer,
     torch.set_rng_state(tensors["torch_rng"])
 
 
+def resume_run(out: Path, kind: str, model: nn.Module, optimiser: torch.optim.Optimizer,
+               scheduler: torch.optim.lr_scheduler.LRScheduler, frame_size: int
+               ) -> tuple[int, float, list[dict[str, Any]], torch.Tensor]:
+    """Weights, optimiser and scheduler back from a run directory; returns (epoch, best
+    validation loss, history, mean training image)."""
+    meta = read_json(out / META, "attacker config")
+    if meta.get("kind") != kind:
+        raise CheckpointError(f"{out / META} holds a {meta.get('kind')!r} attacker, not "
+                              f"{kind!r}")
+    model.load_state_dict(load_tensors(out / WEIGHTS, "attacker weights"))
+    load_training_state(out, optimiser, scheduler, meta["training_state"])
+    mean_image = torch.tensor(meta["mean_image"]).view(3, frame_size, frame_size)
+    return int(meta["epoch"]), float(meta["best_val_loss"]), list(meta["history"]), mean_image
+
+
 def load_attacker(path: str | Path, best: bool = True) -> tuple[nn.Module, dict[str, Any]]:
     """An attacker in eval mode from its run directory (the best weights by default)."""
     directory = Path(path)

@@ -26,16 +26,14 @@ from tqdm import tqdm
 
 from gradleak.defenses import parse_defense
 from gradleak.errors import ConfigError
-from gradleak.io import load_tensors, read_json
 from gradleak.metrics.images import psnr
 from gradleak.training.checkpoint import (
     META,
-    WEIGHTS,
     build_model,
     fingerprint_from_dict,
     fingerprint_to_dict,
     load_attacker,
-    load_training_state,
+    resume_run,
     save_attacker,
     save_training_state,
 )
@@ -343,16 +341,9 @@ class AttackerFit:
                                                                      self.epoch == 1))
 
     def _resume(self) -> None:
-        meta = read_json(self.out / META, "attacker config")
-        if meta.get("kind") != self.kind:
-            raise ConfigError(f"{self.out / META} holds a {meta.get('kind')!r} attacker, "
-                              f"not {self.kind!r}")
-        self.model.load_state_dict(load_tensors(self.out / WEIGHTS, "attacker weights"))
-        load_training_state(self.out, self.optimiser, self.scheduler, meta["training_state"])
-        self.epoch, self.best = int(meta["epoch"]), float(meta["best_val_loss"])
-        self.history = list(meta["history"])
-        size = self.model_config.frame_size
-        self.mean_image = torch.tensor(meta["mean_image"]).view(3, size, size)
+        self.epoch, self.best, self.history, self.mean_image = resume_run(
+            self.out, self.kind, self.model, self.optimiser, self.scheduler,
+            self.model_config.frame_size)
 
 
 def fit_attacker(kind: str, model_config: Any, config: FitConfig, train_paths: list[str],
