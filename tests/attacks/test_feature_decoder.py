@@ -226,3 +226,23 @@ def test_victims_without_the_structure_are_named() -> None:
                                      feature_shape=[32, 4, 4]))
     with pytest.raises(ConfigError, match="no convolutional feature map"):
         feature_map_shape(create_victim("mlp", frame_size=12, options={"hidden": 32}), "fc", 12)
+
+
+def test_under_aggregation_the_recovered_input_is_an_affine_mix_of_the_steps() -> None:
+    """agg:k averages k per-step gradients, so ∇W = (1/k) Σ δ_i x_iᵀ has rank ≤ k. The
+    least-squares input is then Σ w_i x_i with w_i = δ·δ_i / ‖δ‖² (δ = Σ δ_i): weights that sum
+    to one but may be negative. What the decoder reads under aggregation, exactly."""
+    from gradleak.attacks.optim.matching import victim_at_theta0
+
+    observation, batch = synthetic(0.01, 0.0)
+    decoder = decoder_for(observation)
+    gradients = torch.from_numpy(observation.gradients[:3]).double()
+    weight, bias = decoder.feature_layer
+    deltas = gradients[:, bias.offset:bias.offset + bias.size]
+    inputs = module_input(victim_at_theta0(observation), "fc", batch.images[:3]).detach()
+    total = deltas.sum(0)
+    mix = (deltas @ total) / total.pow(2).sum()
+    recovered = decoder.recovered_features(gradients.mean(0, keepdim=True))[0]
+    torch.testing.assert_close(float(mix.sum()), 1.0)
+    torch.testing.assert_close(recovered, (mix[:, None] * inputs.flatten(1).double()).sum(0),
+                               rtol=1e-4, atol=1e-6)
