@@ -14,7 +14,6 @@ from test_analytic import synthetic
 from gradleak.attacks.analytic import module_input
 from gradleak.attacks.feature_decoder import DecoderConfig, FeatureDecoder
 from gradleak.capture.reader import CaptureFile
-from gradleak.capture.schema import layers_to_json
 from gradleak.envs.factory import random_walk_frames
 from gradleak.errors import CaptureFileError, ConfigError
 from gradleak.io import load_tensors
@@ -27,6 +26,7 @@ from gradleak.training.auxiliary import (
 )
 from gradleak.training.checkpoint import WEIGHTS, load_attacker
 from gradleak.victims import create_victim
+from gradleak.victims.base import layers_to_json
 
 
 def decoder_for(observation, channels: int = 16, context: str = "none"  # noqa: ANN001

@@ -14,10 +14,9 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from gradleak.capture.schema import layers_from_json
 from gradleak.errors import ConfigError
 from gradleak.threat import ObservedWindows, Reconstruction
-from gradleak.victims.base import LayerInfo
+from gradleak.victims.base import LayerInfo, layers_from_json
 
 PROJECTIONS = ("dense", "lowrank", "subsample", "structured")
 

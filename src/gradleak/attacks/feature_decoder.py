@@ -31,9 +31,9 @@ from gradleak.attacks.encoders import (
     linear_input,
     linear_pairs,
 )
-from gradleak.capture.schema import layers_from_json
 from gradleak.envs.actions import action_set
 from gradleak.errors import ConfigError
+from gradleak.victims.base import layers_from_json
 
 # The closed-form action is certain on clean streams; a large finite logit keeps softmax sane.
 CERTAIN = 20.0

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from typing import Any
 
-from gradleak.victims.base import LayerInfo
+from gradleak.victims.base import LayerInfo, layers_from_json, layers_to_json  # noqa: F401
 
 FORMAT = "gradleak-capture"
 FORMAT_VERSION = 1
@@ -51,12 +49,3 @@ REQUIRED_ATTRS = ("format", "format_version", "victim", "victim_config", "theta0
                   "num_rows", "num_episodes", "complete", "gradient_dim", "settings")
 
 
-def layers_to_json(layers: list[LayerInfo]) -> str:
-    return json.dumps([{"name": layer.name, "shape": list(layer.shape), "offset": layer.offset,
-                        "component": layer.component} for layer in layers])
-
-
-def layers_from_json(text: str) -> list[LayerInfo]:
-    rows: list[dict[str, Any]] = json.loads(text)
-    return [LayerInfo(row["name"], tuple(row["shape"]), int(row["offset"]), row["component"])
-            for row in rows]

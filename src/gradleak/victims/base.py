@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -50,6 +51,17 @@ class LayerInfo:
         for s in self.shape:
             n *= s
         return n
+
+
+def layers_to_json(layers: list[LayerInfo]) -> str:
+    return json.dumps([{"name": layer.name, "shape": list(layer.shape), "offset": layer.offset,
+                        "component": layer.component} for layer in layers])
+
+
+def layers_from_json(text: str) -> list[LayerInfo]:
+    rows: list[dict[str, Any]] = json.loads(text)
+    return [LayerInfo(row["name"], tuple(row["shape"]), int(row["offset"]), row["component"])
+            for row in rows]
 
 
 class Victim(nn.Module):
