@@ -46,15 +46,15 @@ SUMMARY = ("psnr", "ssim", "mse", "action_accuracy", "psnr_gain_over_mean_image"
            "ms_per_frame")
 
 
-def train_variant(preset: Any, name: str, minutes: float, train: Path, work: Path
-                  ) -> dict[str, Any]:
+def train_variant(preset: Any, name: str, minutes: float, train: Path, work: Path,
+                  context_epochs: int | None = None) -> dict[str, Any]:
     out = work / name
     if name in DECODERS:
         model = copy.deepcopy(preset.attack.decoder)
         fit = copy.deepcopy(preset.attack.decoder_fit)
         model.context, fit.time_limit_minutes = DECODERS[name][1], minutes
         if model.context != "none":  # a step also decodes the predecessor: about twice the cost
-            fit.epochs = max(1, fit.epochs // 2)
+            fit.epochs = context_epochs or max(1, fit.epochs // 2)
         return fit_decoder(model, fit, [str(train)], out, resume=(out / META).exists(),
                            progress=True)
     kind, projection = VARIANTS[name]
@@ -91,6 +91,8 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=60.0)
     parser.add_argument("--decoder-minutes", type=float, default=20.0)
     parser.add_argument("--variants", default=",".join([*VARIANTS, *DECODERS]))
+    parser.add_argument("--context-epochs", type=int, default=None,
+                        help="epochs of the context decoders (default: half the preset's)")
     parser.add_argument("--invert", type=int, default=32)
     parser.add_argument("--defenses", default="", help="zero-shot robustness; ';'-separated")
     parser.add_argument("--max-windows", type=int, default=None)
@@ -106,7 +108,7 @@ def main() -> None:
     training = {}
     for name in names:
         minutes = args.decoder_minutes if name in DECODERS else args.minutes
-        result = train_variant(preset, name, minutes, train, args.work)
+        result = train_variant(preset, name, minutes, train, args.work, args.context_epochs)
         training[name] = {k: result[k] for k in ("epochs", "minutes", "parameters")}
         training[name]["last"] = result["last"]
     attackers = {DECODERS[name][0] if name in DECODERS else name: str(args.work / name)
