@@ -6,14 +6,15 @@ norms), LtI with the structured input (a learned decoder of the recovered featur
 gradients), and for --decoder-minutes each the analytic decoder (the FC input recovered in
 closed form, decoded by a conv decoder trained on auxiliary frames only: no stored gradient)
 without temporal context, with the previous reconstruction, and with it warped by the recovered
-action. Scores them with the subsample TRACE and LtI already in --work, plus feature inversion
-by optimisation on --invert held-out frames. With --defenses, every attacker is also scored
-zero-shot under each listed defense (the robustness of the identities). Writes
+action, and the decoder of the second conv's input recovered through the whole conv stack
+(decoder-conv). Scores them with the subsample TRACE and LtI already in --work, plus feature
+inversion by optimisation on --invert held-out frames. With --defenses, every attacker is also
+scored zero-shot under each listed defense (the robustness of the identities). Writes
 benchmarks/results/structured_vs_dense.{json,md}.
 
     python benchmarks/structured_vs_dense.py [--work runs/bench-attack] [--minutes 60]
         [--decoder-minutes 20] [--variants TRACE-dense,TRACE-structured,LtI-structured,
-        decoder,decoder-concat,decoder-warp]
+        decoder,decoder-concat,decoder-warp,decoder-conv]
         [--defenses "quant:8;noise:0.01;prune:0.1"] [--max-windows N]
 """
 
@@ -38,9 +39,16 @@ from gradleak.training.fit import fit_attacker
 RESULTS = Path(__file__).parent / "results" / "structured_vs_dense.json"
 VARIANTS = {"TRACE-dense": ("trace", "dense"), "TRACE-structured": ("trace", "structured"),
             "LtI-structured": ("lti", "structured")}
-DECODERS = {"decoder": ("analytic+decoder", "none"),
-            "decoder-concat": ("analytic+decoder (previous frame)", "concat"),
-            "decoder-warp": ("analytic+decoder (previous frame, warped)", "warp")}
+# name: (label, context, model overrides, fit overrides)
+DECODERS: dict[str, tuple[str, str, dict[str, Any], dict[str, Any]]] = {
+    "decoder": ("analytic+decoder", "none", {}, {}),
+    "decoder-concat": ("analytic+decoder (previous frame)", "concat", {}, {}),
+    "decoder-warp": ("analytic+decoder (previous frame, warped)", "warp", {}, {}),
+    # the second conv's 16×16×16 input, recovered through the conv stack: a 16× larger map
+    # than the FC input, so a narrower decoder with no dense path, for 3 epochs
+    "decoder-conv": ("analytic+conv-stack decoder", "none",
+                     {"feature_module": "encoder.3", "global_channels": 0, "channels": 32},
+                     {"epochs": 3})}
 EXISTING = {"TRACE (T=8, subsample)": "TRACE-T=8", "LtI (subsample)": "LtI"}
 SUMMARY = ("psnr", "ssim", "mse", "action_accuracy", "psnr_gain_over_mean_image", "parameters",
            "ms_per_frame")
@@ -52,7 +60,11 @@ def train_variant(preset: Any, name: str, minutes: float, train: Path, work: Pat
     if name in DECODERS:
         model = copy.deepcopy(preset.attack.decoder)
         fit = copy.deepcopy(preset.attack.decoder_fit)
-        model.context, fit.time_limit_minutes = DECODERS[name][1], minutes
+        _, model.context, model_changes, fit_changes = DECODERS[name]
+        fit.time_limit_minutes = minutes
+        for target, changes in ((model, model_changes), (fit, fit_changes)):
+            for field, value in changes.items():
+                setattr(target, field, value)
         if model.context != "none":  # a step also decodes the predecessor: about twice the cost
             fit.epochs = context_epochs or max(1, fit.epochs // 2)
         return fit_decoder(model, fit, [str(train)], out, resume=(out / META).exists(),

@@ -140,3 +140,14 @@ def test_train_decoder_then_evaluate_recovers_every_action(capsys, tmp_path: Pat
                       "action-rule", "--max-windows", "4")
     row = result["methods"]["analytic+decoder"]
     assert row["action_accuracy"] == 1.0 and row["frames"] == 32
+
+
+def test_analytic_recovers_the_conv_inputs_and_frames_beneath(capsys,
+                                                              random_capture: Path) -> None:
+    data = run_json(capsys, "analytic", str(random_capture), "--conv", "6")
+    conv = data[str(random_capture)]["conv_stack"]
+    assert list(conv["layers"]) == ["encoder.9", "encoder.6", "encoder.3"]
+    for layer in conv["layers"].values():  # float16 storage
+        assert layer["median_relative_error"] <= 1e-2
+    assert conv["frames_from"] == "encoder.3"
+    assert conv["psnr"] >= conv["psnr_of_their_mean_image"] + 3.0

@@ -329,7 +329,7 @@ def _optim_flags(parser: argparse.ArgumentParser) -> None:
 def cmd_analytic(args: argparse.Namespace) -> None:
     from gradleak.evaluation.analytic import evaluate_analytic
 
-    results = evaluate_analytic(args.files, args.max_rows, args.invert)
+    results = evaluate_analytic(args.files, args.max_rows, args.invert, args.conv)
     lines = []
     for path, r in results.items():
         layers = ", ".join(f"{name} {v['median_relative_error']:.2e}"
@@ -345,7 +345,22 @@ def cmd_analytic(args: argparse.Namespace) -> None:
             lines.append(f"  frames from the FC input by optimisation ({inv['frames']}): PSNR "
                          f"{inv['psnr']:.2f} dB (their mean image {mean:.2f}), SSIM "
                          f"{inv['ssim']:.3f}, {inv['seconds_per_frame']:.2f} s/frame")
+        if "conv_stack" in r:
+            lines += conv_stack_lines(r["conv_stack"])
     _emit(args, results, "\n".join(lines))
+
+
+def conv_stack_lines(conv: dict) -> list[str]:
+    layers = ", ".join(f"{name} {tuple(v['shape'])} {v['median_relative_error']:.1e}"
+                       for name, v in conv["layers"].items())
+    return [f"  through the conv stack ({conv['frames']} steps, "
+            f"{1000 * conv['recovery_seconds_per_frame']:.0f} ms/frame), conv inputs (median "
+            f"relative error): {layers}",
+            f"  frames from {conv['frames_from']}'s input: PSNR {conv['psnr']:.2f} dB, SSIM "
+            f"{conv['ssim']:.3f} ({conv['frame_seconds_per_frame']:.2f} s/frame); from the true "
+            f"map {conv['psnr_from_true_map']:.2f} / {conv['ssim_from_true_map']:.3f}; their "
+            f"mean image {conv['psnr_of_their_mean_image']:.2f} / "
+            f"{conv['ssim_of_their_mean_image']:.3f}"]
 
 
 def cmd_fedavg(args: argparse.Namespace) -> None:
@@ -516,6 +531,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-rows", type=int, default=None)
     p.add_argument("--invert", type=int, default=0, metavar="N",
                    help="also reconstruct N frames from the recovered conv features")
+    p.add_argument("--conv", type=int, default=0, metavar="N",
+                   help="also recover every determined conv input on N steps, and frames "
+                        "from the deepest")
     p.set_defaults(func=cmd_analytic)
 
     p = sub.add_parser("fedavg", help="simulate a FedAvg client and invert its update")

@@ -100,7 +100,8 @@ def tiny_fit(**changes: object) -> DecoderFitConfig:
 
 @pytest.mark.parametrize("context", ["none", "warp"])
 def test_resuming_gives_the_uninterrupted_weights(context: str, train_capture: Path,
-                                                  tmp_path: Path) -> None:
+                                                  tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     model = DecoderConfig(channels=16, global_channels=4, context=context, context_channels=4)
     fit_decoder(model, tiny_fit(epochs=2), [str(train_capture)], tmp_path / "whole",
                 progress=False)
@@ -117,6 +118,12 @@ def test_resuming_gives_the_uninterrupted_weights(context: str, train_capture: P
         torch.testing.assert_close(split[name], value, rtol=0, atol=0, msg=name)
     decoder, meta = load_attacker(tmp_path / "split")
     assert meta["kind"] == "decoder" and isinstance(decoder, FeatureDecoder)
+    # a finished run resumes to its summary without rendering or training anything again
+    monkeypatch.setattr("gradleak.training.auxiliary.DecoderFit", None)
+    again = fit_decoder(model, tiny_fit(epochs=2), [str(train_capture)], tmp_path / "split",
+                        resume=True, progress=False)
+    assert again == result
+    monkeypatch.undo()
     with pytest.raises(ConfigError, match="already holds an attacker"):
         fit_decoder(model, tiny_fit(), [str(train_capture)], tmp_path / "whole",
                     progress=False)
@@ -246,3 +253,38 @@ def test_under_aggregation_the_recovered_input_is_an_affine_mix_of_the_steps() -
     torch.testing.assert_close(float(mix.sum()), 1.0)
     torch.testing.assert_close(recovered, (mix[:, None] * inputs.flatten(1).double()).sum(0),
                                rtol=1e-4, atol=1e-6)
+
+
+def test_a_decoder_through_the_conv_stack_reads_the_exact_map(float32_capture: Path,
+                                                               tmp_path: Path,
+                                                               train_capture: Path) -> None:
+    """feature_module=encoder.3: the decoder recovers the second conv's input by the recursion
+    (exact on float32 gradients), keeps θ0 frozen across save and load, and counts only its own
+    parameters as the attacker's."""
+    with CaptureFile(float32_capture) as capture:
+        observation, target = capture.observation(), capture.target()
+    from gradleak.attacks.optim.matching import victim_at_theta0
+
+    config = DecoderConfig(gradient_dim=observation.gradients.shape[1], frame_size=32,
+                           layer_table=layers_to_json(list(observation.layers)),
+                           feature_module="encoder.3", feature_shape=[16, 8, 8], channels=16,
+                           global_channels=0)
+    decoder = FeatureDecoder(config)
+    decoder.set_theta0(observation.theta0)
+    recovered = decoder.recovered_features(torch.from_numpy(observation.gradients)).double()
+    truth = module_input(victim_at_theta0(observation), "encoder.3",
+                         torch.from_numpy(target.images)).detach().flatten(1).double()
+    assert float(((recovered - truth).norm(dim=1) / truth.norm(dim=1)).max()) <= 1e-4
+    model = DecoderConfig(channels=16, global_channels=0, feature_module="encoder.3")
+    result = fit_decoder(model, tiny_fit(epochs=1), [str(train_capture)], tmp_path / "dec",
+                         progress=False)
+    loaded, _ = load_attacker(tmp_path / "dec")
+    own = sum(p.numel() for p in loaded.parameters() if p.requires_grad)
+    assert result["parameters"] == own < sum(p.numel() for p in loaded.parameters())
+    with CaptureFile(train_capture) as capture:
+        theta0 = capture.theta0()
+    for name, value in loaded.theta0.state_dict().items():
+        torch.testing.assert_close(value, torch.from_numpy(np.asarray(theta0[name])), msg=name)
+    with pytest.raises(ConfigError, match="determine the inputs of encoder.9, encoder.6, "
+                                          "encoder.3 only"):
+        FeatureDecoder(replace(config, feature_module="encoder.0", feature_shape=[3, 32, 32]))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gradleak.errors import ConfigError
-from gradleak.fedavg.attacks import FedAttackConfig, UpdateInversion
+from gradleak.fedavg.attacks import FedAttackConfig, UpdateInversion, cosine_distance
 from gradleak.fedavg.client import ClientConfig, train_client
 from gradleak.fedavg.models import FEDAVG_MODELS
 
@@ -74,3 +74,27 @@ def test_an_unknown_method_is_named(client) -> None:
     model, _, labels, update = client
     with pytest.raises(ConfigError, match="FedAvg attack 'fedleak'"):
         UpdateInversion(model, update, labels, (1, 16, 16), FedAttackConfig(method="fedleak"))
+
+
+def test_cosine_distance_is_one_minus_the_cosine_of_the_flattened_parameters() -> None:
+    generator = torch.Generator().manual_seed(5)
+    a = {"w": torch.randn(3, 4, generator=generator), "b": torch.randn(3, generator=generator)}
+    b = {"w": torch.randn(3, 4, generator=generator), "b": torch.randn(3, generator=generator)}
+    flat_a, flat_b = (torch.cat([t["w"].flatten(), t["b"]]).double() for t in (a, b))
+    expected = 1 - flat_a @ flat_b / (flat_a.norm() * flat_b.norm())
+    b_norm = flat_b.norm().float()
+    for distance in (cosine_distance(a, b), cosine_distance(a, b, b_norm)):
+        torch.testing.assert_close(distance.double(), expected, rtol=1e-6, atol=1e-7)
+
+
+def test_the_scale_vector_stays_in_its_box(client) -> None:
+    """d has no clamp in the graph (it would cost two passes per weight): the in-place clamp
+    after each step must keep it in [0.1, 10], even with a step size that overshoots."""
+    model, _, labels, update = client
+    config = FedAttackConfig(method="sme-dvec", iterations=3, lr_scale=100.0, seed=2)
+    attack = UpdateInversion(model, update, labels, (1, 16, 16), config)
+    attack.run()
+    scales = torch.cat([d.detach().flatten() for d in attack.surrogate.scale.values()])
+    assert float(scales.min()) >= 0.1 - 1e-7 and float(scales.max()) <= 10.0
+    at_bounds = torch.isclose(scales, torch.tensor(0.1)) | (scales == 10.0)
+    assert bool(at_bounds.any())  # the step did overshoot, so the clamp was tested

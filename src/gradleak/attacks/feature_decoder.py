@@ -52,11 +52,14 @@ class DecoderConfig:
     frame_size: int = 64
     num_actions: int = 5
     layer_table: str = ""  # set from the training capture
-    feature_module: str = "fc"  # the Linear layer whose input is the conv feature map
+    # whose input the decoder reads: "fc" (the Linear layer's input, the conv feature map) or a
+    # conv module (e.g. "encoder.3"), reached by the recursion through the conv stack
+    feature_module: str = "fc"
+    victim: str = "cnn-small"  # the architecture θ0 belongs to (a conv feature_module needs it)
     feature_shape: list[int] = field(default_factory=list)  # (C, h, w); set from the victim
     entropy_coef: float = 0.01  # the victim's declared loss coefficient (closed-form action)
     channels: int = 128  # widest decoder stage; halves with each ×2 upsampling, floor 16
-    global_channels: int = 32  # a dense path from all features to every position of the map
+    global_channels: int = 32  # a dense path from all features to every position; 0: none
     context: str = "none"  # none, concat (previous reconstruction), warp (moved by the action)
     context_channels: int = 16
     seed: int = 0
@@ -78,14 +81,23 @@ class FeatureDecoder(WindowAttacker):
         layers = {layer.name: layer for layer in layers_from_json(config.layer_table or "[]")}
         pairs = {weight.name.removesuffix(".weight"): (weight, bias)
                  for weight, bias in linear_pairs(list(layers.values()))}
-        for module in (config.feature_module, POLICY, VALUE):
+        self.through_convs = config.feature_module not in pairs and len(
+            getattr(layers.get(f"{config.feature_module}.weight"), "shape", ())) == 4
+        needed = ("fc" if self.through_convs else config.feature_module, POLICY, VALUE)
+        for module in needed:
             if module not in pairs:
                 raise ConfigError(f"the analytic decoder needs the gradients of Linear layer "
                                   f"{module!r} with its bias; this capture has "
                                   f"{', '.join(sorted(pairs)) or 'none'}")
-        self.feature_layer, self.policy_layer = pairs[config.feature_module], pairs[POLICY]
+        self.layers = layers
+        self.feature_layer, self.policy_layer = pairs[needed[0]], pairs[POLICY]
         self.value_layer = pairs[VALUE]
-        channels, height, width = self._check_shape(config, self.feature_layer[0].shape[1])
+        if self.through_convs:
+            self.theta0 = self._conv_stack(config)
+            width = int(np.prod(config.feature_shape or [0]))
+        else:
+            width = self.feature_layer[0].shape[1]
+        channels, height, width = self._check_shape(config, width)
         policy = self.policy_layer[0].shape
         self.register_buffer("feature_mean", torch.zeros(channels * height * width))
         self.register_buffer("feature_std", torch.ones(channels * height * width))
@@ -98,7 +110,8 @@ class FeatureDecoder(WindowAttacker):
                               f"{', '.join(CONTEXTS)}")
         extra = config.context_channels if config.context != "none" else 0
         self.global_path = nn.Linear(channels * height * width,
-                                     config.global_channels * height * width)
+                                     config.global_channels * height * width) \
+            if config.global_channels else None
         self.stem = nn.Sequential(
             nn.Conv2d(channels + config.global_channels + extra, widths[0], 3, 1, 1), nn.GELU(),
             ResidualConv(widths[0]))
@@ -107,6 +120,29 @@ class FeatureDecoder(WindowAttacker):
         if extra:
             self.context = ContextPyramid(config.context_channels, stages)
             self.motion = nn.Parameter(motion_prior(config.num_actions))
+
+    @staticmethod
+    def _conv_stack(config: DecoderConfig) -> nn.Module:
+        """θ0's victim, frozen: the recursion reads its conv, BN and FC weights."""
+        from gradleak.attacks.conv_recovery import deepest_inputs
+        from gradleak.victims import create_victim
+
+        victim = create_victim(config.victim, frame_size=config.frame_size,
+                               num_actions=config.num_actions).eval()
+        reachable = deepest_inputs(victim, config.frame_size)
+        if config.feature_module not in reachable:
+            raise ConfigError(f"feature_module {config.feature_module!r}: the gradients of "
+                              f"{config.victim} determine the inputs of "
+                              f"{', '.join(reachable) or 'no conv'} only")
+        for parameter in victim.parameters():
+            parameter.requires_grad_(False)
+        return victim
+
+    @torch.no_grad()
+    def set_theta0(self, state: dict[str, np.ndarray]) -> None:
+        if self.through_convs:
+            self.theta0.load_state_dict({name: torch.from_numpy(np.asarray(value))
+                                         for name, value in state.items()})
 
     @staticmethod
     def _check_shape(config: DecoderConfig, width: int) -> tuple[int, int, int]:
@@ -149,12 +185,13 @@ class FeatureDecoder(WindowAttacker):
         channels, height, width = self.config.feature_shape
         standard = torch.nan_to_num((features - self.feature_mean) / self.feature_std)
         spatial = standard.view(-1, channels, height, width)
-        spread = self.global_path(standard).view(-1, self.config.global_channels, height, width)
+        spread = [] if self.global_path is None else [self.global_path(standard).view(
+            -1, self.config.global_channels, height, width)]
         levels: list[torch.Tensor | None] = [None] * (len(self.up) + 1)
         if self.config.context != "none":
             levels = self._context(len(features), previous, previous_actions, has_previous)
         coarsest = [] if levels[-1] is None else [levels[-1]]
-        x = self.stem(torch.cat([spatial, spread, *coarsest], 1))
+        x = self.stem(torch.cat([spatial, *spread, *coarsest], 1))
         for i, stage in enumerate(self.up):
             x = stage(x, levels[len(self.up) - 1 - i])
         return self.head(x)
@@ -178,8 +215,20 @@ class FeatureDecoder(WindowAttacker):
         return nn.functional.grid_sample(frames, grid, padding_mode="border",
                                          align_corners=False)
 
-    def recovered_features(self, gradients: torch.Tensor) -> torch.Tensor:
-        return linear_input(gradients, *self.feature_layer)
+    def recovered_features(self, gradients: torch.Tensor, chunk: int = 256) -> torch.Tensor:
+        if not self.through_convs:
+            return linear_input(gradients, *self.feature_layer)
+        from gradleak.attacks.conv_recovery import recover_conv_inputs
+
+        module, parts = self.config.feature_module, []
+        for start in range(0, len(gradients), chunk):  # D is (chunk, C_out·k², pixels)
+            rows = gradients[start:start + chunk].cpu()
+            found = recover_conv_inputs(
+                lambda name, rows=rows: block(rows, self.layers[name]).unflatten(
+                    -1, self.layers[name].shape).double(),
+                self.theta0, self.config.frame_size, down_to=module)
+            parts.append(found.inputs[module].flatten(1).float())
+        return torch.cat(parts).to(self.feature_mean.device)
 
     def action_logits(self, gradients: torch.Tensor) -> torch.Tensor:
         """(N, d) → (N, K): the closed-form action as near-certain logits."""

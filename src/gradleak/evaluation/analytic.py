@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gradleak.attacks.analytic import invert_features, recover_analytically
+from gradleak.attacks.analytic import invert_features, module_input, recover_analytically
 from gradleak.attacks.optim.matching import victim_at_theta0
 from gradleak.capture.reader import CaptureFile
 from gradleak.threat import Observation, Target
@@ -78,8 +78,56 @@ def score_inversion(observation: Observation, target: Target, count: int) -> dic
             "psnr_of_their_mean_image": float(psnr(mean, truth).mean())}
 
 
+def score_conv_stack(observation: Observation, target: Target, count: int,
+                     frame_threshold: float = 3.0) -> dict[str, Any]:
+    """Recovery through the conv stack on `count` evenly spaced steps: each determined conv
+    input against the truth, then frames from the deepest one (its gradient leaves the frame
+    under-determined, so a smoothness prior fills in), against frames from the true map."""
+    from dataclasses import replace
+
+    from gradleak.attacks.conv_recovery import frames_from_first_block, observed_conv_inputs
+    from gradleak.metrics.images import psnr, ssim, to_unit_tensor
+
+    rows = np.linspace(0, len(observation) - 1, count).astype(int)
+    subset = replace(observation, gradients=observation.gradients[rows],
+                     episode_ids=observation.episode_ids[rows],
+                     step_in_episode=observation.step_in_episode[rows])
+    start = time.perf_counter()
+    found = observed_conv_inputs(subset)
+    recovery_seconds = (time.perf_counter() - start) / count
+    images = target.images[rows]
+    victim = victim_at_theta0(observation)
+    layers = {}
+    with torch.no_grad():
+        truth = {name: module_input(victim, name, torch.from_numpy(images)).double()
+                 for name in found.inputs}
+    for name, estimate in found.inputs.items():
+        errors = relative_errors(estimate.flatten(1).numpy(), truth[name].flatten(1).numpy())
+        layers[name] = {"shape": list(estimate.shape[1:]),
+                        "median_relative_error": float(np.median(errors)),
+                        "max_relative_error": float(np.max(errors))}
+    deepest = list(found.inputs)[-1]
+    double = victim_at_theta0(observation).double()
+    size = observation.victim.frame_size
+    start = time.perf_counter()
+    frames = frames_from_first_block(double, size, found.inputs[deepest], found.noise[deepest],
+                                     frame_threshold).float()
+    frame_seconds = (time.perf_counter() - start) / count
+    ideal = frames_from_first_block(double, size, truth[deepest],
+                                    torch.zeros_like(truth[deepest]), frame_threshold).float()
+    real = to_unit_tensor(images)
+    mean = real.mean(0, keepdim=True).expand_as(real)
+    return {"frames": count, "layers": layers, "recovery_seconds_per_frame": recovery_seconds,
+            "frames_from": deepest, "psnr": float(psnr(frames, real).mean()),
+            "ssim": float(ssim(frames, real).mean()), "frame_seconds_per_frame": frame_seconds,
+            "psnr_from_true_map": float(psnr(ideal, real).mean()),
+            "ssim_from_true_map": float(ssim(ideal, real).mean()),
+            "psnr_of_their_mean_image": float(psnr(mean, real).mean()),
+            "ssim_of_their_mean_image": float(ssim(mean, real).mean())}
+
+
 def evaluate_analytic(paths: Sequence[str | os.PathLike[str]], max_rows: int | None = None,
-                      invert: int = 0) -> dict[str, dict[str, Any]]:
+                      invert: int = 0, conv: int = 0) -> dict[str, dict[str, Any]]:
     results = {}
     for path in paths:
         with CaptureFile(path) as capture:
@@ -89,4 +137,6 @@ def evaluate_analytic(paths: Sequence[str | os.PathLike[str]], max_rows: int | N
         if invert:
             results[str(path)]["feature_inversion"] = score_inversion(observation, target,
                                                                       invert)
+        if conv:
+            results[str(path)]["conv_stack"] = score_conv_stack(observation, target, conv)
     return results

@@ -111,7 +111,7 @@ class Evaluation:
 
     def run(self, batch_size: int = 16) -> dict[str, MethodScores]:
         methods = {name: MethodScores(name, "learned",
-                                      parameters=sum(p.numel() for p in model.parameters()),
+                                      parameters=trainable_parameters(model),
                                       defense_mode=self._defense_mode(meta))
                    for name, (model, meta) in self.models.items()}
         methods.update({name: MethodScores(name, "optimisation") for name in self.baselines})
@@ -285,3 +285,8 @@ def evaluate(data: Sequence[str | os.PathLike[str]], attackers: dict[str, str], 
               "lpips": evaluation.lpips_note or "available", "methods": summarise(methods)}
     write_evaluation(out, result, methods, np.concatenate(evaluation.truth_samples))
     return result
+
+
+def trainable_parameters(model: torch.nn.Module) -> int:
+    """The attacker's own parameters (a decoder's frozen copy of θ0 is the victim's)."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -28,10 +28,12 @@ from gradleak.attacks.optim.matching import victim_at_theta0
 from gradleak.capture.reader import CaptureFile
 from gradleak.envs.actions import mirrored_actions
 from gradleak.errors import ConfigError
+from gradleak.io import read_json
 from gradleak.metrics.images import psnr, ssim
 from gradleak.training.checkpoint import (
     META,
     fingerprint_to_dict,
+    load_attacker,
     resume_run,
     save_attacker,
     save_training_state,
@@ -188,11 +190,12 @@ class DecoderFit:
         self.model_config = replace(
             model_config, layer_table=self.data.fingerprint.layer_table,
             gradient_dim=_gradient_dim(paths[0]), frame_size=victim.frame_size,
-            num_actions=victim.num_actions, feature_shape=shape,
+            num_actions=victim.num_actions, feature_shape=shape, victim=victim.name,
             entropy_coef=float(self.data.hyperparameters.get("entropy", 0.0)))
         torch.manual_seed(config.seed)
         self.model = FeatureDecoder(self.model_config)
-        self.optimiser = torch.optim.AdamW(self.model.parameters(), lr=config.lr,
+        trainable = [p for p in self.model.parameters() if p.requires_grad]  # not θ0's copy
+        self.optimiser = torch.optim.AdamW(trainable, lr=config.lr,
                                            weight_decay=config.weight_decay)
         self.frames = self.data.training_frames()
         self.mirror = torch.tensor(mirrored_actions(victim.num_actions))
@@ -212,6 +215,7 @@ class DecoderFit:
         self.model.fit_normaliser(features)
         self.model.set_policy_head(self.data.theta0[f"{POLICY}.weight"],
                                    self.data.theta0[f"{POLICY}.bias"])
+        self.model.set_theta0(self.data.theta0)
         mean = self.data.train.images.mean(axis=0, dtype=np.float64) / 255.0  # no float copy
         self.mean_image = torch.from_numpy(mean).permute(2, 0, 1).float()
 
@@ -340,11 +344,22 @@ def _gradient_dim(path: str) -> int:
 
 def fit_decoder(model_config: DecoderConfig, config: DecoderFitConfig, paths: list[str],
                 out: Path, resume: bool = False, progress: bool = True) -> dict[str, Any]:
+    if resume and (Path(out) / META).exists():
+        meta = read_json(Path(out) / META, "attacker config")
+        if int(meta.get("epoch", 0)) >= config.epochs:  # done: no frames to render again
+            model, _ = load_attacker(out)
+            return fit_summary(out, meta["epoch"], model, meta["history"],
+                               meta["train_frames"])
     fit = DecoderFit(model_config, config, paths, out, resume, progress)
-    start = time.perf_counter()
     history = fit.run()
-    return {"out": str(out), "kind": "decoder", "epochs": fit.epoch,
-            "parameters": sum(p.numel() for p in fit.model.parameters()),
-            "minutes": (time.perf_counter() - start) / 60,
-            "last": history[-1] if history else {},
-            "train_frames": {"captured": len(fit.data.train), "rendered": len(fit.data.rendered)}}
+    return fit_summary(out, fit.epoch, fit.model, history,
+                       {"captured": len(fit.data.train), "rendered": len(fit.data.rendered)})
+
+
+def fit_summary(out: Path, epochs: int, model: nn.Module, history: list[dict[str, Any]],
+                frames: dict[str, int]) -> dict[str, Any]:
+    """`minutes` sums every epoch's training time, across resumed sessions too."""
+    return {"out": str(out), "kind": "decoder", "epochs": epochs,
+            "parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
+            "minutes": sum(record["train_minutes"] for record in history),
+            "last": history[-1] if history else {}, "train_frames": frames}

@@ -1,0 +1,112 @@
+"""Recovery through the conv stack: every determined conv input exactly, honest noise
+estimates, and clear refusals where the gradient does not determine the input."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from helpers import mlp_observation, observe, smooth_frame
+
+from gradleak.attacks.analytic import module_input
+from gradleak.attacks.conv_recovery import deepest_inputs, observed_conv_inputs
+from gradleak.attacks.optim.matching import victim_at_theta0
+from gradleak.capture.reader import CaptureFile
+from gradleak.errors import ConfigError
+from gradleak.victims import create_victim
+
+
+def relative_error(estimate: torch.Tensor, truth: torch.Tensor) -> torch.Tensor:
+    return (estimate - truth).flatten(1).norm(dim=1) / truth.flatten(1).norm(dim=1)
+
+
+@pytest.fixture(scope="module")
+def trained_statistics():
+    """cnn-small whose BatchNorms are far from identity, on 10 smooth 32×32 frames, with the
+    per-step gradients stored exactly."""
+    torch.manual_seed(2)
+    victim = create_victim("cnn-small", frame_size=32).eval()
+    generator = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for module in victim.encoder:
+            if isinstance(module, torch.nn.BatchNorm2d):
+                size = module.num_features
+                module.weight.uniform_(0.5, 1.5, generator=generator)
+                module.bias.uniform_(-0.2, 0.2, generator=generator)
+                module.running_mean.uniform_(-0.1, 0.1, generator=generator)
+                module.running_var.uniform_(0.5, 2.0, generator=generator)
+                assert size == len(module.weight)
+    images = torch.stack([smooth_frame(32, seed) for seed in range(10)])
+    observation, _ = observe(victim, images, torch.arange(10) % 5,
+                             torch.linspace(-1.5, 1.5, 10), torch.linspace(-0.5, 0.8, 10))
+    return observation, images
+
+
+def true_inputs(observation, images, names):  # noqa: ANN001
+    victim = victim_at_theta0(observation)
+    with torch.no_grad():
+        return {name: module_input(victim, name, images).double() for name in names}
+
+
+def test_every_determined_conv_input_is_exact_without_noise(trained_statistics) -> None:
+    observation, images = trained_statistics
+    found = observed_conv_inputs(observation)
+    assert list(found.inputs) == ["encoder.9", "encoder.6", "encoder.3"]
+    truth = true_inputs(observation, images, list(found.inputs))
+    for name, estimate in found.inputs.items():
+        assert float(relative_error(estimate, truth[name]).max()) <= 1e-4, name
+
+
+def test_exact_on_rendered_frames_from_a_float32_capture(float32_capture: Path) -> None:
+    with CaptureFile(float32_capture) as capture:
+        observation, target = capture.observation(), capture.target()
+    images = torch.from_numpy(target.images)
+    found = observed_conv_inputs(observation)
+    truth = true_inputs(observation, images, list(found.inputs))
+    for name, estimate in found.inputs.items():
+        assert float(relative_error(estimate, truth[name]).median()) <= 1e-4, name
+
+
+def test_noise_estimate_tracks_the_actual_error(trained_statistics) -> None:
+    """Noise on the top conv's weight gradient: the fit's residual must predict the error of the
+    recovered input (within a factor of two), since the on/off decisions below rely on it."""
+    observation, images = trained_statistics
+    gradients = observation.gradients.copy()
+    layer = next(layer for layer in observation.layers if layer.name == "encoder.9.weight")
+    columns = slice(layer.offset, layer.offset + layer.size)
+    scale = np.abs(gradients[:, columns]).mean(1, keepdims=True)
+    noise = np.random.default_rng(0).standard_normal(gradients[:, columns].shape)
+    gradients[:, columns] += 0.01 * scale * noise.astype(np.float32)
+    found = observed_conv_inputs(replace(observation, gradients=gradients), down_to="encoder.9")
+    truth = true_inputs(observation, images, ["encoder.9"])["encoder.9"]
+    actual = (found.inputs["encoder.9"] - truth).pow(2).mean().sqrt()
+    estimated = found.noise["encoder.9"].pow(2).mean().sqrt()
+    assert 0.5 <= float(estimated / actual) <= 2.0
+
+
+def test_the_frame_itself_is_refused_as_underdetermined(trained_statistics) -> None:
+    observation, _ = trained_statistics
+    # 16 channels × 8×8 taps give 1024 rows for the 32×32 frame's 1024 pixels: rank-deficient
+    assert deepest_inputs(victim_at_theta0(observation), 32)[-1] == "encoder.3"
+    assert deepest_inputs(create_victim("cnn", frame_size=84), 84) == [
+        "encoder.9", "encoder.6", "encoder.3"]
+    with pytest.raises(ConfigError, match="encoder.0.*needs a prior|needs a prior"):
+        observed_conv_inputs(observation, down_to="encoder.0")
+    with pytest.raises(ConfigError, match="the convs are encoder.0"):
+        observed_conv_inputs(observation, down_to="fc")
+
+
+def test_victims_without_a_conv_stack_are_named() -> None:
+    observation, _ = mlp_observation(frames=2)
+    with pytest.raises(ConfigError, match="Conv2d → ReLU → BatchNorm2d"):
+        observed_conv_inputs(observation)
+
+
+def test_missing_conv_gradients_are_named(trained_statistics) -> None:
+    observation, _ = trained_statistics
+    kept = [layer for layer in observation.layers if not layer.name.startswith("encoder.9")]
+    with pytest.raises(ConfigError, match="encoder.9.weight.*'cnn'"):
+        observed_conv_inputs(replace(observation, layers=tuple(kept)))
