@@ -12,7 +12,7 @@ import torch
 from helpers import mlp_observation, observe, smooth_frame
 
 from gradleak.attacks.analytic import module_input
-from gradleak.attacks.conv_recovery import deepest_inputs, observed_conv_inputs
+from gradleak.attacks.conv_recovery import ConvInputs, deepest_inputs, observed_conv_inputs
 from gradleak.attacks.optim.matching import victim_at_theta0
 from gradleak.capture.reader import CaptureFile
 from gradleak.errors import ConfigError
@@ -110,3 +110,17 @@ def test_missing_conv_gradients_are_named(trained_statistics) -> None:
     kept = [layer for layer in observation.layers if not layer.name.startswith("encoder.9")]
     with pytest.raises(ConfigError, match="encoder.9.weight.*'cnn'"):
         observed_conv_inputs(replace(observation, layers=tuple(kept)))
+
+
+def test_each_step_keeps_the_run_with_the_least_relative_noise() -> None:
+    def run(scale: float, noise: list[float]) -> ConvInputs:
+        inputs = torch.full((2, 1, 2, 2), scale, dtype=torch.float64)
+        spread = torch.tensor(noise, dtype=torch.float64).view(2, 1, 1, 1).expand(2, 1, 2, 2)
+        return ConvInputs({"c": inputs}, {"c": spread.clone()},
+                          {"c": torch.full((2, 1, 1, 1), scale > 1)})
+
+    low, high = run(1.0, [0.1, 0.5]), run(2.0, [0.4, 0.4])  # relative: .1/.5 and .2/.2
+    kept = low.pick([high], "c", [10.0, 20.0])
+    assert kept.inputs["c"][:, 0, 0, 0].tolist() == [1.0, 2.0]
+    assert kept.masks["c"].flatten().tolist() == [False, True]
+    assert kept.thresholds.tolist() == [10.0, 20.0]
