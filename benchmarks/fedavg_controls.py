@@ -140,16 +140,17 @@ def write(args: argparse.Namespace, runs: list[dict]) -> None:
               "L_sim raw": mean_std([r["l_sim_raw"] for r in v]),
               "L_sim scaled": mean_std([r["l_sim_scaled"] for r in v]),
               "PSNR": mean_std([r["psnr"] for r in v]), "SSIM": mean_std([r["ssim"] for r in v]),
-              "s / client": mean_std([r["seconds"] for r in v])} for k, v in groups.items()]
+              "s / client": mean_std([r["seconds"] for r in v]), "seeds": len(v)}
+             for k, v in groups.items()]
     seeds = len({run["seed"] for run in runs})
     summary = {"iterations": args.iters, "seeds": seeds, "labels": "known",
                "model": "cnn", "runs": runs}
     with atomic_path(args.results) as tmp:
         tmp.write_text(json.dumps(summary, indent=2) + "\n")
     gains = attribution(runs)
-    text = (f"# FedAvg controls ({args.iters} iterations, {seeds} seed(s), labels known; "
-            "datasets are the embedded stand-ins)\n\n" + markdown_table(table, list(table[0]))
-            + "\n")
+    text = (f"# FedAvg controls ({args.iters} iterations, {len(runs)} runs over {seeds} "
+            "seed(s), labels known; datasets are the embedded stand-ins)\n\n"
+            + markdown_table(table, list(table[0])) + "\n")
     if gains:
         text += ("\n## What carries NL-SME's gain (PSNR over SME, same client and seed, "
                  "L_cls off)\n\n" + markdown_table(gains, list(gains[0])) + "\n")
