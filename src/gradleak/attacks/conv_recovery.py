@@ -131,7 +131,14 @@ def recover_conv_inputs(gradient_of: GradientOf, victim: nn.Module, frame_size: 
     right. Per step the run whose deepest map has the least relative noise is kept; on 96
     cpu-bench held-out steps that choice equals the oracle's (relative error of the 16×16×16
     map: median 9e-4, 8 steps above 0.1; a fixed margin of 20 gives 2.3e-2 and 18)."""
-    runs = [walk_down(gradient_of, victim, frame_size, down_to, threshold, rounds)
+    read: dict[str, torch.Tensor] = {}
+
+    def once(name: str) -> torch.Tensor:  # every walk reads the same gradients
+        if name not in read:
+            read[name] = gradient_of(name).double()
+        return read[name]
+
+    runs = [walk_down(once, victim, frame_size, down_to, threshold, rounds)
             for threshold in thresholds]
     deepest = list(runs[0].inputs)[-1]
     return runs[0].pick(runs[1:], deepest, list(thresholds))
@@ -150,8 +157,7 @@ def walk_down(gradient_of: GradientOf, victim: nn.Module, frame_size: int,
                               " only (below, a conv's weight gradient has fewer equations than "
                               "its input has pixels: that layer needs a prior)"
                               if target in known else f"; the convs are {', '.join(known)}"))
-    fc_weight = gradient_of("fc.weight").double()
-    fc_bias = gradient_of("fc.bias").double()
+    fc_weight, fc_bias = gradient_of("fc.weight"), gradient_of("fc.bias")
     count = len(fc_bias)
     last = blocks[-1].conv.out_channels
     side = int(round((fc_weight.shape[-1] / last) ** 0.5))
@@ -160,9 +166,10 @@ def walk_down(gradient_of: GradientOf, victim: nn.Module, frame_size: int,
     upstream = (fc_bias @ victim.fc.weight.double()).view_as(y)
     found = ConvInputs({}, {}, {})
     for block in reversed(blocks):
-        delta, mask = output_gradient(block, y, noise, upstream, gradient_of, threshold, rounds)
-        y, noise = solve_input(block, delta, gradient_of(f"{block.name}.weight").double())
-        assert noise is not None
+        weight_gradient = gradient_of(f"{block.name}.weight")
+        delta, mask = output_gradient(block, y, noise, upstream, weight_gradient, threshold,
+                                      rounds)
+        y, noise = solve_input_with_noise(block, delta, weight_gradient)
         found.inputs[block.name], found.noise[block.name], found.masks[block.name] = y, noise, mask
         if block.name == target:
             return found
@@ -200,7 +207,7 @@ def weight_gradient_matrix(block: ConvBlock, delta: torch.Tensor,
 
 
 def output_gradient(block: ConvBlock, y: torch.Tensor, noise: torch.Tensor,
-                    upstream: torch.Tensor, gradient_of: GradientOf, threshold: float,
+                    upstream: torch.Tensor, weight_gradient: torch.Tensor, threshold: float,
                     rounds: int) -> tuple[torch.Tensor, torch.Tensor]:
     """δ at the conv's output (before ReLU) and the on/off mask it used."""
     _, sure, undecided, gain = unit_states(block, y, noise, threshold)
@@ -209,7 +216,7 @@ def output_gradient(block: ConvBlock, y: torch.Tensor, noise: torch.Tensor,
     rows = undecided.flatten(1).any(1).nonzero().flatten()
     if rounds and len(rows):
         mask[rows] = settle_masks(block, full[rows], sure[rows], undecided[rows],
-                                  gradient_of(f"{block.name}.weight").double()[rows], rounds)
+                                  weight_gradient[rows], rounds)
     return full * mask, mask
 
 
@@ -273,7 +280,7 @@ def settle_masks(block: ConvBlock, full: torch.Tensor, sure: torch.Tensor,
     nearer the on-value than 0."""
     mask, kernel = sure.clone(), block.conv.kernel_size[0]
     for _ in range(rounds):
-        a, _ = solve_input(block, full * mask, weight_gradient, with_noise=False)
+        a = solve_input(block, full * mask, weight_gradient)
         patches = F.unfold(a, kernel, padding=block.conv.padding, stride=block.conv.stride)
         fitted = torch.linalg.lstsq(patches, weight_gradient.flatten(2).transpose(1, 2)
                                     ).solution  # (N, P, C_out)
@@ -283,22 +290,36 @@ def settle_masks(block: ConvBlock, full: torch.Tensor, sure: torch.Tensor,
     return mask
 
 
-def solve_input(block: ConvBlock, delta: torch.Tensor, weight_gradient: torch.Tensor,
-                with_noise: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The conv's input by least squares, and its per-pixel noise standard deviation."""
-    count, channels_in, size = len(delta), block.conv.in_channels, block.input_size
-    matrix = weight_gradient_matrix(block, delta, unfold_identity(block))  # (N, R, Q)
-    rhs = weight_gradient.permute(0, 1, 3, 4, 2).reshape(count, -1, channels_in)  # (N, R, C_in)
-    solution = torch.linalg.lstsq(matrix, rhs, driver="gelsy").solution  # (N, Q, C_in)
-    shape = (count, channels_in, size, size)
-    if not with_noise:
-        return solution.transpose(1, 2).reshape(shape), None
+def least_squares(block: ConvBlock, delta: torch.Tensor, weight_gradient: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """D(δ) (N, R, Q), the right-hand sides (N, R, C_in) and their solution (N, Q, C_in)."""
+    count, channels_in = len(delta), block.conv.in_channels
+    matrix = weight_gradient_matrix(block, delta, unfold_identity(block))
+    rhs = weight_gradient.permute(0, 1, 3, 4, 2).reshape(count, -1, channels_in)
+    return matrix, rhs, torch.linalg.lstsq(matrix, rhs, driver="gelsy").solution
+
+
+def as_map(block: ConvBlock, columns: torch.Tensor) -> torch.Tensor:
+    """(N, Q, C_in) → (N, C_in, H, W)."""
+    size = block.input_size
+    return columns.transpose(1, 2).reshape(len(columns), block.conv.in_channels, size, size)
+
+
+def solve_input(block: ConvBlock, delta: torch.Tensor, weight_gradient: torch.Tensor
+                ) -> torch.Tensor:
+    """The conv's input by least squares."""
+    return as_map(block, least_squares(block, delta, weight_gradient)[2])
+
+
+def solve_input_with_noise(block: ConvBlock, delta: torch.Tensor, weight_gradient: torch.Tensor
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The conv's input and its per-pixel noise standard deviation, from the fit's residual."""
+    matrix, rhs, solution = least_squares(block, delta, weight_gradient)
     residual = (matrix @ solution - rhs).pow(2).sum(1)  # (N, C_in)
-    dof = max(1, matrix.shape[1] - matrix.shape[2])
-    sigma = (residual / dof).sqrt()
+    sigma = (residual / max(1, matrix.shape[1] - matrix.shape[2])).sqrt()
     spread = torch.linalg.pinv(matrix.transpose(1, 2) @ matrix).diagonal(dim1=1, dim2=2)
-    std = sigma[:, :, None] * spread.clamp_min(0).sqrt()[:, None, :]
-    return solution.transpose(1, 2).reshape(shape), std.reshape(shape)
+    std = sigma[:, None, :] * spread.clamp_min(0).sqrt()[:, :, None]  # (N, Q, C_in)
+    return as_map(block, solution), as_map(block, std)
 
 
 def observed_conv_inputs(observation: Observation, down_to: str | None = None,
