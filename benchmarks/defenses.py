@@ -23,7 +23,7 @@ from gradleak.defenses import parse_defense
 from gradleak.evaluation.reconstructions import evaluate
 from gradleak.io import atomic_path
 from gradleak.presets import load_preset
-from gradleak.report.tables import markdown_table
+from gradleak.report.tables import fixed, markdown_table
 from gradleak.training.checkpoint import META
 from gradleak.training.fit import fit_attacker
 
@@ -70,14 +70,12 @@ def rows_of(spec: str, result: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
-    def fmt(value: Any, digits: int) -> str | None:
-        return None if value is None else f"{value:.{digits}f}"
-
     table = [{"defense": r["defense"], "method": r["method"], "mode": r["mode"],
-              "MSE": fmt(r["mse"], 4), "PSNR": fmt(r["psnr"], 2), "SSIM": fmt(r["ssim"], 3),
-              "action acc.": fmt(r["action_accuracy"], 3), "hist. TV": fmt(r["histogram_tv"], 3),
-              "update cos": fmt(r["utility_cosine"], 3),
-              "update rel. err": fmt(r["utility_relative_error"], 3)} for r in rows]
+              "MSE": fixed(r["mse"], 4), "PSNR": fixed(r["psnr"], 2), "SSIM": fixed(r["ssim"], 3),
+              "action acc.": fixed(r["action_accuracy"], 3),
+              "hist. TV": fixed(r["histogram_tv"], 3),
+              "update cos": fixed(r["utility_cosine"], 3),
+              "update rel. err": fixed(r["utility_relative_error"], 3)} for r in rows]
     return markdown_table(table, list(table[0])) if table else ""
 
 

@@ -31,7 +31,7 @@ from gradleak.evaluation.analytic import evaluate_analytic
 from gradleak.evaluation.reconstructions import evaluate
 from gradleak.io import atomic_path
 from gradleak.presets import load_preset
-from gradleak.report.tables import markdown_table
+from gradleak.report.tables import fixed, markdown_table
 from gradleak.training.auxiliary import fit_decoder
 from gradleak.training.checkpoint import META
 from gradleak.training.fit import fit_attacker
@@ -84,15 +84,12 @@ def rows(defense: str, result: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def markdown(table: list[dict[str, Any]]) -> str:
-    def fmt(value: Any, digits: int) -> str | None:
-        return None if value is None else f"{value:.{digits}f}"
-
     cells = [{
-        "defense": r["defense"], "method": r["method"], "PSNR": fmt(r["psnr"], 2),
-        "SSIM": fmt(r["ssim"], 3), "gain (dB)": fmt(r["psnr_gain_over_mean_image"], 2),
-        "action acc.": fmt(r["action_accuracy"], 3),
+        "defense": r["defense"], "method": r["method"], "PSNR": fixed(r["psnr"], 2),
+        "SSIM": fixed(r["ssim"], 3), "gain (dB)": fixed(r["psnr_gain_over_mean_image"], 2),
+        "action acc.": fixed(r["action_accuracy"], 3),
         "parameters": None if r["parameters"] is None else f"{r['parameters']:,}",
-        "ms/frame": fmt(r["ms_per_frame"], 2)} for r in table]
+        "ms/frame": fixed(r["ms_per_frame"], 2)} for r in table]
     return markdown_table(cells, list(cells[0])) if cells else ""
 
 

@@ -197,6 +197,8 @@ def cmd_train_decoder(args: argparse.Namespace) -> None:
             setattr(fit, name, getattr(args, name))
     if args.minutes is not None:
         fit.time_limit_minutes = args.minutes
+    if args.defense:  # adaptive: features recovered from gradients under this defense
+        fit.defense, fit.defense_seed = _defense(args).spec, args.defense_seed
     result = fit_decoder(preset.attack.decoder, fit, args.data, Path(args.out),
                          resume=args.resume, progress=not (args.quiet or args.json))
     last = result["last"]
@@ -487,6 +489,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="frames to render on the captures' training scenes (random policy)")
     p.add_argument("--minutes", type=float, default=None, help="stop after the epoch past this")
     p.add_argument("--resume", action="store_true")
+    _defense_flags(p, required=False, seed=1)
     p.set_defaults(func=cmd_train_decoder)
 
     p = sub.add_parser("evaluate", help="score attackers and baselines on held-out captures")

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from gradleak.errors import CheckpointError
@@ -63,9 +63,20 @@ def read_json(path: str | os.PathLike[str], what: str) -> dict[str, Any]:
     return data
 
 
-def save_tensors(path: str | os.PathLike[str], tensors: dict[str, torch.Tensor]) -> None:
+def save_tensors(path: str | os.PathLike[str], tensors: dict[str, torch.Tensor],
+                 metadata: dict[str, str] | None = None) -> None:
     with atomic_path(path) as tmp:
-        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp))
+        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp),
+                  metadata=metadata)
+
+
+def tensors_metadata(path: str | os.PathLike[str]) -> dict[str, str] | None:
+    """The string metadata of a safetensors file; None if it is missing or unreadable."""
+    try:
+        with safe_open(str(path), "pt") as handle:
+            return dict(handle.metadata() or {})
+    except (SafetensorError, OSError):
+        return None
 
 
 def load_tensors(path: str | os.PathLike[str], what: str) -> dict[str, torch.Tensor]:

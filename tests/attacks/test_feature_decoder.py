@@ -19,6 +19,7 @@ from gradleak.errors import CaptureFileError, ConfigError
 from gradleak.io import load_tensors
 from gradleak.metrics.images import psnr
 from gradleak.training.auxiliary import (
+    RENDERED,
     DecoderFit,
     DecoderFitConfig,
     feature_map_shape,
@@ -107,10 +108,13 @@ def test_resuming_gives_the_uninterrupted_weights(context: str, train_capture: P
                 progress=False)
     interrupted = DecoderFit(model, tiny_fit(epochs=2), [str(train_capture)],
                              tmp_path / "split", progress=False)
-    interrupted.config = replace(interrupted.config, epochs=1)  # killed after epoch 1
-    interrupted.run()
-    result = fit_decoder(model, tiny_fit(epochs=2), [str(train_capture)], tmp_path / "split",
-                         resume=True, progress=False)
+    interrupted.run(session_epochs=1)  # killed after epoch 1
+    assert (tmp_path / "split" / RENDERED).is_file()
+    with monkeypatch.context() as patch:  # the resumed session reads the frames it cached
+        patch.setattr("gradleak.envs.factory.random_walk_frames", None)
+        result = fit_decoder(model, tiny_fit(epochs=2), [str(train_capture)],
+                             tmp_path / "split", resume=True, progress=False)
+    assert not (tmp_path / "split" / RENDERED).exists()  # done: only the attacker is kept
     assert result["epochs"] == 2 and result["train_frames"]["rendered"] == 40
     whole = load_tensors(tmp_path / "whole" / WEIGHTS, "weights")
     split = load_tensors(tmp_path / "split" / WEIGHTS, "weights")
@@ -288,3 +292,53 @@ def test_a_decoder_through_the_conv_stack_reads_the_exact_map(float32_capture: P
     with pytest.raises(ConfigError, match="determine the inputs of encoder.9, encoder.6, "
                                           "encoder.3 only"):
         FeatureDecoder(replace(config, feature_module="encoder.0", feature_shape=[3, 32, 32]))
+
+
+def test_an_adaptive_decoder_trains_on_what_the_attack_recovers_under_the_defense(
+        train_capture: Path, tmp_path: Path) -> None:
+    """Under noise each captured frame is paired with the features recovered from its own
+    defended gradient (keyed noise, the fit's defense seed), not with θ0's exact features; the
+    run records its defense, so evaluation under that defense calls it adaptive."""
+    from gradleak.attacks.encoders import linear_input
+    from gradleak.defenses import parse_defense
+    from gradleak.defenses.base import row_keys
+    from gradleak.evaluation.reconstructions import Evaluation
+
+    model = DecoderConfig(channels=16, global_channels=4)
+    config = tiny_fit(epochs=1, extra_frames=0, defense="noise:0.01", defense_seed=3)
+    fit = DecoderFit(model, config, [str(train_capture)], tmp_path / "adaptive", progress=False)
+    steps = fit.data.windows["train"].rows[:, 1]
+    picked = [0, len(steps) // 2, len(steps) - 1]
+    with CaptureFile(train_capture) as capture:
+        attrs = dict(capture.attrs)
+        gradients = torch.stack([torch.from_numpy(capture.observation(slice(s, s + 1))
+                                                  .gradients[0].astype(np.float32))
+                                 for s in steps[picked]])
+        images = torch.from_numpy(capture.target().images[steps[picked]])
+    keys = torch.cat([row_keys(attrs, int(s), int(s) + 1) for s in steps[picked]])
+    defended = parse_defense("noise:0.01", 3).gradients(gradients, keys)
+    expected = linear_input(defended, *fit.model.feature_layer)
+    torch.testing.assert_close(torch.from_numpy(fit.frames.features[picked]), expected)
+    exact = fit.data.features(images, "fc")
+    assert float((expected - exact).norm() / exact.norm()) > 1e-2  # the noise is really there
+    assert len(fit.frames) == len(steps) and fit.frames.features is not None
+    fit.run()
+    _, meta = load_attacker(tmp_path / "adaptive")
+    assert meta["fit"]["defense"] == "noise:0.01"
+    heldout = Evaluation.__new__(Evaluation)
+    heldout.defense = parse_defense("noise:0.01")
+    assert heldout._defense_mode(meta) == "adaptive"
+    heldout.defense = parse_defense("quant:8")
+    assert heldout._defense_mode(meta) == "zero-shot"
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"defense": "agg:4", "extra_frames": 0}, "aggregates steps"),
+    ({"defense": "noise:0.01", "extra_frames": 40}, "set extra_frames to 0"),
+    ({"defense": "nosuch:1", "extra_frames": 0}, "nosuch")])
+def test_decoder_fit_defenses_it_cannot_train_under_are_named(
+        changes: dict[str, object], message: str, train_capture: Path, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=message):
+        fit_decoder(DecoderConfig(channels=16), tiny_fit(**changes), [str(train_capture)],
+                    tmp_path / "d", progress=False)
+    assert not (tmp_path / "d").exists()

@@ -14,6 +14,11 @@ def _cell(value: Any) -> str:
     return str(value)
 
 
+def fixed(value: float | None, digits: int) -> str | None:
+    """`value` with `digits` decimals; None (a "-" cell) stays None."""
+    return None if value is None else f"{value:.{digits}f}"
+
+
 def text_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
     cells = [[_cell(row.get(c)) for c in columns] for row in rows]
     widths = [max(len(c), *(len(r[i]) for r in cells)) if cells else len(c)

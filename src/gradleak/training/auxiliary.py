@@ -7,12 +7,20 @@ training scenes, each mirrored with probability ½ (a mirrored corridor is still
 Validation uses the captures' validation episodes (the same episode split as TRACE and LtI).
 Loss: MSE + λ₁·L1 + λ_s·(1 − SSIM). AdamW with warm-up and cosine decay, a checkpoint every
 epoch (resumable), the best weights by validation loss kept apart.
+
+Under a defense (`defense`, the adaptive attacker of Learning to Invert's protocol) a defended
+gradient no longer determines the features, so exact features would teach the decoder the wrong
+input. The decoder then trains on the captured frames only, each paired with the features the
+attack itself recovers from that frame's gradient after the defense (fresh noise draws: the
+defense seed differs from evaluation's). Rendered frames have no gradient and recovered features
+cannot be mirrored, so both are off.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -26,9 +34,10 @@ from gradleak.attacks.analytic import POLICY, module_input
 from gradleak.attacks.feature_decoder import DecoderConfig, FeatureDecoder
 from gradleak.attacks.optim.matching import victim_at_theta0
 from gradleak.capture.reader import CaptureFile
+from gradleak.defenses import Chain, parse_defense
 from gradleak.envs.actions import mirrored_actions
 from gradleak.errors import ConfigError
-from gradleak.io import read_json
+from gradleak.io import load_tensors, read_json, save_tensors, tensors_metadata
 from gradleak.metrics.images import psnr, ssim
 from gradleak.training.checkpoint import (
     META,
@@ -40,6 +49,8 @@ from gradleak.training.checkpoint import (
 )
 from gradleak.training.data import WindowDataset
 from gradleak.training.fit import warmup_cosine
+
+RENDERED = "rendered.safetensors"  # the random-walk frames of an unfinished run
 
 
 @dataclass
@@ -59,6 +70,22 @@ class DecoderFitConfig:
     max_val_frames: int = 512
     time_limit_minutes: float | None = None  # stop after the epoch that passes it
     seed: int = 0
+    defense: str = "none"  # train on features recovered from gradients under this defense
+    defense_seed: int = 1  # differs from evaluation's default 0: other noise draws
+
+    def defense_chain(self) -> Chain | None:
+        """The per-step defense to train under, or None; its conflicts named up front."""
+        chain = parse_defense(self.defense, self.defense_seed)
+        if not chain.defenses:
+            return None
+        if not chain.per_step:
+            raise ConfigError(f"decoder fit defense {self.defense!r} aggregates steps: the "
+                              "analytic decoder reads one step's gradient")
+        if self.extra_frames > 0:
+            raise ConfigError(f"decoder fit defense {self.defense!r} with extra_frames="
+                              f"{self.extra_frames}: rendered frames have no gradient to "
+                              "defend; set extra_frames to 0")
+        return chain
 
 
 def feature_map_shape(victim: nn.Module, module: str, frame_size: int) -> list[int]:
@@ -87,6 +114,7 @@ class FrameSet:
     images: np.ndarray  # (N, H, W, 3) uint8
     previous: np.ndarray  # (N,) int64
     actions: np.ndarray  # (N,) int64
+    features: np.ndarray | None = None  # (N, F) as recovered under a defense; None: exact
 
     def __len__(self) -> int:
         return len(self.images)
@@ -117,28 +145,43 @@ def captured_frames(paths: list[str], rows: np.ndarray) -> FrameSet:
 class AuxiliaryFrames:
     """The frames the attacker trains on, split by episode, and θ0's feature extractor."""
 
-    def __init__(self, paths: list[str], config: DecoderFitConfig, progress: bool) -> None:
+    def __init__(self, paths: list[str], config: DecoderFitConfig, progress: bool,
+                 cache: Path | None = None) -> None:
         self.paths = paths
         common = dict(window=1, stride=1, val_fraction=config.val_fraction, seed=config.seed,
                       expect_split="train")
-        train, val = (WindowDataset(paths, part=part, **common) for part in ("train", "val"))
-        self.fingerprint = train.fingerprint
+        self.defense = config.defense_chain()
+        train, val = (WindowDataset(paths, part=part, defense=self.defense, **common)
+                      for part in ("train", "val"))
+        self.fingerprint, self.windows = train.fingerprint, {"train": train, "val": val}
         self.train, self.val = captured_frames(paths, train.rows), captured_frames(paths, val.rows)
         with CaptureFile(paths[0]) as capture:
             observation = capture.observation(slice(0, 1))
             self.hyperparameters, self.theta0 = observation.hyperparameters, observation.theta0
             self.victim = victim_at_theta0(observation)
-            self.rendered = self._render(capture, config, progress)
+            self.rendered = self._render(capture, config, progress, cache)
         for parameter in self.victim.parameters():
             parameter.requires_grad_(False)
         self.val_rows = np.linspace(0, len(self.val) - 1,
                                     min(len(self.val), config.max_val_frames)).astype(int)
 
-    @staticmethod
-    def _render(capture: CaptureFile, config: DecoderFitConfig, progress: bool) -> FrameSet:
-        if config.extra_frames <= 0:
+    def _render(self, capture: CaptureFile, config: DecoderFitConfig, progress: bool,
+                cache: Path | None) -> FrameSet:
+        """The random-walk frames, read from `cache` when an earlier session of the same run
+        rendered them with the same scenes, count and seed (minutes of rendering at 20k)."""
+        import json
+
+        self.rendered_key = json.dumps({"env": read_env_config(capture) if config.extra_frames
+                                        > 0 else None, "scenes": list(capture.scenes),
+                                        "count": config.extra_frames, "seed": config.seed + 1},
+                                       sort_keys=True)
+        if config.extra_frames <= 0 or self.defense is not None:
             empty = np.zeros(0, np.int64)
             return FrameSet(capture.column("images", slice(0, 0)), empty, empty)
+        if cache is not None and (tensors_metadata(cache) or {}).get("key") == self.rendered_key:
+            stored = load_tensors(cache, "rendered frames")
+            return FrameSet(stored["images"].numpy(), stored["previous"].numpy(),
+                            stored["actions"].numpy())
         from gradleak.envs.factory import random_walk_frames
         from gradleak.presets import EnvConfig, dataclass_from_dict
 
@@ -148,8 +191,36 @@ class AuxiliaryFrames:
                                                     progress=progress)
         return FrameSet(images, np.where(first, -1, np.arange(len(images)) - 1), actions)
 
+    def cache_rendered(self, path: Path) -> None:
+        """Keep the rendered frames beside an unfinished run, so a resumed session reads them."""
+        if len(self.rendered) and (tensors_metadata(path) or {}).get("key") != self.rendered_key:
+            save_tensors(path, {"images": torch.from_numpy(self.rendered.images),
+                                "previous": torch.from_numpy(self.rendered.previous),
+                                "actions": torch.from_numpy(self.rendered.actions)},
+                         {"key": self.rendered_key})
+
     def training_frames(self) -> FrameSet:
-        return FrameSet.join([self.train, self.rendered])
+        return self.train if self.defense else FrameSet.join([self.train, self.rendered])
+
+    def recover_under_defense(self, recover: Callable[[torch.Tensor], torch.Tensor],
+                              progress: bool, chunk: int = 256) -> None:
+        """Attach to every captured frame the features `recover` reads from its defended
+        gradient: what the attack will see at test time."""
+        for part in ("train", "val"):
+            windows, features = self.windows[part], []
+            for start in tqdm(range(0, len(windows), chunk), disable=not progress, leave=False,
+                              desc=f"recover {part} features under {self.defense.spec}"):
+                rows = [windows[i]["gradients"][0]
+                        for i in range(start, min(start + chunk, len(windows)))]
+                features.append(recover(torch.stack(rows)).numpy())
+            setattr(self, part, replace(getattr(self, part), features=np.concatenate(features)))
+
+    def features_of(self, frames: FrameSet, indices: np.ndarray, images: torch.Tensor,
+                    module: str) -> torch.Tensor:
+        """The decoder's input for frames[indices] (whose pixels are `images`)."""
+        if frames.features is not None:
+            return torch.from_numpy(frames.features[indices])
+        return self.features(images, module)
 
     @torch.no_grad()
     def features(self, images: torch.Tensor, module: str) -> torch.Tensor:
@@ -183,7 +254,8 @@ class DecoderFit:
         if (self.out / META).exists() and not resume:
             raise ConfigError(f"{self.out} already holds an attacker: pass --resume to continue "
                               "it or choose another --out")
-        self.data = AuxiliaryFrames([str(p) for p in paths], config, progress)
+        self.data = AuxiliaryFrames([str(p) for p in paths], config, progress,
+                                    self.out / RENDERED)
         victim = self.data.fingerprint.victim
         shape = feature_map_shape(self.data.victim, model_config.feature_module,
                                   victim.frame_size)
@@ -194,6 +266,9 @@ class DecoderFit:
             entropy_coef=float(self.data.hyperparameters.get("entropy", 0.0)))
         torch.manual_seed(config.seed)
         self.model = FeatureDecoder(self.model_config)
+        if self.data.defense is not None:
+            self.model.set_theta0(self.data.theta0)  # the conv recursion reads θ0
+            self.data.recover_under_defense(self.model.recovered_features, progress)
         trainable = [p for p in self.model.parameters() if p.requires_grad]  # not θ0's copy
         self.optimiser = torch.optim.AdamW(trainable, lr=config.lr,
                                            weight_decay=config.weight_decay)
@@ -209,9 +284,11 @@ class DecoderFit:
             self._prepare()
 
     def _prepare(self) -> None:
-        rows = np.random.default_rng(self.config.seed).permutation(len(self.frames))[:4096]
-        features = self.data.features(torch.from_numpy(self.frames.images[np.sort(rows)]),
-                                      self.model_config.feature_module)
+        rows = np.sort(np.random.default_rng(self.config.seed).permutation(len(self.frames))
+                       [:4096])
+        features = self.data.features_of(self.frames, rows,
+                                         torch.from_numpy(self.frames.images[rows]),
+                                         self.model_config.feature_module)
         self.model.fit_normaliser(features)
         self.model.set_policy_head(self.data.theta0[f"{POLICY}.weight"],
                                    self.data.theta0[f"{POLICY}.bias"])
@@ -221,14 +298,15 @@ class DecoderFit:
 
     def _batch(self, frames: FrameSet, indices: np.ndarray,
                generator: np.random.Generator | None) -> DecoderBatch:
-        """Frames (mirrored at random when a generator is given) with their predecessors."""
+        """Frames (mirrored at random when a generator is given and the features are exact)
+        with their predecessors."""
         previous = frames.previous[indices]
         has = previous >= 0
         before = np.where(has, previous, indices)
         images = torch.from_numpy(frames.images[indices])
         earlier = torch.from_numpy(frames.images[before])
         actions = torch.from_numpy(frames.actions[before])
-        if generator is not None and self.config.mirror:
+        if generator is not None and self.config.mirror and frames.features is None:
             flip = torch.from_numpy(generator.random(len(images)) < 0.5)
             images = torch.where(flip[:, None, None, None], images.flip(2), images)
             earlier = torch.where(flip[:, None, None, None], earlier.flip(2), earlier)
@@ -236,9 +314,10 @@ class DecoderFit:
         module = self.model_config.feature_module
         context = self.model_config.context != "none"
         return DecoderBatch(
-            self.data.features(images, module), images.permute(0, 3, 1, 2).float() / 255.0,
-            self.data.features(earlier, module) if context else torch.zeros(0),
-            actions, torch.from_numpy(has))
+            self.data.features_of(frames, indices, images, module),
+            images.permute(0, 3, 1, 2).float() / 255.0,
+            self.data.features_of(frames, before, earlier, module) if context
+            else torch.zeros(0), actions, torch.from_numpy(has))
 
     def _reconstruct(self, batch: DecoderBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(context-free frames, the attack's frames): as `FeatureDecoder.attack` makes them,
@@ -261,10 +340,13 @@ class DecoderFit:
         loss = self.loss(free, batch.truth)
         return loss if attacked is free else loss + self.loss(attacked, batch.truth)
 
-    def run(self) -> list[dict[str, Any]]:
+    def run(self, session_epochs: int | None = None) -> list[dict[str, Any]]:
+        """Train up to the configured epochs, or `session_epochs` more in this session."""
         started = time.perf_counter()
         limit = self.config.time_limit_minutes
-        while self.epoch < self.config.epochs and not (
+        last = self.config.epochs if session_epochs is None else min(
+            self.config.epochs, self.epoch + session_epochs)
+        while self.epoch < last and not (
                 limit is not None and (time.perf_counter() - started) / 60 >= limit):
             record = self._epoch()
             record.update(self._validate())
@@ -299,7 +381,8 @@ class DecoderFit:
     @torch.no_grad()
     def _validate(self) -> dict[str, float]:
         """Loss, PSNR and SSIM of the attack's frames on validation-episode frames (their exact
-        θ0 features), and PSNR of the context-free pass for context models."""
+        θ0 features, or those recovered under the defense), and PSNR of the context-free pass
+        for context models."""
         self.model.eval()
         losses, psnrs, ssims, free_psnrs = [], [], [], []
         rows = self.data.val_rows
@@ -330,6 +413,10 @@ class DecoderFit:
                 "training_state": save_training_state(self.out, self.optimiser, self.scheduler),
                 "mean_image": self.mean_image.flatten().tolist()}
         save_attacker(self.out, self.model, meta, best=improved)
+        if self.epoch < self.config.epochs:
+            self.data.cache_rendered(self.out / RENDERED)
+        else:  # finished: the run directory keeps only the attacker
+            (self.out / RENDERED).unlink(missing_ok=True)
 
     def _resume(self) -> None:
         self.epoch, self.best, self.history, self.mean_image = resume_run(
