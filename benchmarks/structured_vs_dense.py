@@ -15,7 +15,7 @@ benchmarks/results/structured_vs_dense.{json,md}.
     python benchmarks/structured_vs_dense.py [--work runs/bench-attack] [--minutes 60]
         [--decoder-minutes 20] [--variants TRACE-dense,TRACE-structured,LtI-structured,
         decoder,decoder-concat,decoder-warp,decoder-conv]
-        [--defenses "quant:8;noise:0.01;prune:0.1"] [--max-windows N]
+        [--defenses "quant:8;noise:0.01;prune:0.1"] [--max-windows N] [--clock cpu]
 """
 
 from __future__ import annotations
@@ -55,13 +55,13 @@ SUMMARY = ("psnr", "ssim", "mse", "action_accuracy", "psnr_gain_over_mean_image"
 
 
 def train_variant(preset: Any, name: str, minutes: float, train: Path, work: Path,
-                  context_epochs: int | None = None) -> dict[str, Any]:
+                  context_epochs: int | None = None, clock: str = "wall") -> dict[str, Any]:
     out = work / name
     if name in DECODERS:
         model = copy.deepcopy(preset.attack.decoder)
         fit = copy.deepcopy(preset.attack.decoder_fit)
         _, model.context, model_changes, fit_changes = DECODERS[name]
-        fit.time_limit_minutes = minutes
+        fit.time_limit_minutes, fit.time_limit_clock = minutes, clock
         for target, changes in ((model, model_changes), (fit, fit_changes)):
             for field, value in changes.items():
                 setattr(target, field, value)
@@ -72,7 +72,7 @@ def train_variant(preset: Any, name: str, minutes: float, train: Path, work: Pat
     kind, projection = VARIANTS[name]
     model = copy.deepcopy(getattr(preset.attack, kind))
     fit = copy.deepcopy(getattr(preset.attack, f"{kind}_fit"))
-    model.projection, fit.time_limit_minutes = projection, minutes
+    model.projection, fit.time_limit_minutes, fit.time_limit_clock = projection, minutes, clock
     return fit_attacker(kind, model, fit, [str(train)], out, resume=(out / META).exists(),
                         progress=True)
 
@@ -102,6 +102,9 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join([*VARIANTS, *DECODERS]))
     parser.add_argument("--context-epochs", type=int, default=None,
                         help="epochs of the context decoders (default: half the preset's)")
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                        help="what --minutes counts: cpu (this process's CPU time) keeps the "
+                        "budgets equal when other jobs share the cores")
     parser.add_argument("--invert", type=int, default=32)
     parser.add_argument("--defenses", default="", help="zero-shot robustness; ';'-separated")
     parser.add_argument("--max-windows", type=int, default=None)
@@ -117,7 +120,8 @@ def main() -> None:
     training = {}
     for name in names:
         minutes = args.decoder_minutes if name in DECODERS else args.minutes
-        result = train_variant(preset, name, minutes, train, args.work, args.context_epochs)
+        result = train_variant(preset, name, minutes, train, args.work, args.context_epochs,
+                               args.clock)
         training[name] = {k: result[k] for k in ("epochs", "minutes", "parameters")}
         training[name]["last"] = result["last"]
     attackers = {DECODERS[name][0] if name in DECODERS else name: str(args.work / name)
@@ -134,7 +138,7 @@ def main() -> None:
         robustness[spec] = result["methods"]
         table += rows(spec, result)
     analytic = evaluate_analytic([heldout], invert=args.invert)[str(heldout)]
-    summary = {"preset": args.preset, "minutes_budget": args.minutes,
+    summary = {"preset": args.preset, "minutes_budget": args.minutes, "clock": args.clock,
                "decoder_minutes_budget": args.decoder_minutes, "training": training,
                "evaluation": clean, "robustness_zero_shot": robustness, "analytic": analytic,
                "rows": table}

@@ -48,7 +48,7 @@ from gradleak.training.checkpoint import (
     save_training_state,
 )
 from gradleak.training.data import WindowDataset
-from gradleak.training.fit import warmup_cosine
+from gradleak.training.fit import Budget, warmup_cosine
 
 RENDERED = "rendered.safetensors"  # the random-walk frames of an unfinished run
 
@@ -69,6 +69,7 @@ class DecoderFitConfig:
     val_fraction: float = 0.05  # validation episodes of the captures (as TRACE and LtI)
     max_val_frames: int = 512
     time_limit_minutes: float | None = None  # stop after the epoch that passes it
+    time_limit_clock: str = "wall"  # or "cpu": this process's CPU time, all its threads
     seed: int = 0
     defense: str = "none"  # train on features recovered from gradients under this defense
     defense_seed: int = 1  # differs from evaluation's default 0: other noise draws
@@ -342,12 +343,10 @@ class DecoderFit:
 
     def run(self, session_epochs: int | None = None) -> list[dict[str, Any]]:
         """Train up to the configured epochs, or `session_epochs` more in this session."""
-        started = time.perf_counter()
-        limit = self.config.time_limit_minutes
+        budget = Budget(self.config.time_limit_minutes, self.config.time_limit_clock)
         last = self.config.epochs if session_epochs is None else min(
             self.config.epochs, self.epoch + session_epochs)
-        while self.epoch < last and not (
-                limit is not None and (time.perf_counter() - started) / 60 >= limit):
+        while self.epoch < last and not budget.spent():
             record = self._epoch()
             record.update(self._validate())
             self.epoch += 1

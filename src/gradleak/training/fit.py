@@ -67,6 +67,7 @@ class FitConfig:
     workers: int = 1
     lpips_weights: str | None = None
     time_limit_minutes: float | None = None  # stop after the epoch that passes it
+    time_limit_clock: str = "wall"  # or "cpu": this process's CPU time, all its threads
     seed: int = 0
     defense: str = "none"  # train under this defense (an adaptive attacker), e.g. "quant:4"
     defense_seed: int = 1  # differs from evaluation's default 0: other noise draws
@@ -125,6 +126,26 @@ def _distributed() -> tuple[int, int, torch.device]:
     else:
         device = torch.device("cpu")
     return rank, world, device
+
+
+CLOCKS = ("wall", "cpu")
+
+
+class Budget:
+    """A training time limit on the wall clock or on this process's CPU time. With other jobs on
+    the same cores equal wall minutes are unequal compute; equal CPU minutes are not."""
+
+    def __init__(self, minutes: float | None, clock: str) -> None:
+        if clock not in CLOCKS:
+            raise ConfigError(f"time_limit_clock {clock!r}: expected one of {', '.join(CLOCKS)}")
+        self.minutes, self.clock = minutes, clock
+        self.started = self._now()
+
+    def _now(self) -> float:
+        return time.process_time() if self.clock == "cpu" else time.perf_counter()
+
+    def spent(self) -> bool:
+        return self.minutes is not None and (self._now() - self.started) / 60 >= self.minutes
 
 
 class AttackerFit:
@@ -217,9 +238,9 @@ class AttackerFit:
     # -- the loop ---------------------------------------------------------------------------------
     def run(self) -> list[dict[str, Any]]:
         writer = self._tensorboard()
-        started = time.perf_counter()
+        budget = Budget(self.config.time_limit_minutes, self.config.time_limit_clock)
         try:
-            while self.epoch < self.config.epochs and not self._out_of_time(started):
+            while self.epoch < self.config.epochs and not self._out_of_time(budget):
                 record = self._epoch(self.epoch)
                 if (self.epoch + 1) % self.config.validate_every == 0 or \
                         self.epoch + 1 == self.config.epochs:
@@ -238,9 +259,8 @@ class AttackerFit:
             self._save(self.history[-1], count_best=False)
         return self.history
 
-    def _out_of_time(self, started: float) -> bool:
-        limit = self.config.time_limit_minutes
-        out = limit is not None and (time.perf_counter() - started) / 60 >= limit
+    def _out_of_time(self, budget: Budget) -> bool:
+        out = budget.spent()
         if self.world > 1:  # every rank must stop at the same epoch
             flag = torch.tensor([float(out)])
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
