@@ -18,6 +18,7 @@ cannot be mirrored, so both are off.
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections.abc import Callable
@@ -170,8 +171,6 @@ class AuxiliaryFrames:
                 cache: Path | None) -> FrameSet:
         """The random-walk frames, read from `cache` when an earlier session of the same run
         rendered them with the same scenes, count and seed (minutes of rendering at 20k)."""
-        import json
-
         self.rendered_key = json.dumps({"env": read_env_config(capture) if config.extra_frames
                                         > 0 else None, "scenes": list(capture.scenes),
                                         "count": config.extra_frames, "seed": config.seed + 1},
@@ -239,8 +238,6 @@ class DecoderBatch:
 
 
 def read_env_config(capture: CaptureFile) -> dict[str, Any]:
-    import json
-
     try:
         return json.loads(capture.attrs["env_config"])
     except (KeyError, json.JSONDecodeError) as error:
