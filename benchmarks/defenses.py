@@ -25,7 +25,7 @@ from gradleak.io import atomic_path
 from gradleak.presets import load_preset
 from gradleak.report.tables import fixed, markdown_table
 from gradleak.training.checkpoint import META
-from gradleak.training.fit import fit_attacker
+from gradleak.training.fit import fine_tune_under_defense
 
 RESULTS = Path(__file__).parent / "results" / "defenses.json"
 GRID = ["none", "quant:8", "quant:4", "quant:2", "prune:0.9", "prune:0.5", "prune:0.1",
@@ -41,17 +41,9 @@ def slug(spec: str) -> str:
 
 def adapt(preset: Any, kind: str, clean: Path, spec: str, minutes: float, train: Path,
           out: Path) -> str:
-    """Fine-tune a clean attacker under `spec` for about `minutes` (short epochs, one per
-    minute or so, so the time limit lands near the budget)."""
-    fit = copy.deepcopy(getattr(preset.attack, f"{kind}_fit"))
-    fit.defense, fit.init_from = spec, str(clean)
-    fit.epochs = max(1, round(minutes))
-    fit.max_train_windows = 400 if kind == "trace" else 4000
-    fit.warmup_epochs, fit.teacher_forcing_epochs, fit.lr = 0.1, 0, fit.lr / 3
-    fit.time_limit_minutes = minutes
-    model = copy.deepcopy(getattr(preset.attack, kind))
-    fit_attacker(kind, model, fit, [str(train)], out, resume=(out / META).exists(),
-                 progress=True)
+    fine_tune_under_defense(kind, copy.deepcopy(getattr(preset.attack, kind)),
+                            copy.deepcopy(getattr(preset.attack, f"{kind}_fit")), clean, spec,
+                            minutes, [str(train)], out)
     return str(out)
 
 

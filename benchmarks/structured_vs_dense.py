@@ -16,6 +16,10 @@ benchmarks/results/structured_vs_dense.{json,md}.
         [--decoder-minutes 20] [--variants TRACE-dense,TRACE-structured,LtI-structured,
         decoder,decoder-concat,decoder-warp,decoder-conv]
         [--defenses "quant:8;noise:0.01;prune:0.1"] [--max-windows N] [--clock cpu]
+        [--stage all|train|evaluate]
+
+On two cores, train the variants side by side with equal CPU budgets, one process each
+(--stage train --variants NAME --clock cpu, OMP_NUM_THREADS=1), then --stage evaluate.
 """
 
 from __future__ import annotations
@@ -29,12 +33,12 @@ from typing import Any
 from gradleak.defenses import parse_defense
 from gradleak.evaluation.analytic import evaluate_analytic
 from gradleak.evaluation.reconstructions import evaluate
-from gradleak.io import atomic_path
+from gradleak.io import atomic_path, read_json
 from gradleak.presets import load_preset
 from gradleak.report.tables import fixed, markdown_table
 from gradleak.training.auxiliary import fit_decoder
 from gradleak.training.checkpoint import META
-from gradleak.training.fit import fit_attacker
+from gradleak.training.fit import fine_tune_under_defense, fit_attacker
 
 RESULTS = Path(__file__).parent / "results" / "structured_vs_dense.json"
 VARIANTS = {"TRACE-dense": ("trace", "dense"), "TRACE-structured": ("trace", "structured"),
@@ -77,10 +81,52 @@ def train_variant(preset: Any, name: str, minutes: float, train: Path, work: Pat
                         progress=True)
 
 
+def slug(spec: str) -> str:
+    return spec.replace(":", "-")
+
+
+def adaptive_dir(work: Path, name: str, spec: str) -> Path:
+    return work / "defenses-structured" / slug(spec) / name
+
+
+def ended(out: Path) -> bool:
+    """A run that stopped at its time limit is not trained again: resuming it would spend a
+    second budget. (Runs that did all their epochs return at once when resumed.)"""
+    if not (out / META).exists():
+        return False
+    last = (read_json(out / META, "attacker config").get("history") or [{}])[-1]
+    return last.get("time_limit_reached", last.get("epoch_fraction", 1) < 1)
+
+
+def trained(out: Path) -> dict[str, Any]:
+    """The training record of a finished run, read back for the results."""
+    meta_path = out / META
+    if not meta_path.exists():
+        raise SystemExit(f"{meta_path} is missing: train it first (--stage train)")
+    meta = read_json(meta_path, "attacker config")
+    history, fit = meta.get("history") or [{}], meta.get("fit", {})
+    return {"epochs": sum(r.get("epoch_fraction", 1.0) for r in history),
+            "scheduled_epochs": fit.get("epochs"), "last": history[-1],
+            "budget_minutes": fit.get("time_limit_minutes"),
+            "budget_clock": fit.get("time_limit_clock", "wall"),
+            "minutes": sum(r.get("train_minutes", 0.0) for r in history),
+            "cpu_minutes": sum(r.get("train_cpu_minutes", 0.0) for r in history) or None}
+
+
 def rows(defense: str, result: dict[str, Any]) -> list[dict[str, Any]]:
     return [{"defense": defense, "method": name, **{k: row.get(k) for k in SUMMARY}}
             for name, row in result["methods"].items()
             if row["kind"] in ("learned", "rule") or name == "mean training image"]
+
+
+def training_markdown(training: dict[str, dict[str, Any]]) -> str:
+    cells = [{"attacker": name, "epochs run": fixed(t["epochs"], 2),
+              "of scheduled": t["scheduled_epochs"],
+              "budget": "-" if t["budget_minutes"] is None
+              else f"{t['budget_minutes']:g} {t['budget_clock']} min",
+              "wall min": fixed(t["minutes"], 1), "CPU min": fixed(t["cpu_minutes"], 1),
+              "final lr": fixed(t["last"].get("lr"), 6)} for name, t in training.items()]
+    return markdown_table(cells, list(cells[0])) if cells else ""
 
 
 def markdown(table: list[dict[str, Any]]) -> str:
@@ -107,8 +153,14 @@ def main() -> None:
                         "budgets equal when other jobs share the cores")
     parser.add_argument("--invert", type=int, default=32)
     parser.add_argument("--defenses", default="", help="zero-shot robustness; ';'-separated")
+    parser.add_argument("--adaptive-minutes", type=float, default=0.0,
+                        help="fine-tune each trained TRACE/LtI variant this long under each "
+                        "--defenses entry (not agg) and score it there as adaptive")
     parser.add_argument("--max-windows", type=int, default=None)
     parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument("--stage", choices=["all", "train", "evaluate"], default="all",
+                        help="train: fit the variants and stop (one process per variant runs "
+                        "them side by side); evaluate: score what --work already holds")
     args = parser.parse_args()
     preset = load_preset(args.preset)
     train, heldout = args.work / "train.h5", args.work / "heldout.h5"
@@ -117,29 +169,52 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown variants {unknown}: expected some of "
                      f"{', '.join([*VARIANTS, *DECODERS])}")
+    specs = [s for s in args.defenses.split(";") if s]
+    adaptive_specs = [s for s in specs if args.adaptive_minutes > 0 and parse_defense(s).per_step]
     training = {}
     for name in names:
-        minutes = args.decoder_minutes if name in DECODERS else args.minutes
-        result = train_variant(preset, name, minutes, train, args.work, args.context_epochs,
-                               args.clock)
-        training[name] = {k: result[k] for k in ("epochs", "minutes", "parameters")}
-        training[name]["last"] = result["last"]
+        if args.stage != "evaluate":
+            minutes = args.decoder_minutes if name in DECODERS else args.minutes
+            if not ended(args.work / name):
+                train_variant(preset, name, minutes, train, args.work, args.context_epochs,
+                              args.clock)
+            for spec in adaptive_specs if name in VARIANTS else []:
+                if not ended(adaptive_dir(args.work, name, spec)):
+                    kind = VARIANTS[name][0]
+                    fine_tune_under_defense(
+                        kind, copy.deepcopy(getattr(preset.attack, kind)),
+                        copy.deepcopy(getattr(preset.attack, f"{kind}_fit")), args.work / name,
+                        spec, args.adaptive_minutes, [str(train)],
+                        adaptive_dir(args.work, name, spec), args.clock)
+        training[name] = trained(args.work / name)
+        for spec in adaptive_specs if name in VARIANTS else []:
+            training[f"{name} @ {spec}"] = trained(adaptive_dir(args.work, name, spec))
+    if args.stage == "train":
+        print(json.dumps(training, indent=2))
+        return
     attackers = {DECODERS[name][0] if name in DECODERS else name: str(args.work / name)
                  for name in names}
-    attackers.update({name: str(args.work / folder) for name, folder in EXISTING.items()
-                      if (args.work / folder / META).exists()})
+    existing = {name: folder for name, folder in EXISTING.items()
+                if (args.work / folder / META).exists()}
+    attackers.update({name: str(args.work / folder) for name, folder in existing.items()})
+    training.update({name: trained(args.work / folder) for name, folder in existing.items()})
     clean = evaluate([heldout], attackers, args.work / "eval-structured",
                      max_windows=args.max_windows)
     table = rows("none", clean)
     robustness = {}
-    for spec in [s for s in args.defenses.split(";") if s]:
-        result = evaluate([heldout], attackers, args.work / "eval-structured" / spec.replace(
-            ":", "-"), max_windows=args.max_windows, defense=parse_defense(spec))
+    for spec in specs:
+        adaptive = {f"{name} (adaptive)": str(adaptive_dir(args.work, name, spec))
+                    for name in names if spec in adaptive_specs and name in VARIANTS}
+        decoder = args.work / f"decoder@{slug(spec)}"  # from benchmarks/adaptive_decoders.py
+        if "decoder" in names and (decoder / META).exists():
+            adaptive[f"{DECODERS['decoder'][0]} (adaptive)"] = str(decoder)
+        result = evaluate([heldout], {**attackers, **adaptive},
+                          args.work / "eval-structured" / slug(spec),
+                          max_windows=args.max_windows, defense=parse_defense(spec))
         robustness[spec] = result["methods"]
         table += rows(spec, result)
     analytic = evaluate_analytic([heldout], invert=args.invert)[str(heldout)]
-    summary = {"preset": args.preset, "minutes_budget": args.minutes, "clock": args.clock,
-               "decoder_minutes_budget": args.decoder_minutes, "training": training,
+    summary = {"preset": args.preset, "training": training,
                "evaluation": clean, "robustness_zero_shot": robustness, "analytic": analytic,
                "rows": table}
     with atomic_path(args.results) as tmp:
@@ -151,7 +226,9 @@ def main() -> None:
         f"{inversion['seconds_per_frame']:.2f} s per frame (their mean image: "
         f"{inversion['psnr_of_their_mean_image']:.2f} dB).")
     with atomic_path(args.results.with_suffix(".md")) as tmp:
-        tmp.write_text(markdown(table) + note + "\n")
+        tmp.write_text(markdown(table) + note + "\n\nTraining (CPU minutes count this "
+                       "process's threads, not its data-loader worker):\n\n"
+                       + training_markdown(training) + "\n")
     print(json.dumps(training, indent=2))
 
 

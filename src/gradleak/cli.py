@@ -487,7 +487,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--epochs", type=int, default=None)
     p.add_argument("--extra-frames", type=int, default=None,
                    help="frames to render on the captures' training scenes (random policy)")
-    p.add_argument("--minutes", type=float, default=None, help="stop after the epoch past this")
+    p.add_argument("--minutes", type=float, default=None,
+                   help="stop at the training step that passes this (a partial epoch)")
     p.add_argument("--resume", action="store_true")
     _defense_flags(p, required=False, seed=1)
     p.set_defaults(func=cmd_train_decoder)

@@ -348,7 +348,8 @@ def test_a_cpu_time_budget_counts_this_process_cpu_not_the_wall_clock(
         train_capture: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Other jobs on the same cores stretch wall time, not CPU time: with clock "cpu" the limit
     reads time.process_time, here 2 minutes later at every reading after the first epoch has
-    begun, so the run stops after that epoch; on the wall clock the same limit lets both run."""
+    begun, so the run stops at that epoch's first step; on the wall clock the same limit lets
+    both epochs run to the end."""
     readings = iter([0, 0, *range(120, 10_000, 120)])
     monkeypatch.setattr("gradleak.training.fit.time.process_time", lambda: next(readings))
     model = DecoderConfig(channels=16, global_channels=4)
@@ -357,6 +358,10 @@ def test_a_cpu_time_budget_counts_this_process_cpu_not_the_wall_clock(
                                   [str(train_capture)], tmp_path / clock, progress=False)
                for clock in ("cpu", "wall")}
     assert budgets["cpu"]["epochs"] == 1 and budgets["wall"]["epochs"] == 2
+    assert budgets["cpu"]["last"]["epoch_fraction"] < 1
+    assert budgets["wall"]["last"]["epoch_fraction"] == 1
+    assert budgets["cpu"]["last"]["time_limit_reached"]
+    assert not budgets["wall"]["last"]["time_limit_reached"]
     with pytest.raises(ConfigError, match="time_limit_clock 'gpu'"):
         fit_decoder(model, tiny_fit(time_limit_clock="gpu"), [str(train_capture)],
                     tmp_path / "gpu", progress=False)

@@ -19,7 +19,13 @@ from gradleak.io import load_tensors
 from gradleak.metrics.images import psnr
 from gradleak.training.checkpoint import load_attacker
 from gradleak.training.data import WindowDataset, collate
-from gradleak.training.fit import FitConfig, fit_attacker, scheduled_sampling_beta, warmup_cosine
+from gradleak.training.fit import (
+    FitConfig,
+    fine_tune_under_defense,
+    fit_attacker,
+    scheduled_sampling_beta,
+    warmup_cosine,
+)
 from gradleak.training.objectives import LossWeights, LtiObjective, Perceptual, TraceObjective
 
 MSE_ONLY = LossWeights(mse=1.0, l1=0.0, action=0.01, perceptual=0.0, rollout=0.0)
@@ -85,6 +91,55 @@ def test_resume_reproduces_the_uninterrupted_run(train_capture: Path, tmp_path: 
     assert meta["epoch"] == 2 and [h["epoch"] for h in meta["history"]] == [1, 2]
     assert (tmp_path / "resumed" / "best.safetensors").exists()
     assert any((tmp_path / "resumed" / "tensorboard").iterdir())  # scalars and sample grids
+
+
+def test_a_time_limit_stops_at_the_step_that_spends_it_and_resume_starts_the_next_epoch(
+        train_capture: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The budget is read before each epoch and after every optimiser step: spent at the
+    second of six steps, the run saves that epoch as a third of one, marked as stopped by the
+    limit (an epoch-end check would have run all six); a resumed run with a fresh budget starts
+    epoch 2."""
+    readings = iter([False, False, True])
+    monkeypatch.setattr("gradleak.training.fit.Budget.spent", lambda self: next(readings, True))
+    model, fit = tiny_attack_settings("lti")
+    fit.batch_size, fit.accumulation, fit.epochs, fit.time_limit_minutes = 4, 1, 3, 1.0
+    out = tmp_path / "limited"
+    fit_attacker("lti", model, fit, [str(train_capture)], out, progress=False)
+    meta = json.loads((out / "attacker.json").read_text())
+    assert meta["epoch"] == 1 and len(meta["history"]) == 1
+    assert meta["history"][0]["epoch_fraction"] == pytest.approx(2 / 6)
+    assert meta["history"][0]["time_limit_reached"]
+    assert meta["history"][0]["train_cpu_minutes"] >= 0
+    monkeypatch.setattr("gradleak.training.fit.Budget.spent", lambda self: False)
+    fit_attacker("lti", model, fit, [str(train_capture)], out, resume=True, progress=False)
+    meta = json.loads((out / "attacker.json").read_text())
+    assert [h["epoch"] for h in meta["history"]] == [1, 2, 3]
+    assert [h["epoch_fraction"] for h in meta["history"][1:]] == [1.0, 1.0]
+    assert not any(h["time_limit_reached"] for h in meta["history"][1:])
+
+
+def test_an_adaptive_fine_tune_starts_from_the_clean_attacker_and_trains_under_the_defense(
+        trained_attackers, train_capture: Path, tmp_path: Path) -> None:
+    """At a vanishing learning rate (steps far below float32's resolution of the weights) the
+    fine-tuned parameters are the clean ones bit for bit, even when the caller's model config
+    names another projection and width: the architecture comes from the clean run. Only the
+    input normaliser moves: it is refit on the defended gradients."""
+    model, fit = tiny_attack_settings("trace")
+    model.projection, model.encoder_width, fit.lr, fit.min_lr = "dense", 32, 3e-30, 0.0
+    out = tmp_path / "adaptive"
+    result = fine_tune_under_defense("trace", model, fit, trained_attackers["trace"], "quant:8",
+                                     1.0, [str(train_capture)], out, progress=False)
+    clean, _ = load_attacker(trained_attackers["trace"])
+    tuned, _ = load_attacker(out)
+    clean_state, tuned_state = clean.state_dict(), tuned.state_dict()
+    parameters = dict(clean.named_parameters())
+    assert clean_state.keys() == tuned_state.keys()
+    assert all(torch.equal(tuned_state[k], clean_state[k]) for k in parameters)
+    moved = {k for k in clean_state if not torch.equal(tuned_state[k], clean_state[k])}
+    assert moved and all(k.startswith("gradient_encoder.input.") for k in moved)
+    meta = json.loads((out / "attacker.json").read_text())
+    assert meta["fit"]["defense"] == "quant:8" and result["epochs"] == 1
+    assert meta["fit"]["init_from"] == str(trained_attackers["trace"])
 
 
 def test_two_gloo_processes_end_with_identical_weights(train_capture: Path,

@@ -69,7 +69,7 @@ class DecoderFitConfig:
     ssim_weight: float = 0.5
     val_fraction: float = 0.05  # validation episodes of the captures (as TRACE and LtI)
     max_val_frames: int = 512
-    time_limit_minutes: float | None = None  # stop after the epoch that passes it
+    time_limit_minutes: float | None = None  # stop at the step that passes it (a partial epoch)
     time_limit_clock: str = "wall"  # or "cpu": this process's CPU time, all its threads
     seed: int = 0
     defense: str = "none"  # train on features recovered from gradients under this defense
@@ -344,19 +344,22 @@ class DecoderFit:
         last = self.config.epochs if session_epochs is None else min(
             self.config.epochs, self.epoch + session_epochs)
         while self.epoch < last and not budget.spent():
-            record = self._epoch()
+            record = self._epoch(budget)
             record.update(self._validate())
             self.epoch += 1
             self.history.append(record)
             self._save(record)
+            if record["time_limit_reached"]:
+                break
         return self.history
 
-    def _epoch(self) -> dict[str, Any]:
-        start, config = time.perf_counter(), self.config
+    def _epoch(self, budget: Budget) -> dict[str, Any]:
+        """One pass over the frames, cut short at the step where the time limit is spent."""
+        start, cpu_start, config = time.perf_counter(), time.process_time(), self.config
         generator = np.random.default_rng([config.seed, self.epoch])
         order = generator.permutation(len(self.frames))
         self.model.train()
-        total = 0.0
+        total, done, stopped = 0.0, 0, False
         steps = tqdm(range(self.steps_per_epoch), disable=not self.progress, leave=False,
                      desc=f"decoder epoch {self.epoch + 1}/{config.epochs}")
         for step in steps:
@@ -368,11 +371,17 @@ class DecoderFit:
             nn.utils.clip_grad_norm_(self.model.parameters(), config.grad_clip)
             self.optimiser.step()
             self.scheduler.step()
-            total += float(loss.detach())
+            total, done = total + float(loss.detach()), step + 1
             steps.set_postfix(loss=f"{float(loss.detach()):.4f}")
+            stopped = budget.spent()
+            if stopped:
+                break
+        steps.close()
         return {"epoch": self.epoch + 1, "lr": self.scheduler.get_last_lr()[0],
                 "train_minutes": (time.perf_counter() - start) / 60,
-                "train_loss": total / self.steps_per_epoch}
+                "train_cpu_minutes": (time.process_time() - cpu_start) / 60,
+                "epoch_fraction": done / self.steps_per_epoch, "time_limit_reached": stopped,
+                "train_loss": total / max(1, done)}
 
     @torch.no_grad()
     def _validate(self) -> dict[str, float]:

@@ -66,7 +66,9 @@ class FitConfig:
     normaliser_rows: int = 2048
     workers: int = 1
     lpips_weights: str | None = None
-    time_limit_minutes: float | None = None  # stop after the epoch that passes it
+    # stop at the optimiser step that passes it (a TRACE epoch can be 20 CPU-minutes: stopping at
+    # the epoch's end would give equal limits unequal compute); the epoch is saved as partial
+    time_limit_minutes: float | None = None
     time_limit_clock: str = "wall"  # or "cpu": this process's CPU time, all its threads
     seed: int = 0
     defense: str = "none"  # train under this defense (an adaptive attacker), e.g. "quant:4"
@@ -241,7 +243,7 @@ class AttackerFit:
         budget = Budget(self.config.time_limit_minutes, self.config.time_limit_clock)
         try:
             while self.epoch < self.config.epochs and not self._out_of_time(budget):
-                record = self._epoch(self.epoch)
+                record = self._epoch(self.epoch, budget)
                 if (self.epoch + 1) % self.config.validate_every == 0 or \
                         self.epoch + 1 == self.config.epochs:
                     record.update(self._validate(writer))
@@ -251,6 +253,8 @@ class AttackerFit:
                     for key, value in record.items():
                         writer.add_scalar(key, value, self.epoch)
                 self._save(record)
+                if record["time_limit_reached"]:
+                    break
         finally:
             if writer is not None:
                 writer.close()
@@ -276,28 +280,38 @@ class AttackerFit:
         dist.all_reduce(low, op=dist.ReduceOp.MIN)
         return float((high - low).max())
 
-    def _epoch(self, epoch: int) -> dict[str, Any]:
-        config, start = self.config, time.perf_counter()
+    def _epoch(self, epoch: int, budget: Budget) -> dict[str, Any]:
+        """One pass over the sampled windows, cut short at the optimiser step where the time
+        limit is spent; the record says which fraction of the epoch ran."""
+        config, start, cpu_start = self.config, time.perf_counter(), time.process_time()
         beta = scheduled_sampling_beta(config, epoch) if self.kind == "trace" else 0.0
         self.sampler.set_epoch(epoch)
         self.model.train()
         totals: dict[str, float] = {}
         batches = tqdm(self.loader, disable=not self.progress, leave=False,
                        desc=f"{self.kind} epoch {epoch + 1}/{config.epochs}")
+        done, stopped = 0, False
         for step, batch in enumerate(batches):
             loss, parts = self._forward(batch, beta)
             (loss / config.accumulation).backward()
-            if (step + 1) % config.accumulation == 0 or step + 1 == len(self.loader):
+            done = step + 1
+            for key, value in {"loss": loss, **parts}.items():
+                totals[key] = totals.get(key, 0.0) + float(value.detach())
+            batches.set_postfix(loss=f"{float(loss.detach()):.4f}")
+            if done % config.accumulation == 0 or done == len(self.loader):
                 nn.utils.clip_grad_norm_(self.model.parameters(), config.grad_clip)
                 self.optimiser.step()
                 self.scheduler.step()
                 self.optimiser.zero_grad(set_to_none=True)
-            for key, value in {"loss": loss, **parts}.items():
-                totals[key] = totals.get(key, 0.0) + float(value.detach())
-            batches.set_postfix(loss=f"{float(loss.detach()):.4f}")
-        count = max(1, len(self.loader))
+                stopped = self._out_of_time(budget)
+                if stopped:
+                    break
+        batches.close()
+        count = max(1, done)
         return {"epoch": epoch + 1, "beta": beta, "lr": self.scheduler.get_last_lr()[0],
                 "train_minutes": (time.perf_counter() - start) / 60,
+                "train_cpu_minutes": (time.process_time() - cpu_start) / 60,
+                "epoch_fraction": done / max(1, len(self.loader)), "time_limit_reached": stopped,
                 **{f"train_{k}": v / count for k, v in totals.items()}}
 
     def _forward(self, batch: WindowBatch, beta: float) -> tuple[torch.Tensor, dict]:
@@ -375,3 +389,19 @@ def fit_attacker(kind: str, model_config: Any, config: FitConfig, train_paths: l
     return {"out": str(out), "kind": kind, "epochs": fit.epoch, "parameters": parameters,
             "minutes": (time.perf_counter() - start) / 60, "last": history[-1] if history else {},
             "perceptual": fit.perceptual.name}
+
+
+def fine_tune_under_defense(kind: str, model_config: Any, config: FitConfig, clean: Path,
+                            spec: str, minutes: float, train_paths: list[str], out: Path,
+                            clock: str = "wall", progress: bool = True) -> dict[str, Any]:
+    """An adaptive attacker: the clean one at `clean`, fine-tuned for `minutes` on gradients
+    under the defense `spec` (its own noise draws: defense_seed 1, evaluation uses 0). Short
+    epochs with a third of the clean learning rate and no teacher-forcing phase, so the budget
+    covers several of them. The architecture comes from `clean`; `model_config` only fills the
+    fields it lacks."""
+    config = replace(config, defense=spec, init_from=str(clean), epochs=max(1, round(minutes)),
+                     max_train_windows=400 if kind == "trace" else 4000, warmup_epochs=0.1,
+                     teacher_forcing_epochs=0, lr=config.lr / 3, time_limit_minutes=minutes,
+                     time_limit_clock=clock)
+    return fit_attacker(kind, model_config, config, train_paths, out,
+                        resume=(Path(out) / META).exists(), progress=progress)
