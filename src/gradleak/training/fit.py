@@ -66,7 +66,7 @@ class FitConfig:
     normaliser_rows: int = 2048
     workers: int = 1
     lpips_weights: str | None = None
-    # stop at the optimiser step that passes it (a TRACE epoch can be 20 CPU-minutes: stopping at
+    # stop at the optimiser step that passes it (a TRACE-dense epoch is 35 CPU-minutes: stopping at
     # the epoch's end would give equal limits unequal compute); the epoch is saved as partial
     time_limit_minutes: float | None = None
     time_limit_clock: str = "wall"  # or "cpu": this process's CPU time, all its threads
