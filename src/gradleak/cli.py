@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -28,12 +27,14 @@ def _preset(args: argparse.Namespace, base: str | None = None) -> Any:
 
 def _apply_env_flags(args: argparse.Namespace, preset: Any) -> Any:
     """--set overrides, then --wad and --env, which replace the preset's environment."""
-    from gradleak.presets import apply_override
+    from gradleak.presets import apply_override, validate_preset
 
     for assignment in getattr(args, "set", None) or []:
         apply_override(preset, assignment)
     wad = getattr(args, "wad", None)
     if wad:
+        if Path(wad).is_dir():
+            raise ConfigError(f"--wad {wad} is a directory (expected a Doom IWAD or PWAD file)")
         if not Path(wad).is_file():
             raise ConfigError(f"--wad {wad}: no such file (expected a Doom IWAD or PWAD)")
         preset.env.doomnav.wad = str(Path(wad).resolve())
@@ -43,7 +44,7 @@ def _apply_env_flags(args: argparse.Namespace, preset: Any) -> Any:
         backend, _, gym_id = env.partition(":")
         apply_override(preset, f"env.backend={backend}")
         preset.env.gym_id = gym_id or None
-    return preset
+    return validate_preset(preset)
 
 
 # -- scenes -----------------------------------------------------------------------------------
@@ -99,8 +100,10 @@ def _capture_preset(args: argparse.Namespace) -> Any:
     if args.random_init or args.preset:
         preset = _preset(args)
     else:  # capture in the environment the checkpoint was trained in
-        meta = read_json(victim_directory(args.victim) / "victim.json", "victim config")
-        preset = preset_from_dict(meta["preset"]) if "preset" in meta else load_preset("cpu-quick")
+        path = victim_directory(args.victim) / "victim.json"
+        meta = read_json(path, "victim config")
+        preset = (preset_from_dict(meta["preset"], f"victim config {path}: preset")
+                  if "preset" in meta else load_preset("cpu-quick"))
         preset = _apply_env_flags(args, preset)
     if args.components:
         preset.capture.components = [c for c in args.components.split(",") if c]
@@ -148,7 +151,7 @@ def cmd_recover_actions(args: argparse.Namespace) -> None:
     from gradleak.report.tables import text_table
 
     rules = [r for r in args.rule.split(",") if r]
-    results = evaluate_action_rules(args.files, rules)
+    results = evaluate_action_rules(args.files, rules, args.skip_nonfinite)
     data = results[rules[0]] if len(rules) == 1 else results
     text = _action_table(results) + "\n\n" + text_table(
         [row for row in results[rules[0]]["by_confidence"]], ["by", "low", "high", "n",
@@ -175,9 +178,10 @@ def cmd_train_attacker(args: argparse.Namespace) -> None:
         fit.epochs = args.epochs
     if args.lpips_weights:
         fit.lpips_weights = args.lpips_weights
-    if args.defense:  # an adaptive attacker: it trains on gradients under this defense
+    if args.defense is not None:  # an adaptive attacker: it trains under this defense
         fit.defense = _defense(args).spec
         fit.defense_seed = args.defense_seed
+    fit.skip_nonfinite = args.skip_nonfinite
     result = fit_attacker(args.kind, model, fit, args.data, Path(args.out), resume=args.resume,
                           progress=not (args.quiet or args.json))
     last = result["last"]
@@ -197,8 +201,9 @@ def cmd_train_decoder(args: argparse.Namespace) -> None:
             setattr(fit, name, getattr(args, name))
     if args.minutes is not None:
         fit.time_limit_minutes = args.minutes
-    if args.defense:  # adaptive: features recovered from gradients under this defense
+    if args.defense is not None:  # adaptive: features recovered from defended gradients
         fit.defense, fit.defense_seed = _defense(args).spec, args.defense_seed
+    fit.skip_nonfinite = args.skip_nonfinite
     result = fit_decoder(preset.attack.decoder, fit, args.data, Path(args.out),
                          resume=args.resume, progress=not (args.quiet or args.json))
     last = result["last"]
@@ -269,7 +274,8 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
     result = evaluate(args.data, _attackers(args), Path(args.out), args.lpips_weights,
                       args.max_windows, baselines=optim,
                       baseline_windows=args.baseline_windows,
-                      progress=not (args.quiet or args.json), defense=defense)
+                      progress=not (args.quiet or args.json), defense=defense,
+                      skip_nonfinite=args.skip_nonfinite)
     rows = table_rows(result["methods"])
     text = (text_table(rows, table_columns(rows))
             + f"\nLPIPS: {result['lpips']}\noutputs in {args.out}")
@@ -279,14 +285,15 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
 def _defense(args: argparse.Namespace) -> Any:
     from gradleak.defenses import parse_defense
 
-    return parse_defense(args.defense, args.defense_seed) if args.defense else None
+    return parse_defense(args.defense, args.defense_seed) if args.defense is not None else None
 
 
 def cmd_defend(args: argparse.Namespace) -> None:
     from gradleak.defenses.files import defend_capture
 
     result = defend_capture(args.input, _defense(args), args.out, args.overwrite,
-                            progress=not (args.quiet or args.json))
+                            progress=not (args.quiet or args.json),
+                            skip_nonfinite=args.skip_nonfinite)
     last = result["defenses"][-1]
     extras = "".join(f", {t['name']}: σ = {t['sigma']:.4g}, ε = {t['achieved_eps']:.3g}"
                      for t in last["transforms"] if t["name"] == "dpsgd")
@@ -331,7 +338,8 @@ def _optim_flags(parser: argparse.ArgumentParser) -> None:
 def cmd_analytic(args: argparse.Namespace) -> None:
     from gradleak.evaluation.analytic import evaluate_analytic
 
-    results = evaluate_analytic(args.files, args.max_rows, args.invert, args.conv)
+    results = evaluate_analytic(args.files, args.max_rows, args.invert, args.conv,
+                                args.skip_nonfinite)
     lines = []
     for path, r in results.items():
         layers = ", ".join(f"{name} {v['median_relative_error']:.2e}"
@@ -396,11 +404,9 @@ def cmd_report(args: argparse.Namespace) -> None:
 def cmd_demo(args: argparse.Namespace) -> None:
     from gradleak.demo import run_demo
 
-    out = Path(args.out)
-    if out.exists():
-        shutil.rmtree(out)
+    preset = _preset(args, "cpu-quick")  # every argument checked before the disk is touched
     progress = not (args.quiet or args.json)
-    result = run_demo(_preset(args, "cpu-quick"), out, progress=progress)
+    result = run_demo(preset, Path(args.out), progress=progress)
     _emit(args, result, result.pop("text"))
 
 
@@ -408,6 +414,12 @@ def cmd_demo(args: argparse.Namespace) -> None:
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="print nothing but errors")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
+def _nonfinite_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--skip-nonfinite", action="store_true",
+                        help="leave out steps whose gradient holds NaN/Inf and say how many "
+                        "(default: refuse the file, naming the rows)")
 
 
 def _preset_flags(parser: argparse.ArgumentParser) -> None:
@@ -467,6 +479,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train-attacker", help="fit TRACE or LtI on training-scene captures")
     _common(p)
+    _nonfinite_flag(p)
     _preset_flags(p)
     p.add_argument("--kind", choices=["trace", "lti"], default="trace")
     p.add_argument("--data", nargs="+", required=True, help="training-scene capture files")
@@ -480,6 +493,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train-decoder", help="fit the analytic decoder on training-scene "
                        "frames: θ0's conv features → frame, no gradients needed")
     _common(p)
+    _nonfinite_flag(p)
     _preset_flags(p)
     p.add_argument("--data", nargs="+", required=True,
                    help="training-scene capture files (their frames and scenes are used)")
@@ -495,6 +509,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("evaluate", help="score attackers and baselines on held-out captures")
     _common(p)
+    _nonfinite_flag(p)
     p.add_argument("--attacker", action="append", required=True,
                    help="an attacker run directory, or NAME=DIR (repeatable)")
     p.add_argument("--data", nargs="+", required=True, help="held-out capture files")
@@ -513,6 +528,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("defend", help="write a defended copy of a capture file")
     _common(p)
+    _nonfinite_flag(p)
     p.add_argument("input", help="a capture file")
     p.add_argument("--out", required=True)
     p.add_argument("--overwrite", action="store_true")
@@ -531,6 +547,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("analytic", help="closed-form recovery of layer inputs, π, V, a, A, R")
     _common(p)
+    _nonfinite_flag(p)
     p.add_argument("files", nargs="+", help="capture files")
     p.add_argument("--max-rows", type=int, default=None)
     p.add_argument("--invert", type=int, default=0, metavar="N",
@@ -572,6 +589,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("recover-actions", help="closed-form action recovery and its accuracy")
     _common(p)
+    _nonfinite_flag(p)
     p.add_argument("files", nargs="+")
     p.add_argument("--rule", default="odd-sign",
                    help="odd-sign, sign-agnostic, sign-aware (oracle sign), comma-separated")
@@ -585,6 +603,11 @@ def main(argv: list[str] | None = None) -> int:
         args.func(args)
     except GradleakError as err:
         print(f"gradleak: error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:
+        if err.filename is None:  # not about a path the user gave: a real bug, keep its trace
+            raise
+        print(f"gradleak: error: {err.filename}: {err.strerror}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("gradleak: interrupted (an interrupted capture resumes with --resume)",

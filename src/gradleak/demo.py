@@ -9,6 +9,7 @@ an offline HTML report.
 from __future__ import annotations
 
 import platform
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -19,9 +20,10 @@ from gradleak.attacks.action_rules import POLICY_HEAD_WEIGHT, recover_actions
 from gradleak.capture.reader import CaptureFile
 from gradleak.capture.run import CaptureJob, run_capture
 from gradleak.envs.actions import action_set
+from gradleak.errors import ConfigError
 from gradleak.evaluation import evaluate_action_rules
 from gradleak.evaluation.reconstructions import evaluate
-from gradleak.io import write_json
+from gradleak.io import check_output, read_json, write_json
 from gradleak.presets import Preset
 from gradleak.report.evaluation import table_columns, table_rows
 from gradleak.report.html import write_report
@@ -31,10 +33,42 @@ from gradleak.rl.trainer import train_victim
 from gradleak.training.fit import fit_attacker
 
 DEMO_RULES = ("odd-sign", "sign-agnostic", "sign-aware")
+MARKER = ".gradleak-demo.json"  # says: this directory is a demo's output, these names its own
+CAPTURE_FILES = tuple(f"{split}.h5{suffix}" for split in ("train", "heldout")
+                      for suffix in ("", ".json", ".partial", ".lock"))
+DEMO_ENTRIES = ("config.json", "results.json", "victim-ppo", "eval", "trace", "lti",
+                *CAPTURE_FILES)
+
+
+def prepare_output(out: Path) -> None:
+    """A new or empty directory, or a previous demo's: then only the demo's own entries (those
+    its marker names) are removed; anything else the user put there stays."""
+    check_output(out, "--out", directory=True)
+    marker = out / MARKER
+    if out.exists() and any(out.iterdir()):
+        if not marker.is_file():
+            raise ConfigError(f"--out {out} is not empty and is not a previous demo's output (it "
+                              f"has no {MARKER}): choose a new or empty directory")
+        owned = read_json(marker, "demo marker").get("entries")
+        if not isinstance(owned, list) or not all(isinstance(n, str) and n in DEMO_ENTRIES
+                                                  for n in owned):
+            raise ConfigError(f"{marker}: field 'entries' is not a list of the demo's own "
+                              "outputs; remove the directory by hand if it is a demo's")
+        for name in owned:
+            _remove(out / name)
+    write_json(marker, {"format": "gradleak-demo", "entries": list(DEMO_ENTRIES)})
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
 
 
 def run_demo(preset: Preset, out: Path, progress: bool = True) -> dict[str, Any]:
     start = time.perf_counter()
+    prepare_output(out)
     write_json(out / "config.json", preset.to_dict())
     victim_dir = out / "victim-ppo"
     training = train_victim(preset, victim_dir, progress=progress)

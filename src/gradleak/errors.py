@@ -27,6 +27,10 @@ class CaptureFileError(GradleakError):
     """A capture file that is truncated, foreign, inconsistent, or holds non-finite values."""
 
 
+class TrainingError(GradleakError):
+    """A training run that diverged (its loss or weights turned NaN/Inf)."""
+
+
 class DataFileError(GradleakError):
     """A dataset file (FEMNIST, EMNIST, CIFAR-100) that is missing or malformed."""
 

@@ -6,8 +6,9 @@ import contextlib
 import hashlib
 import json
 import os
+import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from gradleak.errors import CheckpointError
+from gradleak.errors import CheckpointError, ConfigError, GradleakError
 from gradleak.victims.base import Victim, VictimConfig, create_victim
 
 VICTIM_FORMAT = "gradleak-victim"
@@ -39,6 +40,85 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
             os.unlink(tmp)
 
 
+@contextlib.contextmanager
+def created_directories(directory: str | os.PathLike[str]) -> Iterator[Path]:
+    """Make `directory` (and missing parents) for the block; if the block fails, remove the
+    ones made here again, when they are still empty: a failed command leaves no folders."""
+    directory = Path(directory)
+    made = []
+    for folder in [directory, *directory.parents]:
+        if folder.exists():
+            break
+        made.append(folder)
+    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        yield directory
+    except BaseException:
+        for folder in made:  # deepest first
+            with contextlib.suppress(OSError):  # not empty: something else wrote there
+                folder.rmdir()
+        raise
+
+
+@contextlib.contextmanager
+def run_directory(directory: str | os.PathLike[str], keep: Callable[[Path], bool]
+                  ) -> Iterator[Path]:
+    """A run's output directory. If this command created it and fails before `keep` says the
+    directory holds something worth resuming (a checkpoint), the directory goes again."""
+    directory = Path(directory)
+    fresh = not directory.exists()
+    try:
+        yield directory
+    except (GradleakError, OSError):
+        if fresh and directory.is_dir() and not keep(directory):
+            shutil.rmtree(directory)
+        raise
+
+
+def first_existing_ancestor(path: Path) -> Path:
+    path = Path(os.path.abspath(path))
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def check_output(path: str | os.PathLike[str], what: str, directory: bool = False) -> Path:
+    """Refuse, before any compute, an output location that cannot be written: the path is of
+    the wrong kind (a directory where a file goes, or a file where a directory goes), a parent
+    is a file, or the nearest existing folder refuses a new file (read-only, permission)."""
+    path = Path(path)
+    if path.exists() and path.is_dir() != directory:
+        kind = "a directory" if path.is_dir() else "a file"
+        raise ConfigError(f"{what} {path} is {kind}; expected "
+                          f"{'a directory' if directory else 'a file path'}")
+    ancestor = first_existing_ancestor(path if directory and path.exists() else path.parent)
+    if not ancestor.is_dir():
+        raise ConfigError(f"{what} {path}: {ancestor} is a file, not a directory")
+    probe_writable(ancestor, f"{what} {path}")
+    return path
+
+
+def probe_writable(directory: Path, label: str) -> None:
+    """Create and remove a file in `directory`: the only test that also holds for root, for
+    read-only mounts and for ACLs (os.access answers for none of them reliably)."""
+    try:
+        fd, probe = tempfile.mkstemp(dir=directory, prefix=".gradleak-write-test.")
+    except OSError as err:
+        raise ConfigError(f"{label}: cannot write in {directory} ({err.strerror})") from None
+    os.close(fd)
+    os.unlink(probe)
+
+
+def existing_file(path: str | os.PathLike[str], what: str) -> Path:
+    """A path that must name a readable regular file; says what it is when it is not."""
+    path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"{what} {path} is a directory; expected a file")
+    if not path.is_file():
+        raise ConfigError(f"{what} {path} does not exist")
+    return path
+
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
@@ -52,6 +132,8 @@ def write_json(path: str | os.PathLike[str], data: Any) -> None:
 
 def read_json(path: str | os.PathLike[str], what: str) -> dict[str, Any]:
     path = Path(path)
+    if path.is_dir():
+        raise CheckpointError(f"{what} {path} is a directory; expected a JSON file")
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
@@ -81,6 +163,8 @@ def tensors_metadata(path: str | os.PathLike[str]) -> dict[str, str] | None:
 
 def load_tensors(path: str | os.PathLike[str], what: str) -> dict[str, torch.Tensor]:
     path = Path(path)
+    if path.is_dir():
+        raise CheckpointError(f"{what} {path} is a directory; expected a safetensors file")
     if not path.is_file():
         raise CheckpointError(f"{what} {path} does not exist")
     try:

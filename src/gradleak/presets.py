@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import math
 import typing
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -89,9 +90,9 @@ class AttackConfig:
 @dataclass
 class Preset:
     name: str
-    env: EnvConfig
-    train: TrainConfig
-    capture: CaptureConfig
+    env: EnvConfig = field(default_factory=EnvConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    capture: CaptureConfig = field(default_factory=CaptureConfig)
     attack: AttackConfig = field(default_factory=AttackConfig)
 
     def to_dict(self) -> dict[str, Any]:
@@ -195,6 +196,10 @@ def apply_override(config: Any, assignment: str) -> None:
     for part in parents:
         target = _field(target, part, path)
     current = _field(target, leaf, path)
+    if dataclasses.is_dataclass(current):
+        example = dataclasses.fields(current)[0].name
+        raise ConfigError(f"override {assignment!r}: {path.strip()} is a section, not a value; "
+                          f"set one of its fields, e.g. {path.strip()}.{example}=...")
     setattr(target, leaf, _parse_like(current, text.strip(), path))
 
 
@@ -222,20 +227,94 @@ def _parse_like(current: Any, text: str, path: str) -> Any:
                           f"{current!r}") from None
 
 
-def dataclass_from_dict(cls: type, data: dict[str, Any]) -> Any:
-    """Rebuild a (nested) config dataclass from its JSON; fields absent there keep defaults."""
+def dataclass_from_dict(cls: type, data: dict[str, Any], source: str = "config") -> Any:
+    """Rebuild a (nested) config dataclass from its JSON; fields absent there keep defaults.
+    A section that is not an object, or a value of the wrong type, is named in the error."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected an object, found {type(data).__name__}")
     hints = typing.get_type_hints(cls)
     values = {}
     for item in dataclasses.fields(cls):
         if item.name not in data:
             continue
-        value, kind = data[item.name], hints[item.name]
-        values[item.name] = (dataclass_from_dict(kind, value)
-                             if dataclasses.is_dataclass(kind) and isinstance(value, dict)
-                             else copy.deepcopy(value))
+        value, kind, where = data[item.name], hints[item.name], f"{source}.{item.name}"
+        if dataclasses.is_dataclass(kind):
+            values[item.name] = dataclass_from_dict(kind, value, where)
+            continue
+        _check_like(_default(item), value, where)
+        values[item.name] = copy.deepcopy(value)
     return cls(**values)
 
 
-def preset_from_dict(data: dict[str, Any]) -> Preset:
+def _default(item: dataclasses.Field) -> Any:
+    if item.default is not dataclasses.MISSING:
+        return item.default
+    if item.default_factory is not dataclasses.MISSING:
+        return item.default_factory()
+    return None
+
+
+def _check_like(default: Any, value: Any, where: str) -> None:
+    """A saved value must have its field's JSON type (an int where 64 was, a list where [])."""
+    if default is None or value is None:
+        return
+    if isinstance(default, bool) or isinstance(value, bool):
+        ok = isinstance(value, bool) and isinstance(default, bool)
+    elif isinstance(default, (int, float)):
+        ok = isinstance(value, (int, float)) and (isinstance(default, float)
+                                                  or isinstance(value, int))
+    else:
+        ok = isinstance(value, type(default))
+    if not ok:
+        raise ConfigError(f"{where} is {value!r}, expected a value like {default!r}")
+
+
+def preset_from_dict(data: dict[str, Any], source: str = "preset") -> Preset:
     """Rebuild a preset from its saved JSON (the reproducibility path)."""
-    return dataclass_from_dict(Preset, data)
+    if not isinstance(data, dict) or not isinstance(data.get("name", ""), str):
+        raise ConfigError(f"{source}: expected a preset object with a 'name'")
+    data = {"name": "saved", **data}
+    return validate_preset(dataclass_from_dict(Preset, data, source), source)
+
+
+# Settings that count something: each must be at least this (a 0 would fail deep inside the
+# engine, a DataLoader or a vmap chunking loop, after minutes of work or not at all).
+AT_LEAST = {"env.doomnav.frame_size": 16, "env.doomnav.max_steps": 1,
+            "env.doomnav.num_actions": 1, "train.num_envs": 1, "train.rollout_steps": 1,
+            "train.updates": 1, "train.epochs": 1, "train.minibatch": 1,
+            "capture.steps_train": 1, "capture.steps_heldout": 1, "capture.chunk": 1}
+POSITIVE_FIELDS = ("epochs", "batch_size", "accumulation", "chunk", "iterations", "window",
+                     "restarts", "batch", "validate_every")
+
+
+def validate_preset(preset: Preset, source: str = "preset") -> Preset:
+    """Counts at least 1 (or the minimum above), seeds non-negative, rates finite."""
+    for path, value in _leaves(preset):
+        where = f"{source} field {path}"
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        if not math.isfinite(value):
+            raise ConfigError(f"{where}={value!r}: expected a finite number")
+        minimum = AT_LEAST.get(path)
+        if minimum is None and path.rsplit(".", 1)[-1] in POSITIVE_FIELDS:
+            minimum = 1
+        if minimum is not None and value < minimum:
+            raise ConfigError(f"{where}={value!r}: expected at least {minimum}")
+        if path.rsplit(".", 1)[-1].endswith("seed") and value < 0:
+            raise ConfigError(f"{where}={value!r}: expected a non-negative seed")
+    for component in preset.capture.components:
+        if component not in COMPONENTS:
+            raise ConfigError(f"{source} field capture.components: {component!r} is not one of "
+                              f"{', '.join(COMPONENTS)}")
+    return preset
+
+
+def _leaves(config: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    found = []
+    for item in dataclasses.fields(config):
+        value, path = getattr(config, item.name), f"{prefix}{item.name}"
+        if dataclasses.is_dataclass(value):
+            found += _leaves(value, path + ".")
+        else:
+            found.append((path, value))
+    return found

@@ -108,7 +108,7 @@ def test_aggregation_never_crosses_an_episode_and_drops_incomplete_windows() -> 
     ("dpsgd:eps=5,colour=red", "unknown argument 'colour'"),
     ("agg:0", "k must be >= 1"),
     ("blur:3", "unknown defense 'blur'"),
-    ("prune:0.1+", "unknown defense ''"),
+    ("prune:0.1+", "an empty step in the chain"),
 ])
 def test_bad_specs_say_what_was_expected(spec: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):

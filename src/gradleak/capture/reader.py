@@ -17,6 +17,7 @@ import h5py
 import numpy as np
 from tqdm import tqdm
 
+from gradleak.capture.lock import lock_holder
 from gradleak.capture.schema import (
     DEFENSES_ATTR,
     FORMAT,
@@ -33,6 +34,7 @@ from gradleak.threat import Observation, Target
 from gradleak.victims.base import LayerInfo, VictimConfig
 
 SCAN_ROWS = 256
+_SCANNED: dict[tuple[str, int, int], np.ndarray] = {}  # (file, size, mtime) → non-finite rows
 
 
 class CaptureFile:
@@ -41,8 +43,15 @@ class CaptureFile:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         if self.path.name.endswith(PARTIAL_SUFFIX):
+            holder = lock_holder(self.path.with_name(self.path.name[:-len(PARTIAL_SUFFIX)]))
+            if holder is not None:
+                raise CaptureFileError(f"{self.path} is a capture in progress: process {holder} "
+                                       "is writing it")
             raise CaptureFileError(f"{self.path} is an interrupted capture: continue it with "
                                    "`gradleak capture ... --resume`")
+        if self.path.is_dir():
+            raise CaptureFileError(f"capture file {self.path} is a directory; expected an HDF5 "
+                                   "capture file")
         if not self.path.is_file():
             raise CaptureFileError(f"capture file {self.path} does not exist")
         try:
@@ -50,6 +59,7 @@ class CaptureFile:
         except OSError:
             raise CaptureFileError(f"{self.path} is not a readable HDF5 file (truncated, or not "
                                    "a capture)") from None
+        self._nonfinite: np.ndarray | None = None
         try:
             self._check_header()
             self._check_layout()
@@ -63,7 +73,7 @@ class CaptureFile:
         if attrs.get("format") != FORMAT:
             raise CaptureFileError(f"{self.path} is not a gradleak capture: attribute 'format' "
                                    f"is {attrs.get('format')!r}, expected {FORMAT!r}")
-        if int(attrs.get("format_version", -1)) != FORMAT_VERSION:
+        if self._int_attr("format_version") != FORMAT_VERSION:
             raise CaptureFileError(f"{self.path}: format_version {attrs.get('format_version')}, "
                                    f"this gradleak reads version {FORMAT_VERSION}")
         missing = [key for key in REQUIRED_ATTRS if key not in attrs]
@@ -72,9 +82,43 @@ class CaptureFile:
         if not bool(attrs["complete"]):
             raise CaptureFileError(f"{self.path}: attribute 'complete' is false (the capture "
                                    "did not finish)")
-        self.victim = VictimConfig.from_dict(json.loads(attrs["victim_config"]),
+        for name in ("num_rows", "num_episodes", "gradient_dim"):
+            if self._int_attr(name) < 0:
+                raise CaptureFileError(f"{self.path}: attribute '{name}' is negative")
+        self.victim = VictimConfig.from_dict(self._json_attr("victim_config", dict),
                                              f"{self.path} attribute 'victim_config'")
-        self.layers = layers_from_json(attrs["layer_table"])
+        try:
+            self.layers = layers_from_json(self._h5.attrs["layer_table"])
+        except (ValueError, TypeError, KeyError) as err:
+            raise CaptureFileError(f"{self.path}: attribute 'layer_table' is not a list of "
+                                   f"{{name, shape, offset, component}} objects ({err})") from None
+        for name in ("scenes", "components"):
+            values = self._json_attr(name, list)
+            if not all(isinstance(v, str) for v in values):
+                raise CaptureFileError(f"{self.path}: attribute '{name}' is not a list of names")
+        self._json_attr("loss", dict)
+
+    def _int_attr(self, name: str) -> int:
+        value = self._h5.attrs.get(name, -1)
+        try:
+            if isinstance(value, (bytes, str)):
+                raise ValueError(value)
+            return int(value)
+        except (TypeError, ValueError):
+            raise CaptureFileError(f"{self.path}: attribute '{name}' is {value!r}, expected an "
+                                   "integer") from None
+
+    def _json_attr(self, name: str, kind: type) -> Any:
+        text = self._h5.attrs.get(name)
+        try:
+            value = json.loads(text)
+        except (TypeError, ValueError):
+            raise CaptureFileError(f"{self.path}: attribute '{name}' is not valid JSON") from None
+        if not isinstance(value, kind):
+            raise CaptureFileError(f"{self.path}: attribute '{name}' holds a "
+                                   f"{type(value).__name__}, expected a JSON "
+                                   f"{'object' if kind is dict else 'list'}")
+        return value
 
     def _check_layout(self) -> None:
         rows = self.num_rows
@@ -86,6 +130,9 @@ class CaptureFile:
             offset += layer.size
         if GRADIENTS not in self._h5:
             raise CaptureFileError(f"{self.path}: dataset '{GRADIENTS}' is missing")
+        if self._h5[GRADIENTS].ndim != 2:
+            raise CaptureFileError(f"{self.path}: dataset 'gradients' has shape "
+                                   f"{self._h5[GRADIENTS].shape}, expected (N, d)")
         width = self._h5[GRADIENTS].shape[1]
         if width != offset or width != int(self._h5.attrs["gradient_dim"]):
             raise CaptureFileError(f"{self.path}: dataset 'gradients' has {width} columns but the "
@@ -126,11 +173,22 @@ class CaptureFile:
         return json.loads(self._h5.attrs.get("all_scenes", self._h5.attrs["scenes"]))
 
     def column(self, name: str, rows: Any = slice(None)) -> np.ndarray:
-        return self._h5[name][rows]
+        return self.read(name, rows)
+
+    def read(self, name: str, rows: Any = slice(None), columns: slice = slice(None)
+             ) -> np.ndarray:
+        """Rows of a dataset; a chunk that does not decode is named, with its rows."""
+        try:
+            return self._h5[name][rows, columns] if columns != slice(None) \
+                else self._h5[name][rows]
+        except OSError:
+            where = _describe_rows(rows, self.num_rows)
+            raise CaptureFileError(f"{self.path}: dataset '{name}' rows {where} cannot be read "
+                                   "(a corrupt or truncated chunk)") from None
 
     def theta0(self) -> dict[str, np.ndarray]:
-        return {name: np.asarray(data[()]) for name, data in self._h5[THETA0_GROUP].items()} \
-            if THETA0_GROUP in self._h5 else {}
+        return {name: np.asarray(self.read(f"{THETA0_GROUP}/{name}", ()))
+                for name in self._h5[THETA0_GROUP]} if THETA0_GROUP in self._h5 else {}
 
     # -- the two sides of the threat model -----------------------------------------------------
     def observation(self, rows: Any = slice(None), layers: Sequence[str] | None = None,
@@ -139,7 +197,7 @@ class CaptureFile:
         chosen = self.layers if layers is None else [self._layer(n) for n in layers]
         gradients, rebased, offset = [], [], 0
         for layer in chosen:
-            block = self._h5[GRADIENTS][rows, layer.offset:layer.offset + layer.size]
+            block = self.read(GRADIENTS, rows, slice(layer.offset, layer.offset + layer.size))
             gradients.append(block.astype(np.float32))
             rebased.append(replace(layer, offset=offset))
             offset += layer.size
@@ -169,17 +227,53 @@ class CaptureFile:
     def _check_finite(self, matrix: np.ndarray, rows: Any) -> None:
         if not np.isfinite(matrix).all():
             bad = np.nonzero(~np.isfinite(matrix).all(axis=1))[0]
-            base = (rows.start or 0) if isinstance(rows, slice) else 0
-            raise CaptureFileError(f"{self.path}: dataset 'gradients' holds NaN/Inf in "
-                                   f"{len(bad)} row(s), first at row {int(bad[0]) + base}")
+            indices = np.arange(self.num_rows)[rows] if not isinstance(rows, (int, np.integer)) \
+                else np.array([rows])
+            raise CaptureFileError(nonfinite_message(self.path, indices[bad]))
+
+    def nonfinite_rows(self, progress: bool = False) -> np.ndarray:
+        """Rows whose gradient holds NaN or Inf, from a full scan, kept for this process as long
+        as the file is unchanged (a training run opens its captures several times)."""
+        stat = self.path.stat()
+        key = (str(self.path.resolve()), stat.st_size, stat.st_mtime_ns)
+        self._nonfinite = _SCANNED.get(key)
+        if self._nonfinite is None:
+            found = []
+            for start in tqdm(range(0, self.num_rows, SCAN_ROWS), disable=not progress,
+                              desc=f"scan {self.path.name}", unit="block", leave=False):
+                rows = slice(start, min(start + SCAN_ROWS, self.num_rows))
+                block = self.read(GRADIENTS, rows)
+                bad = ~np.isfinite(block).all(axis=1)
+                found.append(np.flatnonzero(bad) + start)
+            self._nonfinite = np.concatenate(found) if found else np.zeros(0, np.int64)
+            _SCANNED[key] = self._nonfinite
+        return self._nonfinite
+
+    def usable_rows(self, skip_nonfinite: bool = False) -> np.ndarray:
+        """(N,) bool: the rows an attack may read. Non-finite rows are refused, naming the file
+        and the rows, or left out when the user asked (`--skip-nonfinite`)."""
+        bad = self.nonfinite_rows()
+        if len(bad) and not skip_nonfinite:
+            raise CaptureFileError(nonfinite_message(self.path, bad))
+        usable = np.ones(self.num_rows, bool)
+        usable[bad] = False
+        return usable
 
     def validate(self, progress: bool = False) -> dict[str, Any]:
-        """Full scan: finite gradients, episodes contiguous and closed by a done flag."""
-        starts = range(0, self.num_rows, SCAN_ROWS)
-        for start in tqdm(starts, disable=not progress, desc=f"validate {self.path.name}",
-                          unit="block"):
-            rows = slice(start, min(start + SCAN_ROWS, self.num_rows))
-            self._check_finite(self._h5[GRADIENTS][rows].astype(np.float32), rows)
+        """Full scan: every chunk of every dataset decodes, gradients are finite, episodes are
+        contiguous and closed by a done flag."""
+        names = [column.name for column in step_columns(self.victim.frame_size,
+                                                        self.victim.num_actions)]
+        blocks = [(name, start) for name in names for start in range(0, self.num_rows,
+                                                                      SCAN_ROWS)]
+        for name, start in tqdm(blocks, disable=not progress, unit="block",
+                                desc=f"validate {self.path.name}"):
+            self.read(name, slice(start, min(start + SCAN_ROWS, self.num_rows)))
+        for name, data in (self._h5[THETA0_GROUP].items() if THETA0_GROUP in self._h5 else ()):
+            self.read(f"{THETA0_GROUP}/{name}", ())
+        bad = self.nonfinite_rows(progress)
+        if len(bad):
+            raise CaptureFileError(nonfinite_message(self.path, bad))
         episodes = self.column("episode_ids")
         steps = self.column("step_in_episode")
         dones = self.column("dones")
@@ -222,6 +316,35 @@ class CaptureFile:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def nonfinite_message(path: Path, rows: np.ndarray) -> str:
+    return (f"{path}: dataset 'gradients' holds NaN/Inf in {len(rows)} row(s): "
+            f"{_row_list(rows)} (pass --skip-nonfinite to leave them out)")
+
+
+def _row_list(rows: np.ndarray, shown: int = 5) -> str:
+    """`3, 17-19, 40` for the first few runs of consecutive rows."""
+    runs: list[list[int]] = []
+    for row in (int(r) for r in rows):
+        if runs and row == runs[-1][1] + 1:
+            runs[-1][1] = row
+        else:
+            runs.append([row, row])
+    text = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs[:shown])
+    return text + (", ..." if len(runs) > shown else "")
+
+
+def _describe_rows(rows: Any, count: int) -> str:
+    if isinstance(rows, slice):
+        start, stop, _ = rows.indices(count)
+        return f"{start}-{stop - 1}"
+    if isinstance(rows, (int, np.integer)):
+        return str(int(rows))
+    if isinstance(rows, tuple) and not rows:
+        return "(all)"
+    indices = np.asarray(rows).ravel()
+    return f"{int(indices.min())}-{int(indices.max())}" if indices.size else "(none)"
 
 
 def open_captures(paths: Sequence[str | os.PathLike[str]]) -> list[CaptureFile]:

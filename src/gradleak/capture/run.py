@@ -16,15 +16,30 @@ from tqdm import tqdm
 from gradleak import __version__
 from gradleak.capture.episodes import episode_targets, run_episode
 from gradleak.capture.grads import StepBatch, loop_gradients, per_step_gradients
+from gradleak.capture.lock import capture_lock
 from gradleak.capture.schema import FORMAT, FORMAT_VERSION, layers_to_json, step_columns
-from gradleak.capture.writer import CaptureWriter
+from gradleak.capture.writer import CaptureWriter, partial_path
 from gradleak.envs.factory import make_env, num_actions, scene_names
 from gradleak.errors import CaptureFileError, CheckpointError, ConfigError, GradleakError
-from gradleak.io import load_victim, theta_sha256, write_json
-from gradleak.presets import CaptureConfig, Preset
+from gradleak.io import (
+    check_output,
+    created_directories,
+    load_victim,
+    theta_sha256,
+    victim_directory,
+    write_json,
+)
+from gradleak.presets import CaptureConfig, Preset, validate_preset
 from gradleak.rl.losses import LossCoefficients
 from gradleak.rl.trainer import ALGORITHMS, loss_coefficients
-from gradleak.victims.base import VICTIMS, Victim, VictimConfig, create_victim, layer_table
+from gradleak.victims.base import (
+    COMPONENTS,
+    VICTIMS,
+    Victim,
+    VictimConfig,
+    create_victim,
+    layer_table,
+)
 
 SPLITS = ("train", "heldout")
 GRADIENT_METHODS = ("vmap", "loop")
@@ -78,7 +93,7 @@ def _victim_and_rule(job: CaptureJob) -> tuple[Victim, str, LossCoefficients, fl
         if tensor.is_floating_point() and not torch.isfinite(tensor).all():
             raise CheckpointError(f"victim checkpoint {job.victim}: tensor {name} holds NaN/Inf "
                                   "values (a diverged training run?)")
-    train = meta.get("preset", {}).get("train", {})
+    train = _checkpoint_train_settings(job.victim, meta)
     coefficients = LossCoefficients(value=train.get("value_coef", 0.5),
                                     entropy=train.get("entropy_coef", 0.01),
                                     clip=train.get("clip", 0.2))
@@ -91,6 +106,23 @@ def _victim_and_rule(job: CaptureJob) -> tuple[Victim, str, LossCoefficients, fl
                           f"environment has {num_actions(preset.env)}")
     return (victim, meta.get("algorithm", "ppo"), coefficients, train.get("gamma", 0.99),
             train.get("lam", 0.95))
+
+
+def _checkpoint_train_settings(source: str, meta: dict[str, Any]) -> dict[str, Any]:
+    """The learning rule a checkpoint was trained with (its preset's `train` section)."""
+    where = f"victim config {victim_directory(source) / 'victim.json'}"
+    preset = meta.get("preset", {})
+    train = preset.get("train", {}) if isinstance(preset, dict) else None
+    if not isinstance(train, dict):
+        raise CheckpointError(f"{where}: field 'preset' is malformed (expected an object with "
+                              "a 'train' object)")
+    for key in ("value_coef", "entropy_coef", "clip", "gamma", "lam"):
+        value = train.get(key, 0.0)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or not math.isfinite(value):
+            raise CheckpointError(f"{where}: field 'preset.train.{key}' is {value!r}, expected "
+                                  "a finite number")
+    return train
 
 
 def _shard_scenes(scenes: list[str], shard: tuple[int, int]) -> list[str]:
@@ -123,11 +155,34 @@ class _Plan:
     attrs: dict[str, Any]
 
 
-def _plan(job: CaptureJob) -> _Plan:
+def _check_job(job: CaptureJob) -> None:
+    """Every argument, before the victim is loaded or the disk touched."""
     if job.split not in SPLITS:
         raise ConfigError(f"--scenes {job.split!r}: expected one of {', '.join(SPLITS)}")
     if job.steps <= 0:
         raise ConfigError(f"--steps {job.steps}: expected a positive number of steps")
+    if job.seed is not None and job.seed < 0:
+        raise ConfigError(f"--seed {job.seed}: expected a non-negative integer")
+    validate_preset(job.preset)
+    if shard_steps(job.steps, job.shard) == 0:
+        index, count = job.shard
+        raise ConfigError(f"--shard {index}/{count} gets none of the {job.steps} steps (--steps "
+                          f"must be at least the number of shards, {count})")
+    if not job.preset.capture.components:
+        raise ConfigError("--components: expected some of " + ",".join(COMPONENTS))
+    out = shard_output(job.out, job.shard)
+    check_output(out, "--out")
+    check_output(partial_path(out), "--out")
+
+
+def shard_steps(steps: int, shard: tuple[int, int]) -> int:
+    """This shard's part of `steps`: the first `steps % n` shards take one more."""
+    index, count = shard
+    return steps // count + (1 if index < steps % count else 0)
+
+
+def _plan(job: CaptureJob) -> _Plan:
+    _check_job(job)
     if job.preset.capture.gradient_method not in GRADIENT_METHODS:
         raise ConfigError(f"capture.gradient_method={job.preset.capture.gradient_method!r}: "
                           f"expected one of {', '.join(GRADIENT_METHODS)}")
@@ -161,13 +216,24 @@ def _plan(job: CaptureJob) -> _Plan:
              "env_config": json.dumps(settings["env"]), "seed": seed,
              "gradleak_version": __version__, "source": str(job.victim),
              "settings": json.dumps(settings, sort_keys=True)}
-    steps = job.steps // shard_count + (1 if shard_index < job.steps % shard_count else 0)
+    steps = shard_steps(job.steps, job.shard)
     return _Plan(victim, algorithm, coefficients, gamma, lam, layers, scenes, all_scenes, steps,
                  seed, shard_index, shard_output(job.out, job.shard), attrs)
 
 
 def run_capture(job: CaptureJob) -> dict[str, Any]:
     plan = _plan(job)
+    with created_directories(plan.out.parent), capture_lock(plan.out, partial_path(plan.out)):
+        result = _run_locked(plan, job)
+    if result["status"] == "complete":
+        write_json(plan.out.with_name(plan.out.name + ".json"),
+                   {"command": "capture", "victim": job.victim, "random_init": job.random_init,
+                    "split": job.split, "steps": job.steps, "shard": list(job.shard),
+                    "seed": plan.seed, "preset": job.preset.to_dict(), "result": result})
+    return result
+
+
+def _run_locked(plan: _Plan, job: CaptureJob) -> dict[str, Any]:
     env = make_env(job.preset.env, plan.scenes, job.preset.env.doomnav.max_steps)
     try:
         # Start the engine before the HDF5 file is opened: its process would otherwise inherit
@@ -177,7 +243,8 @@ def run_capture(job: CaptureJob) -> dict[str, Any]:
         columns = step_columns(plan.victim.config.frame_size, plan.victim.config.num_actions)
         writer = CaptureWriter(plan.out, plan.attrs, columns, plan.attrs["gradient_dim"],
                                theta0, job.resume, job.overwrite,
-                               gradient_dtype=job.preset.capture.gradient_dtype)
+                               gradient_dtype=job.preset.capture.gradient_dtype,
+                               steps=plan.steps)
         if writer.already_complete:
             return {"out": str(plan.out), "status": "already complete"}
         try:
@@ -190,13 +257,8 @@ def run_capture(job: CaptureJob) -> dict[str, Any]:
     finally:
         env.close()
     writer.finish()
-    result = {"out": str(plan.out), "status": "complete", "steps": plan.steps,
-              "episodes": _count_episodes(plan.out), **timings}
-    write_json(plan.out.with_name(plan.out.name + ".json"),
-               {"command": "capture", "victim": job.victim, "random_init": job.random_init,
-                "split": job.split, "steps": job.steps, "shard": list(job.shard),
-                "seed": plan.seed, "preset": job.preset.to_dict(), "result": result})
-    return result
+    return {"out": str(plan.out), "status": "complete", "steps": plan.steps,
+            "episodes": _count_episodes(plan.out), **timings}
 
 
 def _capture_loop(plan: _Plan, env: Any, writer: CaptureWriter, job: CaptureJob

@@ -34,18 +34,20 @@ def partial_path(path: Path) -> Path:
 class CaptureWriter:
     def __init__(self, path: Path, attrs: dict[str, Any], columns: tuple[Column, ...],
                  gradient_dim: int, theta0: dict[str, np.ndarray], resume: bool = False,
-                 overwrite: bool = False, gradient_dtype: str = "float16") -> None:
+                 overwrite: bool = False, gradient_dtype: str = "float16",
+                 steps: int | None = None) -> None:
+        """The caller holds the output's lock (capture.lock): opening "w" truncates."""
         self.path, self.partial = Path(path), partial_path(Path(path))
         self.gradient_dtype = gradient_dtype
         self.columns = columns
         self.already_complete = False
         if self.path.exists() and not overwrite:
-            if resume and self._complete_with_same_settings(attrs):
+            if resume and self._complete_with_same_settings(attrs, steps):
                 self.already_complete = True
                 return
             raise CaptureFileError(f"{self.path} already exists: pass --overwrite to replace it")
         if self.partial.exists() and resume:
-            self._file = self._reopen(attrs)
+            self._file = self._reopen(attrs, steps)
         elif self.partial.exists() and not overwrite:
             raise CaptureFileError(f"an interrupted capture exists at {self.partial}: pass "
                                    "--resume to continue it, or delete it")
@@ -54,12 +56,20 @@ class CaptureWriter:
             self._file = self._create(attrs, gradient_dim, theta0)
 
     # -- opening -------------------------------------------------------------------------------
-    def _complete_with_same_settings(self, attrs: dict[str, Any]) -> bool:
-        with h5py.File(self.path, "r") as existing:
-            same = existing.attrs.get("settings") == attrs["settings"]
+    def _complete_with_same_settings(self, attrs: dict[str, Any], steps: int | None) -> bool:
+        try:
+            with h5py.File(self.path, "r") as existing:
+                same = existing.attrs.get("settings") == attrs["settings"]
+                rows = int(existing.attrs.get("num_rows", -1))
+        except OSError:
+            raise CaptureFileError(f"{self.path} exists but is not a readable HDF5 file; pass "
+                                   "--overwrite to replace it") from None
         if not same:
             raise CaptureFileError(f"{self.path} exists and was captured with other settings; "
                                    "pass --overwrite to replace it")
+        if steps is not None and rows != steps:
+            raise CaptureFileError(f"{self.path} is complete with {rows} steps, not the --steps "
+                                   f"{steps} asked for; pass --overwrite to capture it again")
         return True
 
     def _create(self, attrs: dict[str, Any], gradient_dim: int,
@@ -86,12 +96,12 @@ class CaptureWriter:
         handle.flush()
         return handle
 
-    def _reopen(self, attrs: dict[str, Any]) -> h5py.File:
+    def _reopen(self, attrs: dict[str, Any], steps: int | None) -> h5py.File:
         try:
             handle = h5py.File(self.partial, "a")
         except OSError as err:
-            raise CaptureFileError(f"{self.partial} cannot be reopened to resume ({err}); delete "
-                                   "it and capture again") from None
+            raise CaptureFileError(f"{self.partial} cannot be reopened to resume ({err}); start "
+                                   "again with --overwrite") from None
         if handle.attrs.get("format") != FORMAT:
             handle.close()
             raise CaptureFileError(f"{self.partial} is not a gradleak capture")
@@ -103,6 +113,11 @@ class CaptureWriter:
             raise CaptureFileError(f"{self.partial} was captured with other settings "
                                    f"({', '.join(differ)} differ); cannot resume it")
         rows = int(handle.attrs["num_rows"])  # the commit marker: written last per episode
+        if steps is not None and rows > steps:
+            handle.close()
+            raise CaptureFileError(f"{self.partial} already holds {rows} steps, more than "
+                                   f"--steps {steps} asks for: resume with --steps >= {rows}, "
+                                   "or start again with --overwrite")
         for name in [c.name for c in self.columns] + [GRADIENTS]:
             handle[name].resize(rows, axis=0)  # drop rows of an episode cut off by the crash
         handle.attrs["num_episodes"] = int(handle["episode_ids"][rows - 1]) + 1 if rows else 0

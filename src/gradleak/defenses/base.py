@@ -142,7 +142,7 @@ class Chain:
                 "transforms": [d.describe() for d in self.defenses]}
 
 
-NONE = ("", "none")
+NONE = ("none",)
 
 
 def parse_defense(spec: str, seed: int = 0) -> Chain:
@@ -150,16 +150,23 @@ def parse_defense(spec: str, seed: int = 0) -> Chain:
     text = spec.strip()
     if text.lower() in NONE:
         return Chain("none", (), seed)
+    if not text:
+        raise ConfigError("defense '': expected a spec such as quant:8, prune:0.1+noise:0.01 "
+                          "or none")
     defenses = []
     for part in text.split("+"):
         name, _, arguments = part.strip().partition(":")
+        if not name.strip():
+            raise ConfigError(f"defense {spec!r}: an empty step in the chain (expected "
+                              "NAME:ARGS joined by '+')")
         defenses.append(DEFENSES.get(name.strip()).parse(arguments.strip(), part.strip()))
     return Chain(text, tuple(defenses), seed)
 
 
 def parse_arguments(arguments: str, spec: str, positional: str, allowed: dict[str, type]
                     ) -> dict[str, Any]:
-    """`0.1` (the positional argument) or `k=v,k=v`, typed by `allowed`."""
+    """`0.1` (the positional argument) or `k=v,k=v`, typed by `allowed`; each argument once,
+    and every number finite (noise:inf would write a file that no reader accepts)."""
     values: dict[str, Any] = {}
     for item in [a for a in arguments.split(",") if a.strip()]:
         key, sep, value = item.partition("=")
@@ -167,11 +174,16 @@ def parse_arguments(arguments: str, spec: str, positional: str, allowed: dict[st
         if key not in allowed:
             raise ConfigError(f"defense {spec!r}: unknown argument {key!r}; expected "
                               f"{', '.join(allowed)}")
+        if key in values:
+            raise ConfigError(f"defense {spec!r}: argument {key!r} is given twice (chain "
+                              "defenses with '+', e.g. prune:0.1+prune:0.2)")
         try:
             values[key] = allowed[key](value)
         except ValueError:
             raise ConfigError(f"defense {spec!r}: {key}={value!r} is not a "
                               f"{allowed[key].__name__}") from None
+        if isinstance(values[key], float) and not np.isfinite(values[key]):
+            raise ConfigError(f"defense {spec!r}: {key}={value!r} is not a finite number")
     return values
 
 

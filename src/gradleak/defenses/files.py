@@ -13,10 +13,10 @@ import torch
 from tqdm import tqdm
 
 from gradleak.capture.reader import CaptureFile
-from gradleak.capture.schema import DEFENSES_ATTR, GRADIENTS
+from gradleak.capture.schema import DEFENSES_ATTR, GRADIENTS, THETA0_GROUP
 from gradleak.defenses.base import Chain, row_keys
 from gradleak.errors import CaptureFileError, ConfigError
-from gradleak.io import atomic_path
+from gradleak.io import atomic_path, check_output, created_directories
 
 CHUNK_ROWS = 1024
 
@@ -26,40 +26,74 @@ def applied_defenses(attrs: Any) -> list[dict[str, Any]]:
 
 
 def defend_capture(source: str | os.PathLike[str], chain: Chain, out: str | os.PathLike[str],
-                   overwrite: bool = False, progress: bool = False) -> dict[str, Any]:
+                   overwrite: bool = False, progress: bool = False,
+                   skip_nonfinite: bool = False) -> dict[str, Any]:
+    """A defended copy of `source`. With `skip_nonfinite`, episodes holding a NaN/Inf gradient
+    are left out whole, so the copy stays a valid capture (episodes contiguous, closed)."""
     source, out = Path(source), Path(out)
+    if not chain.defenses:
+        raise ConfigError(f"--defense {chain.spec!r} applies nothing: name a defense, e.g. "
+                          "quant:8")
     if not chain.per_step:
         raise ConfigError(f"defense {chain.spec!r} aggregates steps, which changes the file's "
                           "rows; apply it on the fly with `gradleak evaluate --defense`")
+    check_output(out, "--out")
     if out.resolve() == source.resolve():
         raise ConfigError(f"--out {out} is the input file: write the defended copy elsewhere")
     if out.exists() and not overwrite:
         raise CaptureFileError(f"{out} already exists: pass --overwrite to replace it")
     with CaptureFile(source) as capture:
         rows = len(capture)
-    with h5py.File(source, "r") as src, atomic_path(out) as tmp, h5py.File(tmp, "w") as dst:
+        usable = capture.usable_rows(skip_nonfinite)
+        episodes = capture.column("episode_ids")
+    dropped = np.unique(episodes[~usable])
+    kept = np.flatnonzero(~np.isin(episodes, dropped))
+    with created_directories(out.parent), h5py.File(source, "r") as src, \
+            atomic_path(out) as tmp, h5py.File(tmp, "w") as dst:
         for name in src:
-            if name != GRADIENTS:
+            if name == GRADIENTS:
+                continue
+            if len(kept) == rows or name == THETA0_GROUP:
                 src.copy(src[name], dst, name=name)
+            else:
+                _copy_rows(src[name], dst, name, kept)
         for key, value in src.attrs.items():
             dst.attrs[key] = value
+        if len(kept) < rows:
+            dst.attrs["num_rows"], dst.attrs["num_episodes"] = len(kept), \
+                int(src.attrs["num_episodes"]) - len(dropped)
         history = applied_defenses(src.attrs) + [chain.describe()]
         dst.attrs[DEFENSES_ATTR] = json.dumps(history)
-        _defend_gradients(src[GRADIENTS], dst, chain, rows, dict(src.attrs), progress)
-    return {"in": str(source), "out": str(out), "rows": rows, "defenses": history}
+        _defend_gradients(src[GRADIENTS], dst, chain, kept, dict(src.attrs), progress)
+    return {"in": str(source), "out": str(out), "rows": len(kept), "defenses": history,
+            "skipped_nonfinite_rows": int((~usable).sum()),
+            "skipped_episodes": len(dropped), "skipped_rows": rows - len(kept)}
 
 
-def _defend_gradients(gradients: h5py.Dataset, dst: h5py.File, chain: Chain, rows: int,
+def _copy_rows(data: h5py.Dataset, dst: h5py.File, name: str, kept: np.ndarray) -> None:
+    out = dst.create_dataset(name, shape=(len(kept),) + data.shape[1:], dtype=data.dtype,
+                             maxshape=(None,) + data.shape[1:], chunks=data.chunks,
+                             compression=data.compression)
+    for start in range(0, len(kept), CHUNK_ROWS):
+        out[start:start + CHUNK_ROWS] = data[kept[start:start + CHUNK_ROWS]]
+
+
+def _defend_gradients(gradients: h5py.Dataset, dst: h5py.File, chain: Chain, kept: np.ndarray,
                       attributes: dict[str, Any], progress: bool) -> None:
-    out = dst.create_dataset(GRADIENTS, shape=gradients.shape, dtype=gradients.dtype,
-                             chunks=gradients.chunks, compression=gradients.compression)
+    """Defends the `kept` rows; the noise is keyed by each row's place in the source file."""
+    out = dst.create_dataset(GRADIENTS, shape=(len(kept), gradients.shape[1]),
+                             dtype=gradients.dtype, chunks=gradients.chunks,
+                             compression=gradients.compression)
     limit = float(np.finfo(gradients.dtype).max)
-    for start in tqdm(range(0, rows, CHUNK_ROWS), disable=not progress, unit="chunk",
+    every = len(kept) == gradients.shape[0]
+    for start in tqdm(range(0, len(kept), CHUNK_ROWS), disable=not progress, unit="chunk",
                       desc=f"defend {chain.spec}"):
-        stop = min(start + CHUNK_ROWS, rows)
-        block = torch.from_numpy(gradients[start:stop].astype(np.float32))
-        defended = chain.gradients(block, row_keys(attributes, start, stop))
+        rows = kept[start:start + CHUNK_ROWS]
+        block = gradients[start:start + len(rows)] if every else gradients[rows]
+        keys = row_keys(attributes, 0, gradients.shape[0])[torch.from_numpy(rows)]
+        defended = chain.gradients(torch.from_numpy(block.astype(np.float32)), keys)
         if float(defended.abs().amax()) > limit:
             raise CaptureFileError(f"defense {chain.spec!r} produced entries beyond "
-                                   f"{gradients.dtype}'s range in rows {start}..{stop - 1}")
-        out[start:stop] = defended.numpy().astype(gradients.dtype)
+                                   f"{gradients.dtype}'s range in rows {int(rows[0])}.."
+                                   f"{int(rows[-1])}")
+        out[start:start + len(rows)] = defended.numpy().astype(gradients.dtype)

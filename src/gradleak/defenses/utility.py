@@ -34,17 +34,21 @@ def block_distortion(chain: Chain, stream: Stream) -> tuple[float, float]:
 
 
 def update_distortion(chain: Chain, capture: str | os.PathLike[str],
-                      steps_per_update: int = 512, updates: int = 4) -> dict[str, Any]:
+                      steps_per_update: int = 512, updates: int = 4,
+                      skip_nonfinite: bool = False) -> dict[str, Any]:
     cosines, errors = [], []
     with CaptureFile(capture) as handle:
         attrs, rows = handle.attrs, len(handle)
+        usable = handle.usable_rows(skip_nonfinite)
         episodes = handle.column("episode_ids")
         steps_per_update = min(steps_per_update, rows)  # a small file is one update
         for start in range(0, min(rows, updates * steps_per_update) - steps_per_update + 1,
                            max(steps_per_update, 1)):
             stop = start + steps_per_update
-            gradients = handle.column(GRADIENTS, slice(start, stop)).astype(np.float32)
-            stream = Stream.of(gradients, row_keys(attrs, start, stop), episodes[start:stop])
+            keep = usable[start:stop]
+            gradients = handle.column(GRADIENTS, slice(start, stop)).astype(np.float32)[keep]
+            stream = Stream.of(gradients, row_keys(attrs, start, stop)[torch.from_numpy(keep)],
+                               episodes[start:stop][keep])
             cosine, error = block_distortion(chain, stream)
             cosines.append(cosine)
             errors.append(error)

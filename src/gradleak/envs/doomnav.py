@@ -21,6 +21,7 @@ from gradleak.envs.frames import resize_area
 from gradleak.envs.geometry import UNITS_PER_METRE
 from gradleak.envs.scenes import Scene, SceneCatalog, cache_root
 from gradleak.envs.wad import default_wad_path
+from gradleak.envs.watchdog import child_pids, unwatch, watch
 from gradleak.errors import ConfigError, GradleakError
 
 ENGINE_WIDTH, ENGINE_HEIGHT = 160, 120
@@ -86,6 +87,7 @@ class DoomNavEnv(gym.Env):
         })
         self.action_space = gym.spaces.Discrete(len(self.actions))
         self._game: Any = None
+        self._engine_pids: set[int] = set()
         self._map: str | None = None
         self._frame = np.zeros((size, size, 3), np.uint8)
 
@@ -129,11 +131,15 @@ class DoomNavEnv(gym.Env):
         if self._game is not None:
             self._game.close()
             self._game = None
+            unwatch(self._engine_pids)
 
     # -- engine ------------------------------------------------------------------------------
     def _engine(self) -> Any:
         if self._game is None:
+            before = child_pids()
             self._game = _make_game(self.catalog)
+            self._engine_pids = child_pids() - before
+            watch(self._engine_pids)  # killed with this process, however it dies
         return self._game
 
     def _check_scene(self, scene: Scene) -> None:

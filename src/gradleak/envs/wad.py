@@ -71,6 +71,8 @@ class Wad:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
+        if self.path.is_dir():
+            raise WadError(f"WAD file {self.path} is a directory (expected a Doom IWAD or PWAD)")
         if not self.path.is_file():
             raise WadError(f"WAD file {self.path} does not exist (expected a Doom IWAD or PWAD)")
         try:

@@ -15,23 +15,33 @@ from gradleak.attacks.action_rules import (
     recover_actions,
 )
 from gradleak.capture.reader import open_captures
+from gradleak.errors import ConfigError
 from gradleak.metrics.actions import action_accuracy
 
 CHUNK_ROWS = 4096
 
 
-def evaluate_action_rules(paths: Sequence[str | os.PathLike[str]], rules: Sequence[str]
-                          ) -> dict[str, dict[str, Any]]:
+def evaluate_action_rules(paths: Sequence[str | os.PathLike[str]], rules: Sequence[str],
+                          skip_nonfinite: bool = False) -> dict[str, dict[str, Any]]:
     """Accuracy of each closed-form rule over one or more capture files."""
+    if not rules:
+        raise ConfigError("--rule: expected at least one rule, e.g. odd-sign")
     for rule in rules:
         RULES.get(rule)  # unknown names fail before any file is read
     files = open_captures(paths)
+    skipped = 0
     predicted: dict[str, list[np.ndarray]] = {rule: [] for rule in rules}
     actual, probs, advantages = [], [], []
     try:
         for capture in files:
+            usable = capture.usable_rows(skip_nonfinite)
+            skipped += int((~usable).sum())
             for start in range(0, capture.num_rows, CHUNK_ROWS):
                 rows = slice(start, min(start + CHUNK_ROWS, capture.num_rows))
+                if not usable[rows].all():
+                    rows = np.flatnonzero(usable[rows]) + start
+                    if not len(rows):
+                        continue
                 observation = capture.observation(rows, layers=[POLICY_HEAD_WEIGHT],
                                                   with_theta0=False)
                 target = capture.target(rows, images=False)
@@ -52,5 +62,6 @@ def evaluate_action_rules(paths: Sequence[str | os.PathLike[str]], rules: Sequen
         scores = action_accuracy(np.concatenate(predicted[rule]), truth, pi, adv)
         scores["rule"] = rule
         scores["oracle_advantage_sign"] = rule in NEEDS_ADVANTAGE_SIGN
+        scores["skipped_nonfinite_rows"] = skipped
         results[rule] = scores
     return results

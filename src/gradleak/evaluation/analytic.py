@@ -127,13 +127,19 @@ def score_conv_stack(observation: Observation, target: Target, count: int,
 
 
 def evaluate_analytic(paths: Sequence[str | os.PathLike[str]], max_rows: int | None = None,
-                      invert: int = 0, conv: int = 0) -> dict[str, dict[str, Any]]:
+                      invert: int = 0, conv: int = 0, skip_nonfinite: bool = False
+                      ) -> dict[str, dict[str, Any]]:
     results = {}
     for path in paths:
         with CaptureFile(path) as capture:
-            rows = slice(0, min(len(capture), max_rows or len(capture)))
+            usable = np.flatnonzero(capture.usable_rows(skip_nonfinite))
+            chosen = usable[:max_rows or len(usable)]
+            # a slice unless rows were left out: h5py reads a slice far faster than a list
+            rows = slice(0, len(chosen)) if len(usable) == len(capture) else chosen
             observation, target = capture.observation(rows), capture.target(rows)
+            skipped = len(capture) - len(usable)
         results[str(path)] = score(observation, target)
+        results[str(path)]["skipped_nonfinite_rows"] = skipped
         if invert:
             results[str(path)]["feature_inversion"] = score_inversion(observation, target,
                                                                       invert)

@@ -13,7 +13,7 @@ import numpy as np
 from gradleak.attacks.optim.solve import GradientMatchingAttack, OptimConfig
 from gradleak.capture.reader import CaptureFile
 from gradleak.errors import ConfigError
-from gradleak.io import write_json
+from gradleak.io import check_output, write_json
 from gradleak.metrics.images import psnr, ssim, to_unit_tensor
 
 
@@ -21,6 +21,7 @@ def attack_steps(data: str | os.PathLike[str], indices: list[int], name: str,
                  config: OptimConfig, out: Path, progress: bool = False) -> dict[str, Any]:
     from gradleak.report.plots import plot_optimisation_history  # matplotlib is slow to import
 
+    check_output(out, "--out", directory=True)
     with CaptureFile(data) as capture:
         bad = [i for i in indices if not 0 <= i < len(capture)]
         if bad:

@@ -26,6 +26,7 @@ from gradleak.capture.schema import layers_from_json
 from gradleak.defenses import Chain, parse_defense
 from gradleak.defenses.utility import update_distortion
 from gradleak.errors import ConfigError
+from gradleak.io import check_output
 from gradleak.metrics.images import mse, psnr, ssim
 from gradleak.metrics.lpips import LPIPS, unavailable_reason
 from gradleak.threat import Observation, ObservedWindows
@@ -70,7 +71,8 @@ class Evaluation:
                  window: int | None = None, lpips_weights: str | None = None,
                  max_windows: int | None = None, samples: int = 4,
                  baselines: dict[str, OptimConfig] | None = None, baseline_windows: int = 2,
-                 progress: bool = False, defense: Chain | None = None) -> None:
+                 progress: bool = False, defense: Chain | None = None,
+                 skip_nonfinite: bool = False) -> None:
         self.defense = defense
         if baselines and defense is not None and defense.span > 1:
             raise ConfigError(f"--defense {defense.spec!r} aggregates steps: the optimisation "
@@ -80,7 +82,8 @@ class Evaluation:
                                                                                "window")]
         self.window = window or (windows[0] if windows else 8)
         self.dataset = WindowDataset(data, window=self.window, stride=self.window, part="all",
-                                     expect_split="heldout", defense=defense)
+                                     expect_split="heldout", defense=defense,
+                                     skip_nonfinite=skip_nonfinite)
         for name, (_, meta) in self.models.items():
             fingerprint_from_dict(meta["fingerprint"]).check(self.dataset.fingerprint,
                                                              f"held-out data for {name}")
@@ -268,18 +271,22 @@ def summarise(methods: dict[str, MethodScores]) -> dict[str, Any]:
 def evaluate(data: Sequence[str | os.PathLike[str]], attackers: dict[str, str], out: Path,
              lpips_weights: str | None = None, max_windows: int | None = None,
              baselines: dict[str, OptimConfig] | None = None, baseline_windows: int = 2,
-             progress: bool = False, defense: Chain | None = None) -> dict[str, Any]:
+             progress: bool = False, defense: Chain | None = None,
+             skip_nonfinite: bool = False) -> dict[str, Any]:
     from gradleak.report.evaluation import write_evaluation  # matplotlib is slow to import
 
+    check_output(out, "--out", directory=True)
     evaluation = Evaluation(data, attackers, lpips_weights=lpips_weights,
                             max_windows=max_windows, baselines=baselines,
                             baseline_windows=baseline_windows, progress=progress,
-                            defense=defense)
+                            defense=defense, skip_nonfinite=skip_nonfinite)
     methods = evaluation.run()
     result = {"data": [str(p) for p in data], "attackers": attackers,
               "baselines": {name: asdict(config) for name, config in (baselines or {}).items()},
               "defense": defense.describe() if defense is not None else None,
-              "utility": update_distortion(defense, data[0]) if defense is not None else None,
+              "utility": update_distortion(defense, data[0], skip_nonfinite=skip_nonfinite)
+              if defense is not None else None,
+              "skipped_nonfinite_rows": evaluation.dataset.skipped_rows,
               "window": evaluation.window, "windows": min(len(evaluation.dataset),
                                                           max_windows or len(evaluation.dataset)),
               "lpips": evaluation.lpips_note or "available", "methods": summarise(methods)}

@@ -19,6 +19,7 @@ and, for the methods with d, on the scaled one too.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -55,6 +56,10 @@ class FedAttackConfig:
                               f"{', '.join(METHODS)}")
         if self.iterations < 1:
             raise ConfigError(f"iterations {self.iterations}: expected >= 1")
+        if not (math.isfinite(self.cls) and self.cls >= 0):
+            raise ConfigError(f"--cls {self.cls}: expected a finite λ_cls >= 0")
+        if self.seed < 0:
+            raise ConfigError(f"--seed {self.seed}: expected a non-negative integer")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

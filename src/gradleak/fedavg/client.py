@@ -7,6 +7,7 @@ failure that broke the public SME code.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -36,8 +37,10 @@ class ClientConfig:
         for name in ("epochs", "samples", "batch"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"client {name} {getattr(self, name)}: expected >= 1")
-        if self.lr <= 0:
-            raise ConfigError(f"client lr {self.lr}: expected > 0")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ConfigError(f"client lr {self.lr}: expected a finite number > 0")
+        if self.seed < 0:
+            raise ConfigError(f"--seed {self.seed}: expected a non-negative integer")
         if self.optimiser not in OPTIMISERS:
             raise ConfigError(f"client optimiser {self.optimiser!r}: expected one of "
                               f"{', '.join(OPTIMISERS)}")

@@ -15,7 +15,7 @@ from gradleak.fedavg.attacks import FedAttackConfig, UpdateInversion
 from gradleak.fedavg.client import ClientConfig, train_client
 from gradleak.fedavg.datasets import load_dataset
 from gradleak.fedavg.models import FEDAVG_MODELS
-from gradleak.io import write_json
+from gradleak.io import check_output, write_json
 from gradleak.metrics.images import mse, psnr, ssim
 
 
@@ -35,10 +35,15 @@ def peak_rss_mb() -> float:
 
 def run_fedavg(dataset: str, model_name: str, client: ClientConfig, attack: FedAttackConfig,
                out: Path | None = None, progress: bool = False) -> dict[str, Any]:
+    client.check()  # every argument, and the output location, before any work
+    attack.check()
+    model_class = FEDAVG_MODELS.get(model_name)
+    if out is not None:
+        check_output(out, "--out", directory=True)
     data = load_dataset(dataset, seed=client.seed)
     images, labels = data.sample(client.samples, seed=client.seed)
     torch.manual_seed(client.seed)
-    model = FEDAVG_MODELS.get(model_name)(images.shape[1], images.shape[-1], data.classes)
+    model = model_class(images.shape[1], images.shape[-1], data.classes)
     update = train_client(model, images, labels, client)
     rss_before, start = peak_rss_mb(), time.perf_counter()
     result = UpdateInversion(model, update, labels, tuple(images.shape[1:]), attack).run(progress)

@@ -45,6 +45,8 @@ def default_backbone_paths() -> list[Path]:
 def unavailable_reason(backbone: str | os.PathLike[str] | None = None) -> str | None:
     """None when LPIPS can be computed; otherwise one line saying where the file must go."""
     if backbone is not None:
+        if Path(backbone).is_dir():
+            return f"LPIPS unavailable: --lpips-weights {backbone} is a directory, not a file"
         return None if Path(backbone).is_file() else (
             f"LPIPS unavailable: --lpips-weights {backbone} does not exist")
     if any(p.is_file() for p in default_backbone_paths()):

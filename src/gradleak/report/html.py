@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import base64
 import html
-import json
 from pathlib import Path
 from typing import Any
 
 from gradleak.errors import ConfigError
-from gradleak.io import atomic_path
-from gradleak.report.evaluation import psnr_by_t_rows, table_columns, table_rows
+from gradleak.io import atomic_path, check_output, read_json
+from gradleak.report.evaluation import KIND_ORDER, psnr_by_t_rows, table_columns, table_rows
 
 FIGURES = (("reconstructions.png", "Ground truth above each method's reconstruction"),
            ("psnr_by_t.png", "PSNR by position in the window"),
@@ -45,18 +44,55 @@ def _figure(path: Path, caption: str) -> str:
             f"<figcaption>{html.escape(caption)}</figcaption></figure>")
 
 
-def write_report(run: Path) -> Path:
+NUMBERS = ("mse", "mse_std", "psnr", "psnr_std", "ssim", "ssim_std", "lpips", "lpips_std",
+           "action_accuracy", "histogram_tv", "histogram_tv_std", "ms_per_frame",
+           "psnr_gain_over_mean_image", "frames", "parameters", "order")
+
+
+def load_metrics(run: Path) -> dict[str, Any]:
+    """metrics.json, checked field by field: the report formats numbers and lists names, so a
+    hand-edited or truncated file is refused here, naming the field, not deep in a format."""
     metrics = run / "metrics.json"
     if not metrics.is_file():
         raise ConfigError(f"{run} has no metrics.json: run `gradleak evaluate ... --out {run}` "
                           "first")
-    result = json.loads(metrics.read_text())
+    result = read_json(metrics, "evaluation metrics")
+    methods = result.get("methods")
+    if not isinstance(methods, dict) or not methods:
+        raise ConfigError(f"{metrics}: field 'methods' must be a non-empty object")
+    for name, row in methods.items():
+        if not isinstance(row, dict) or row.get("kind") not in KIND_ORDER:
+            raise ConfigError(f"{metrics}: methods[{name!r}] must be an object with a 'kind' "
+                              f"of {', '.join(KIND_ORDER)}")
+        for key in NUMBERS:
+            value = row.get(key)
+            if value is not None and (isinstance(value, bool)
+                                      or not isinstance(value, (int, float))):
+                raise ConfigError(f"{metrics}: methods[{name!r}].{key} is {value!r}, expected "
+                                  "a number")
+        for metric in ("mse", "psnr", "ssim", "lpips"):
+            if metric in row and f"{metric}_std" not in row:
+                raise ConfigError(f"{metrics}: methods[{name!r}] has {metric} but no "
+                                  f"{metric}_std")
+        by_t = row.get("psnr_by_t", [])
+        if not isinstance(by_t, list) or not all(isinstance(v, (int, float)) for v in by_t):
+            raise ConfigError(f"{metrics}: methods[{name!r}].psnr_by_t must be a list of "
+                              "numbers")
+    data = result.get("data", [])
+    if not isinstance(data, list) or not all(isinstance(d, str) for d in data):
+        raise ConfigError(f"{metrics}: field 'data' must be a list of file names")
+    return result
+
+
+def write_report(run: Path) -> Path:
+    result = load_metrics(run)
     methods = result["methods"]
     by_t, columns = psnr_by_t_rows(methods)
     parts = ["<h1>gradleak: reconstruction from per-step gradients</h1>",
-             f"<p>{result['windows']} held-out windows of T = {result['window']} from "
-             f"{html.escape(', '.join(result['data']))}. LPIPS: "
-             f"{html.escape(result['lpips'])}.</p>",
+             f"<p>{html.escape(str(result.get('windows')))} held-out windows of T = "
+             f"{html.escape(str(result.get('window')))} from "
+             f"{html.escape(', '.join(result.get('data', [])))}. LPIPS: "
+             f"{html.escape(str(result.get('lpips')))}.</p>",
              _table(table_rows(methods), table_columns(table_rows(methods))),
              "<p>Mean ± std over frames. The reference rows use no gradient; the mean-colour "
              "row is an oracle (it reads each true frame).</p>",
@@ -65,7 +101,7 @@ def write_report(run: Path) -> Path:
     page = (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>gradleak report</title>"
             f"<style>{STYLE}</style><script>{SCRIPT}</script></head><body>"
             + "\n".join(parts) + "</body></html>")
-    out = run / "report.html"
+    out = check_output(run / "report.html", "report")
     with atomic_path(out) as tmp:
         tmp.write_text(page, encoding="utf-8")
     return out

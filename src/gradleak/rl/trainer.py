@@ -23,14 +23,16 @@ from gradleak.envs.factory import make_env, num_actions, scene_names
 from gradleak.errors import ConfigError
 from gradleak.io import (
     atomic_path,
+    check_output,
     load_tensors,
     load_victim,
     read_json,
+    run_directory,
     save_tensors,
     save_victim,
     write_json,
 )
-from gradleak.presets import Preset
+from gradleak.presets import Preset, validate_preset
 from gradleak.rl.advantages import gae
 from gradleak.rl.losses import LossCoefficients, actor_critic_loss, log_probs_and_entropy
 from gradleak.rl.rollout import Rollout, VectorRunner
@@ -237,8 +239,11 @@ def write_learning_curve(out: Path, history: list[UpdateStats]) -> None:
 
 def train_victim(preset: Preset, out: Path, resume: bool = False, progress: bool = True
                  ) -> dict[str, Any]:
-    trainer = VictimTrainer(preset, out, resume)
-    history = trainer.run(progress)
+    validate_preset(preset)
+    check_output(out, "--out", directory=True)
+    with run_directory(out, keep=lambda d: (d / TRAINER_META).is_file()):
+        trainer = VictimTrainer(preset, out, resume)
+        history = trainer.run(progress)
     tail = [h for h in history[-max(1, len(history) // 5):] if h.episodes]
     return {"out": str(out), "updates": trainer.update, "env_steps": trainer.env_steps,
             "final_success_rate": float(np.mean([h.success_rate for h in tail])) if tail

@@ -38,10 +38,18 @@ from gradleak.capture.reader import CaptureFile
 from gradleak.defenses import Chain, parse_defense
 from gradleak.envs.actions import mirrored_actions
 from gradleak.errors import ConfigError
-from gradleak.io import load_tensors, read_json, save_tensors, tensors_metadata
+from gradleak.io import (
+    check_output,
+    load_tensors,
+    read_json,
+    run_directory,
+    save_tensors,
+    tensors_metadata,
+)
 from gradleak.metrics.images import psnr, ssim
 from gradleak.training.checkpoint import (
     META,
+    check_finite_loss,
     fingerprint_to_dict,
     load_attacker,
     resume_run,
@@ -74,6 +82,7 @@ class DecoderFitConfig:
     seed: int = 0
     defense: str = "none"  # train on features recovered from gradients under this defense
     defense_seed: int = 1  # differs from evaluation's default 0: other noise draws
+    skip_nonfinite: bool = False  # leave out frames whose gradient holds NaN/Inf (else: refuse)
 
     def defense_chain(self) -> Chain | None:
         """The per-step defense to train under, or None; its conflicts named up front."""
@@ -151,14 +160,14 @@ class AuxiliaryFrames:
                  cache: Path | None = None) -> None:
         self.paths = paths
         common = dict(window=1, stride=1, val_fraction=config.val_fraction, seed=config.seed,
-                      expect_split="train")
+                      expect_split="train", skip_nonfinite=config.skip_nonfinite)
         self.defense = config.defense_chain()
         train, val = (WindowDataset(paths, part=part, defense=self.defense, **common)
                       for part in ("train", "val"))
         self.fingerprint, self.windows = train.fingerprint, {"train": train, "val": val}
         self.train, self.val = captured_frames(paths, train.rows), captured_frames(paths, val.rows)
         with CaptureFile(paths[0]) as capture:
-            observation = capture.observation(slice(0, 1))
+            observation = capture.observation(slice(0, 0))  # θ0 and the loss, no gradient
             self.hyperparameters, self.theta0 = observation.hyperparameters, observation.theta0
             self.victim = victim_at_theta0(observation)
             self.rendered = self._render(capture, config, progress, cache)
@@ -366,6 +375,7 @@ class DecoderFit:
             batch = self._batch(self.frames, order[step * config.batch_size:
                                                    (step + 1) * config.batch_size], generator)
             loss = self._objective(batch)
+            check_finite_loss(loss, self.out, self.epoch, step)
             self.optimiser.zero_grad(set_to_none=True)
             loss.backward()
             nn.utils.clip_grad_norm_(self.model.parameters(), config.grad_clip)
@@ -426,7 +436,8 @@ class DecoderFit:
     def _resume(self) -> None:
         self.epoch, self.best, self.history, self.mean_image = resume_run(
             self.out, "decoder", self.model, self.optimiser, self.scheduler,
-            self.model_config.frame_size)
+            self.model_config.frame_size,
+            self.data.fingerprint, asdict(self.model_config))
 
 
 def _gradient_dim(path: str) -> int:
@@ -442,8 +453,10 @@ def fit_decoder(model_config: DecoderConfig, config: DecoderFitConfig, paths: li
             model, _ = load_attacker(out)
             return fit_summary(out, meta["epoch"], model, meta["history"],
                                meta["train_frames"])
-    fit = DecoderFit(model_config, config, paths, out, resume, progress)
-    history = fit.run()
+    check_output(out, "--out", directory=True)
+    with run_directory(out, keep=lambda d: (d / META).is_file()):
+        fit = DecoderFit(model_config, config, paths, out, resume, progress)
+        history = fit.run()
     return fit_summary(out, fit.epoch, fit.model, history,
                        {"captured": len(fit.data.train), "rendered": len(fit.data.rendered)})
 

@@ -14,7 +14,7 @@ from torch import nn
 from gradleak.attacks.feature_decoder import DecoderConfig, FeatureDecoder
 from gradleak.attacks.lti import LearningToInvert, LtiConfig
 from gradleak.attacks.trace import Trace, TraceConfig
-from gradleak.errors import CheckpointError
+from gradleak.errors import CheckpointError, ConfigError, TrainingError
 from gradleak.io import load_tensors, read_json, save_tensors, write_json
 from gradleak.registry import Registry
 from gradleak.training.data import CaptureFingerprint
@@ -48,6 +48,11 @@ def fingerprint_from_dict(data: dict[str, Any]) -> CaptureFingerprint:
 
 def save_attacker(out: Path, model: nn.Module, meta: dict[str, Any], best: bool) -> None:
     state = model.state_dict()
+    for name, tensor in state.items():  # never overwrite a good checkpoint with a diverged one
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise TrainingError(f"attacker weight {name} became NaN/Inf at epoch "
+                                f"{meta.get('epoch')}; stopped, {out} keeps the last good "
+                                "checkpoint")
     save_tensors(out / WEIGHTS, state)
     if best:
         save_tensors(out / BEST, state)
@@ -80,15 +85,35 @@ def load_training_state(out: Path, optimiser: torch.optim.Optimizer,
 
 
 def resume_run(out: Path, kind: str, model: nn.Module, optimiser: torch.optim.Optimizer,
-               scheduler: torch.optim.lr_scheduler.LRScheduler, frame_size: int
+               scheduler: torch.optim.lr_scheduler.LRScheduler, frame_size: int,
+               fingerprint: CaptureFingerprint, model_config: dict[str, Any]
                ) -> tuple[int, float, list[dict[str, Any]], torch.Tensor]:
     """Weights, optimiser and scheduler back from a run directory; returns (epoch, best
-    validation loss, history, mean training image)."""
+    validation loss, history, mean training image). The run must continue on captures of the
+    same victim, θ0 and layout, with the same model: anything else is refused, naming both."""
     meta = read_json(out / META, "attacker config")
     if meta.get("kind") != kind:
         raise CheckpointError(f"{out / META} holds a {meta.get('kind')!r} attacker, not "
                               f"{kind!r}")
-    model.load_state_dict(load_tensors(out / WEIGHTS, "attacker weights"))
+    try:
+        saved = fingerprint_from_dict(meta["fingerprint"])
+    except (KeyError, TypeError, ConfigError) as err:
+        raise CheckpointError(f"{out / META}: field 'fingerprint' is missing or malformed "
+                              f"({err})") from None
+    saved.check(fingerprint, f"--resume {out}: the training captures")
+    requested = json.loads(json.dumps(model_config))
+    differ = [key for key, value in requested.items()
+              if key in meta.get("model", {}) and meta["model"][key] != value]
+    if differ:
+        key = differ[0]
+        raise CheckpointError(f"--resume {out}: the attacker there has {key}="
+                              f"{meta['model'][key]!r}, this run asks for {requested[key]!r} "
+                              f"({len(differ)} model setting(s) differ: "
+                              f"{', '.join(differ[:4])}); resume with the saved settings or "
+                              "choose another --out")
+    state = load_tensors(out / WEIGHTS, "attacker weights")
+    check_finite_weights(state, out / WEIGHTS)
+    model.load_state_dict(state)
     load_training_state(out, optimiser, scheduler, meta["training_state"])
     mean_image = torch.tensor(meta["mean_image"]).view(3, frame_size, frame_size)
     return int(meta["epoch"]), float(meta["best_val_loss"]), list(meta["history"]), mean_image
@@ -114,8 +139,29 @@ def load_attacker(path: str | Path, best: bool = True) -> tuple[nn.Module, dict[
     if bad:
         raise CheckpointError(f"{weights} does not match the {meta['kind']} model described in "
                               f"{directory / META} (first mismatch: {bad[0]})")
+    check_finite_weights(state, weights)
     model.load_state_dict(state)
     return model.eval(), meta
+
+
+def check_finite_loss(loss: torch.Tensor, out: Path, epoch: int, step: int) -> None:
+    """Stop at the first non-finite loss: the checkpoint of the last whole epoch is kept."""
+    if not bool(torch.isfinite(loss.detach()).all()):
+        saved = read_json(out / META, "attacker config").get("epoch") if (out / META).is_file() \
+            else None
+        kept = (f"the last good checkpoint (epoch {saved}) is kept in {out}" if saved
+                else "no checkpoint had been written yet")
+        raise TrainingError(f"training loss became {float(loss.detach()):g} at epoch {epoch + 1}, "
+                            f"step {step + 1}; stopped ({kept}). Lower the learning rate or "
+                            "check the captures")
+
+
+def check_finite_weights(state: dict[str, torch.Tensor], where: Path | str) -> None:
+    """A diverged attacker scores a plausible-looking PSNR: refuse it rather than report it."""
+    for name, tensor in state.items():
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise CheckpointError(f"{where}: tensor {name} holds NaN/Inf (a diverged training "
+                                  "run); retrain, or resume from an earlier checkpoint")
 
 
 def describe(meta: dict[str, Any]) -> str:

@@ -7,6 +7,7 @@ handles), so no file is ever loaded whole.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -37,13 +38,26 @@ class CaptureFingerprint:
     victim: VictimConfig
 
     def check(self, other: CaptureFingerprint, where: str) -> None:
+        """`other` (the data at hand) must match this (the attacker's); errors name both."""
+        if other.victim != self.victim:
+            raise CaptureFileError(f"{where}: victim {_victim_text(other.victim)} differs from "
+                                   f"the attacker's {_victim_text(self.victim)}")
         if other.layer_table != self.layer_table:
-            raise CaptureFileError(f"{where}: its layer table differs from the one the attacker "
-                                   "was trained on (another victim or --components)")
+            raise CaptureFileError(f"{where}: layer table {_short_hash(other.layer_table)}… "
+                                   f"differs from the attacker's {_short_hash(self.layer_table)}…"
+                                   " (another victim or --components)")
         if other.theta0_sha256 != self.theta0_sha256:
             raise CaptureFileError(f"{where}: θ0 hash {other.theta0_sha256[:12]}… differs from "
                                    f"the attacker's {self.theta0_sha256[:12]}… (another "
                                    "checkpoint)")
+
+
+def _short_hash(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def _victim_text(victim: VictimConfig) -> str:
+    return f"{victim.name} ({victim.frame_size}x{victim.frame_size}, {victim.num_actions} actions)"
 
 
 @dataclass
@@ -65,7 +79,8 @@ class WindowDataset(Dataset):
 
     def __init__(self, paths: Sequence[str | os.PathLike[str]], window: int, stride: int = 2,
                  part: str = "all", val_fraction: float = 0.05, seed: int = 0,
-                 expect_split: str | None = None, defense: Chain | None = None) -> None:
+                 expect_split: str | None = None, defense: Chain | None = None,
+                 skip_nonfinite: bool = False) -> None:
         if part not in PARTS:
             raise ConfigError(f"part {part!r}: expected one of {', '.join(PARTS)}")
         if window < 1 or stride < 1:
@@ -91,7 +106,10 @@ class WindowDataset(Dataset):
                     raise CaptureFileError(
                         f"{capture.path} holds {capture.attrs['split']!r} scenes, expected "
                         f"{expect_split!r} (held-out scenes are for testing only)")
-            rows, longest = self._windows(files, stride, part, val_fraction, seed)
+            usable = [capture.usable_rows(skip_nonfinite) for capture in files]
+            rows, longest = self._windows(files, usable, stride, part, val_fraction, seed)
+            # what --skip-nonfinite left out, for the run's record
+            self.skipped_rows = int(sum((~mask).sum() for mask in usable))
         finally:
             for capture in files:
                 capture.close()
@@ -101,10 +119,14 @@ class WindowDataset(Dataset):
         self.rows = np.array(rows, dtype=np.int64)  # (N, 3): file, start row, episode
         self._handles: dict[int, list[h5py.File]] = {}
 
-    def _windows(self, files: list[Any], stride: int, part: str, fraction: float, seed: int
-                 ) -> tuple[list[tuple[int, int, int]], int]:
+    def _windows(self, files: list[Any], usable: list[np.ndarray], stride: int, part: str,
+                 fraction: float, seed: int) -> tuple[list[tuple[int, int, int]], int]:
+        """(file, start row, episode) of every window inside an episode whose rows are all
+        usable; and the longest episode's length, for the error when there is none."""
         rows, longest = [], 0
         for file_index, capture in enumerate(files):
+            # bad[i] = unusable rows before i: a window [s, s + n) is clean iff bad[s + n] = bad[s]
+            bad = np.r_[0, np.cumsum(~usable[file_index])]
             episodes = capture.column("episode_ids")
             starts = np.flatnonzero(np.r_[True, episodes[1:] != episodes[:-1]])
             ends = np.r_[starts[1:], len(episodes)]
@@ -114,7 +136,8 @@ class WindowDataset(Dataset):
                 if int(episode) in chosen:
                     steps = self.window * self.span
                     rows += [(file_index, int(s), int(episode))
-                             for s in range(start, end - steps + 1, stride * self.span)]
+                             for s in range(start, end - steps + 1, stride * self.span)
+                             if bad[s + steps] == bad[s]]
         return rows, longest
 
     @staticmethod
@@ -145,24 +168,32 @@ class WindowDataset(Dataset):
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         file_index, start, _ = (int(v) for v in self.rows[index])
-        handle = self._files()[file_index]
         stop = start + self.window * self.span
         keys = row_keys(self.file_attrs[file_index], start, stop)
-        gradients = torch.from_numpy(handle[GRADIENTS][start:stop].astype(np.float32))
-        actions = torch.from_numpy(handle["actions"][start:stop])
+        gradients = torch.from_numpy(self._read(file_index, GRADIENTS, start, stop)
+                                     .astype(np.float32))
+        actions = torch.from_numpy(self._read(file_index, "actions", start, stop))
         if self.defense is None:
             return {"gradients": gradients, "actions": actions, "rows": keys,
-                    "images": torch.from_numpy(handle["images"][start:stop])}
+                    "images": torch.from_numpy(self._read(file_index, "images", start, stop))}
         # keyed seeding: the same noise however windows overlap or are batched
         stream = self.defense.apply(Stream.of(gradients, keys))
         last = slice(self.span - 1, None, self.span)
+        images = self._read(file_index, "images", start, stop)[last]
         item = {"gradients": stream.gradients, "rows": stream.keys,
-                "images": torch.from_numpy(handle["images"][start + self.span - 1:stop:self.span]),
-                "actions": actions[last]}
+                "images": torch.from_numpy(images), "actions": actions[last]}
         if self.span > 1:  # the targets of an aggregated row: the last frame, the histogram
             counts = F.one_hot(actions.view(self.window, self.span), self.num_actions)
             item["actions"] = counts.float().mean(1)  # (T, K)
         return item
+
+    def _read(self, file_index: int, name: str, start: int, stop: int) -> np.ndarray:
+        try:
+            return self._files()[file_index][name][start:stop]
+        except OSError:
+            raise CaptureFileError(f"{self.paths[file_index]}: dataset '{name}' rows "
+                                   f"{start}-{stop - 1} cannot be read (a corrupt or truncated "
+                                   "chunk)") from None
 
     def gradient_rows(self, limit: int, seed: int = 0) -> Iterator[torch.Tensor]:
         """Up to `limit` gradient rows from random windows, in chunks: normaliser statistics."""

@@ -26,10 +26,12 @@ from tqdm import tqdm
 
 from gradleak.defenses import parse_defense
 from gradleak.errors import ConfigError
+from gradleak.io import check_output, run_directory
 from gradleak.metrics.images import psnr
 from gradleak.training.checkpoint import (
     META,
     build_model,
+    check_finite_loss,
     fingerprint_from_dict,
     fingerprint_to_dict,
     load_attacker,
@@ -74,6 +76,7 @@ class FitConfig:
     defense: str = "none"  # train under this defense (an adaptive attacker), e.g. "quant:4"
     defense_seed: int = 1  # differs from evaluation's default 0: other noise draws
     init_from: str | None = None  # start from this attacker's weights (fine-tuning)
+    skip_nonfinite: bool = False  # leave out windows with NaN/Inf gradients (else: refuse)
 
 
 def scheduled_sampling_beta(config: FitConfig, epoch: int) -> float:
@@ -167,7 +170,8 @@ class AttackerFit:
         stride = config.stride if kind == "trace" else 1
         common = dict(window=window, stride=stride, val_fraction=config.val_fraction,
                       seed=config.seed, expect_split="train",
-                      defense=parse_defense(config.defense, config.defense_seed))
+                      defense=parse_defense(config.defense, config.defense_seed),
+                      skip_nonfinite=config.skip_nonfinite)
         self.train_data = WindowDataset(train_paths, part="train", **common)
         self.val_data = WindowDataset(train_paths, part="val", **common)
         victim = self.train_data.fingerprint.victim
@@ -293,6 +297,7 @@ class AttackerFit:
         done, stopped = 0, False
         for step, batch in enumerate(batches):
             loss, parts = self._forward(batch, beta)
+            check_finite_loss(loss, self.out, epoch, step)
             (loss / config.accumulation).backward()
             done = step + 1
             for key, value in {"loss": loss, **parts}.items():
@@ -360,6 +365,7 @@ class AttackerFit:
                 "fingerprint": fingerprint_to_dict(self.train_data.fingerprint),
                 "train_files": self.train_data.paths, "train_windows": len(self.train_data),
                 "val_windows": len(self.val_data), "world_size": self.world,
+                "skipped_nonfinite_rows": self.train_data.skipped_rows,
                 "last": record}
 
     def _save(self, record: dict[str, Any], count_best: bool = True) -> None:
@@ -377,18 +383,22 @@ class AttackerFit:
     def _resume(self) -> None:
         self.epoch, self.best, self.history, self.mean_image = resume_run(
             self.out, self.kind, self.model, self.optimiser, self.scheduler,
-            self.model_config.frame_size)
+            self.model_config.frame_size,
+            self.train_data.fingerprint, asdict(self.model_config))
 
 
 def fit_attacker(kind: str, model_config: Any, config: FitConfig, train_paths: list[str],
                  out: Path, resume: bool = False, progress: bool = True) -> dict[str, Any]:
-    fit = AttackerFit(kind, model_config, config, train_paths, out, resume, progress)
-    start = time.perf_counter()
-    history = fit.run()
+    check_output(out, "--out", directory=True)
+    with run_directory(out, keep=lambda d: (d / META).is_file()):
+        fit = AttackerFit(kind, model_config, config, train_paths, out, resume, progress)
+        start = time.perf_counter()
+        history = fit.run()
     parameters = sum(p.numel() for p in fit.model.parameters())
     return {"out": str(out), "kind": kind, "epochs": fit.epoch, "parameters": parameters,
             "minutes": (time.perf_counter() - start) / 60, "last": history[-1] if history else {},
-            "perceptual": fit.perceptual.name}
+            "perceptual": fit.perceptual.name,
+            "skipped_nonfinite_rows": fit.train_data.skipped_rows}
 
 
 def fine_tune_under_defense(kind: str, model_config: Any, config: FitConfig, clean: Path,

@@ -29,11 +29,20 @@ class VictimConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "victim config") -> VictimConfig:
+        if not isinstance(data, dict):
+            raise ConfigError(f"{source}: expected an object, found {type(data).__name__}")
         missing = {"name", "frame_size", "num_actions"} - set(data)
         if missing:
             raise ConfigError(f"{source}: missing field(s) {', '.join(sorted(missing))}")
-        return cls(name=str(data["name"]), frame_size=int(data["frame_size"]),
-                   num_actions=int(data["num_actions"]), options=dict(data.get("options", {})))
+        for key in ("frame_size", "num_actions"):
+            value = data[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{source}: field {key!r} is {value!r}, expected a positive "
+                                  "integer")
+        if not isinstance(data["name"], str) or not isinstance(data.get("options", {}), dict):
+            raise ConfigError(f"{source}: field 'name' must be a string and 'options' an object")
+        return cls(name=data["name"], frame_size=data["frame_size"],
+                   num_actions=data["num_actions"], options=dict(data.get("options", {})))
 
 
 @dataclass(frozen=True)
@@ -59,9 +68,17 @@ def layers_to_json(layers: list[LayerInfo]) -> str:
 
 
 def layers_from_json(text: str) -> list[LayerInfo]:
+    """Raises ValueError, TypeError or KeyError on a malformed table; readers name the file."""
     rows: list[dict[str, Any]] = json.loads(text)
-    return [LayerInfo(row["name"], tuple(row["shape"]), int(row["offset"]), row["component"])
-            for row in rows]
+    if not isinstance(rows, list):
+        raise TypeError("not a list")
+    layers = []
+    for row in rows:
+        shape = tuple(int(n) for n in row["shape"])
+        if not isinstance(row["name"], str) or any(n < 0 for n in shape):
+            raise ValueError(f"entry {row!r}")
+        layers.append(LayerInfo(row["name"], shape, int(row["offset"]), str(row["component"])))
+    return layers
 
 
 class Victim(nn.Module):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from gradleak.errors import ConfigError
 from gradleak.victims.base import Victim, VictimConfig, register_victim
 
 
@@ -32,6 +33,9 @@ class SharedCNN(Victim):
             layers += [nn.Conv2d(channels, out, kernel, stride, padding), nn.ReLU(),
                        nn.BatchNorm2d(out)]
             channels, size = out, conv_output_size(size, kernel, stride, padding)
+            if size < 1:
+                raise ConfigError(f"victim {config.name}: frame_size {config.frame_size} is too "
+                                  "small for its conv stack")
         self.encoder = nn.Sequential(*layers)
         self.fc = nn.Linear(channels * size * size, self.hidden)
         self.policy_head = nn.Linear(self.hidden, config.num_actions)
