@@ -52,6 +52,8 @@ class Target:
     values: np.ndarray
     probs: np.ndarray  # (N, K) π_θ0(·|s_t)
     rewards: np.ndarray
+    goals: np.ndarray | None = None  # (N, 3): what a goal-conditioned victim also read
+    hidden_states: np.ndarray | None = None  # (N, H): a recurrent victim's pre-step states
 
 
 @dataclass

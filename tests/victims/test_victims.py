@@ -61,7 +61,8 @@ def test_layer_table_is_contiguous_and_subsets_by_component() -> None:
 
 
 def test_unknown_victim_lists_the_known_ones() -> None:
-    with pytest.raises(ConfigError, match="unknown victim 'resnet'.*cnn, cnn-small"):
+    known = "cnn, cnn-gru, cnn-gru-small, cnn-k10, cnn-k10-small, cnn-small, impala"
+    with pytest.raises(ConfigError, match=f"unknown victim 'resnet'.*{known}"):
         create_victim("resnet")
 
 

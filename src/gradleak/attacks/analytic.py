@@ -18,6 +18,7 @@ import torch
 
 from gradleak.errors import ConfigError
 from gradleak.threat import Observation, Reconstruction
+from gradleak.victims.base import VICTIMS
 
 POLICY, VALUE = "policy_head", "value_head"
 
@@ -30,12 +31,16 @@ class LinearLayer:
 
 
 def linear_layers(observation: Observation) -> list[str]:
-    """Modules with both a 2-D weight and a bias gradient in the observation."""
+    """Modules with both a 2-D weight and a bias gradient in the observation, that the victim
+    applies once per sample (its `closed_form_linears`; all of them unless it says otherwise)."""
     names = {layer.name: layer for layer in observation.layers}
+    declared = VICTIMS.get(observation.victim.name).closed_form_linears \
+        if observation.victim.name in VICTIMS else None
     found = []
     for name, layer in names.items():
         module = name.removesuffix(".weight")
-        if name.endswith(".weight") and len(layer.shape) == 2 and f"{module}.bias" in names:
+        if name.endswith(".weight") and len(layer.shape) == 2 and f"{module}.bias" in names \
+                and (declared is None or module in declared):
             found.append(module)
     return found
 
@@ -140,7 +145,12 @@ def module_input(victim: torch.nn.Module, module: str, images: torch.Tensor) -> 
         captured.append(args[0])
         raise _Captured
 
-    handle = dict(victim.named_modules())[module].register_forward_pre_hook(grab)
+    modules = dict(victim.named_modules())
+    if module not in modules:
+        linears = [n for n, m in modules.items() if isinstance(m, torch.nn.Linear)]
+        raise ConfigError(f"victim {type(victim).__name__} has no module {module!r} (its Linear "
+                          f"layers: {', '.join(linears)})")
+    handle = modules[module].register_forward_pre_hook(grab)
     try:
         victim(images)
     except _Captured:

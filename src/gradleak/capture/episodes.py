@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from gradleak.rl.advantages import episode_advantages, normalise
-from gradleak.rl.rollout import act, single_threaded_torch, value_of
+from gradleak.rl.rollout import act, initial_state, single_threaded_torch, value_of
 from gradleak.victims.base import Victim
 
 
@@ -27,6 +27,7 @@ class Episode:
     log_probs: np.ndarray
     probs: np.ndarray  # (T, K)
     terminated: bool  # ended by success (no bootstrap)
+    hidden: np.ndarray | None = None  # (T, H): a recurrent victim's pre-step states
 
     def __len__(self) -> int:
         return len(self.actions)
@@ -43,25 +44,31 @@ def _run_episode(env: gym.Env, victim: Victim, seed: int, scene: str, max_steps:
                  generator: torch.Generator) -> tuple[Episode, float]:
     observation, _ = env.reset(seed=seed, options={"scene": scene})
     frames, goals, actions, rewards, values, log_probs, probs = [], [], [], [], [], [], []
+    hidden, states = initial_state(victim, 1), []
     terminated = truncated = False
     while len(actions) < max_steps and not (terminated or truncated):
         image, goal = observation["image"][None], observation["goal"][None].astype(np.float32)
-        action, log_prob, value, pi = act(victim, image, goal, generator)
+        step = act(victim, image, goal, generator, hidden)
         frames.append(observation["image"])
         goals.append(goal[0])
-        observation, reward, terminated, truncated, _ = env.step(int(action[0]))
-        actions.append(int(action[0]))
+        if hidden is not None:
+            states.append(hidden[0])
+        hidden = step.next_hidden
+        observation, reward, terminated, truncated, _ = env.step(int(step.actions[0]))
+        actions.append(int(step.actions[0]))
         rewards.append(reward)
-        values.append(float(value[0]))
-        log_probs.append(float(log_prob[0]))
-        probs.append(pi[0])
+        values.append(float(step.values[0]))
+        log_probs.append(float(step.log_probs[0]))
+        probs.append(step.probs[0])
     bootstrap = 0.0 if terminated else float(value_of(
-        victim, observation["image"][None], observation["goal"][None].astype(np.float32))[0])
+        victim, observation["image"][None], observation["goal"][None].astype(np.float32),
+        hidden)[0])
     episode = Episode(images=np.stack(frames), goals=np.stack(goals),
                       actions=np.array(actions, np.int64), rewards=np.array(rewards, np.float32),
                       values=np.array(values, np.float32),
                       log_probs=np.array(log_probs, np.float32),
-                      probs=np.stack(probs).astype(np.float32), terminated=bool(terminated))
+                      probs=np.stack(probs).astype(np.float32), terminated=bool(terminated),
+                      hidden=np.stack(states).astype(np.float32) if states else None)
     return episode, bootstrap
 
 

@@ -25,15 +25,18 @@ class StepBatch:
     returns: torch.Tensor  # (N,) float32
     old_log_probs: torch.Tensor  # (N,) float32, log π_θ0(a|s)
     goals: torch.Tensor | None = None  # (N, 3) float32
+    hidden: torch.Tensor | None = None  # (N, H): a recurrent victim's recorded pre-step state
 
     def __len__(self) -> int:
         return len(self.actions)
 
     def slice(self, start: int, stop: int) -> StepBatch:
-        goals = None if self.goals is None else self.goals[start:stop]
+        def part(values: torch.Tensor | None) -> torch.Tensor | None:
+            return None if values is None else values[start:stop]
+
         return StepBatch(self.images[start:stop], self.actions[start:stop],
                          self.advantages[start:stop], self.returns[start:stop],
-                         self.old_log_probs[start:stop], goals)
+                         self.old_log_probs[start:stop], part(self.goals), part(self.hidden))
 
 
 def _check_frozen(victim: Victim) -> None:
@@ -45,7 +48,8 @@ def _check_frozen(victim: Victim) -> None:
 def _mean_loss(victim: Victim, parameters: dict[str, torch.Tensor],
                buffers: dict[str, torch.Tensor], batch: StepBatch,
                coefficients: LossCoefficients, ppo: bool) -> torch.Tensor:
-    logits, values = functional_call(victim, (parameters, buffers), (batch.images, batch.goals))
+    logits, values = functional_call(victim, (parameters, buffers),
+                                     (batch.images, batch.goals, batch.hidden))
     losses = actor_critic_loss(logits, values, batch.actions, batch.advantages, batch.returns,
                                coefficients, batch.old_log_probs if ppo else None)
     return losses.mean()
@@ -67,18 +71,20 @@ def per_step_gradients(victim: Victim, batch: StepBatch, coefficients: LossCoeff
     buffers = {name: b.detach() for name, b in victim.named_buffers()}
     wanted = {layer.name for layer in layers}
 
-    def one_step(params, images, actions, advantages, returns, old_log_probs, goals):
+    def one_step(params, images, actions, advantages, returns, old_log_probs, goals, hidden):
         step = StepBatch(images[None], actions[None], advantages[None], returns[None],
-                         old_log_probs[None], None if goals is None else goals[None])
+                         old_log_probs[None], None if goals is None else goals[None],
+                         None if hidden is None else hidden[None])
         return grad(_mean_loss, argnums=1)(victim, params, buffers, step, coefficients, ppo)
 
     goal_dim = None if batch.goals is None else 0
-    batched = vmap(one_step, in_dims=(None, 0, 0, 0, 0, 0, goal_dim))
+    hidden_dim = None if batch.hidden is None else 0
+    batched = vmap(one_step, in_dims=(None, 0, 0, 0, 0, 0, goal_dim, hidden_dim))
     output = torch.empty(len(batch), sum(layer.size for layer in layers))
     for start in range(0, len(batch), chunk):
         part = batch.slice(start, start + chunk)
         grads = batched(parameters, part.images, part.actions, part.advantages, part.returns,
-                        part.old_log_probs, part.goals)
+                        part.old_log_probs, part.goals, part.hidden)
         output[start:start + len(part)] = flatten({k: v for k, v in grads.items()
                                                    if k in wanted}, layers)
     return output
@@ -92,7 +98,7 @@ def loop_gradients(victim: Victim, batch: StepBatch, coefficients: LossCoefficie
     rows = []
     for i in range(len(batch)):
         step = batch.slice(i, i + 1)
-        logits, values = victim(step.images, step.goals)
+        logits, values = victim(step.images, step.goals, step.hidden)
         loss = actor_critic_loss(logits, values, step.actions, step.advantages, step.returns,
                                  coefficients, step.old_log_probs if ppo else None).mean()
         grads = torch.autograd.grad(loss, [named[layer.name] for layer in layers])

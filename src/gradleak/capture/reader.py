@@ -82,8 +82,10 @@ class CaptureFile:
         if not bool(attrs["complete"]):
             raise CaptureFileError(f"{self.path}: attribute 'complete' is false (the capture "
                                    "did not finish)")
-        for name in ("num_rows", "num_episodes", "gradient_dim"):
-            if self._int_attr(name) < 0:
+        # a recurrent victim's pre-step states are a column too (absent before they existed)
+        self.hidden_size = self._int_attr("hidden_size") if "hidden_size" in attrs else 0
+        for name in ("num_rows", "num_episodes", "gradient_dim", "hidden_size"):
+            if name in attrs and self._int_attr(name) < 0:
                 raise CaptureFileError(f"{self.path}: attribute '{name}' is negative")
         self.victim = VictimConfig.from_dict(self._json_attr("victim_config", dict),
                                              f"{self.path} attribute 'victim_config'")
@@ -138,7 +140,8 @@ class CaptureFile:
             raise CaptureFileError(f"{self.path}: dataset 'gradients' has {width} columns but the "
                                    f"layer_table describes {offset} (gradient_dim "
                                    f"{int(self._h5.attrs['gradient_dim'])})")
-        for column in step_columns(self.victim.frame_size, self.victim.num_actions) + (None,):
+        for column in step_columns(self.victim.frame_size, self.victim.num_actions,
+                                   self.hidden_size) + (None,):
             name = GRADIENTS if column is None else column.name
             if name not in self._h5:
                 raise CaptureFileError(f"{self.path}: dataset '{name}' is missing")
@@ -215,7 +218,10 @@ class CaptureFile:
                       actions=self.column("actions", rows),
                       advantages=self.column("advantages", rows),
                       returns=self.column("returns", rows), values=self.column("values", rows),
-                      probs=self.column("probs", rows), rewards=self.column("rewards", rows))
+                      probs=self.column("probs", rows), rewards=self.column("rewards", rows),
+                      goals=self.column("goals", rows),
+                      hidden_states=self.column("hidden_states", rows) if self.hidden_size
+                      else None)
 
     def _layer(self, name: str) -> LayerInfo:
         for layer in self.layers:
@@ -263,7 +269,8 @@ class CaptureFile:
         """Full scan: every chunk of every dataset decodes, gradients are finite, episodes are
         contiguous and closed by a done flag."""
         names = [column.name for column in step_columns(self.victim.frame_size,
-                                                        self.victim.num_actions)]
+                                                        self.victim.num_actions,
+                                                        self.hidden_size)]
         blocks = [(name, start) for name in names for start in range(0, self.num_rows,
                                                                       SCAN_ROWS)]
         for name, start in tqdm(blocks, disable=not progress, unit="block",

@@ -86,8 +86,9 @@ def _victim_and_rule(job: CaptureJob) -> tuple[Victim, str, LossCoefficients, fl
             raise ConfigError(f"--algo {job.algorithm!r}: expected one of {', '.join(ALGORITHMS)}")
         torch.manual_seed(job.seed if job.seed is not None else preset.capture.seed)
         config = VictimConfig(job.victim, preset.env.doomnav.frame_size, num_actions(preset.env))
-        return (create_victim(config).eval(), job.algorithm, loss_coefficients(preset),
-                preset.train.gamma, preset.train.lam)
+        victim = create_victim(config).eval()
+        return (victim, job.algorithm, loss_coefficients(preset), preset.train.gamma,
+                preset.train.lam)
     victim, meta = load_victim(job.victim)
     for name, tensor in victim.state_dict().items():
         if tensor.is_floating_point() and not torch.isfinite(tensor).all():
@@ -213,6 +214,7 @@ def _plan(job: CaptureJob) -> _Plan:
              "scenes": json.dumps(scenes), "all_scenes": json.dumps(all_scenes),
              "split": job.split, "shard": f"{shard_index}/{shard_count}",
              "gradient_dim": sum(layer.size for layer in layers),
+             "hidden_size": victim.hidden_size,
              "env_config": json.dumps(settings["env"]), "seed": seed,
              "gradleak_version": __version__, "source": str(job.victim),
              "settings": json.dumps(settings, sort_keys=True)}
@@ -240,7 +242,8 @@ def _run_locked(plan: _Plan, job: CaptureJob) -> dict[str, Any]:
         # the file's descriptor and lock, and outlive a killed capture holding both.
         env.reset(seed=plan.seed)
         theta0 = {k: v.detach().numpy() for k, v in plan.victim.state_dict().items()}
-        columns = step_columns(plan.victim.config.frame_size, plan.victim.config.num_actions)
+        columns = step_columns(plan.victim.config.frame_size, plan.victim.config.num_actions,
+                               plan.victim.hidden_size)
         writer = CaptureWriter(plan.out, plan.attrs, columns, plan.attrs["gradient_dim"],
                                theta0, job.resume, job.overwrite,
                                gradient_dtype=job.preset.capture.gradient_dtype,
@@ -300,7 +303,8 @@ def _gradients(plan: _Plan, episode: Any, targets: dict[str, np.ndarray],
                       advantages=torch.from_numpy(targets["advantages"]),
                       returns=torch.from_numpy(targets["returns"]),
                       old_log_probs=torch.from_numpy(episode.log_probs),
-                      goals=torch.from_numpy(episode.goals))
+                      goals=torch.from_numpy(episode.goals),
+                      hidden=None if episode.hidden is None else torch.from_numpy(episode.hidden))
     ppo = plan.algorithm == "ppo"
     if config.gradient_method == "loop":
         gradients = loop_gradients(plan.victim, batch, plan.coefficients, plan.layers, ppo=ppo)
@@ -327,7 +331,9 @@ def _rows(episode: Any, targets: dict[str, np.ndarray], episode_index: int, scen
     dones[-1] = True
     terminated = np.zeros(n, bool)
     terminated[-1] = episode.terminated
-    return {"images": episode.images, "goals": episode.goals, "actions": episode.actions,
+    recurrent = {} if episode.hidden is None else {"hidden_states": episode.hidden}
+    return {**recurrent, "images": episode.images, "goals": episode.goals,
+            "actions": episode.actions,
             "rewards": episode.rewards, "values": episode.values,
             "log_probs": episode.log_probs, "probs": episode.probs, **targets,
             "dones": dones, "terminated": terminated,

@@ -21,8 +21,11 @@ class Column:
     private: bool = True  # ground truth: read for training on auxiliary data and scoring only
 
 
-def step_columns(frame_size: int, num_actions: int) -> tuple[Column, ...]:
-    return (
+def step_columns(frame_size: int, num_actions: int, hidden_size: int = 0
+                 ) -> tuple[Column, ...]:
+    """The per-step datasets; a recurrent victim's pre-step states too (`hidden_size` > 0)."""
+    recurrent = (Column("hidden_states", "float32", (hidden_size,)),) if hidden_size else ()
+    return recurrent + (
         Column("images", "uint8", (frame_size, frame_size, 3)),
         Column("goals", "float32", (3,)),
         Column("actions", "int64"),

@@ -13,10 +13,12 @@ import torch
 from gradleak.attacks.analytic import invert_features, module_input, recover_analytically
 from gradleak.attacks.optim.matching import victim_at_theta0
 from gradleak.capture.reader import CaptureFile
+from gradleak.errors import ConfigError
 from gradleak.threat import Observation, Target
+from gradleak.victims.base import VictimConfig, create_victim
 
 
-def true_layer_inputs(observation: Observation, images: np.ndarray, modules: list[str]
+def true_layer_inputs(observation: Observation, target: Target, modules: list[str]
                       ) -> dict[str, np.ndarray]:
     """What each Linear module really received for the private frames (forward pre-hooks)."""
     victim = victim_at_theta0(observation)
@@ -27,8 +29,10 @@ def true_layer_inputs(observation: Observation, images: np.ndarray, modules: lis
         for name in modules]
     try:
         with torch.no_grad():
-            for start in range(0, len(images), 256):
-                victim(torch.from_numpy(images[start:start + 256]))
+            for start in range(0, len(target.images), 256):
+                rows = slice(start, start + 256)
+                victim(*(None if part is None else torch.from_numpy(part[rows])
+                         for part in (target.images, target.goals, target.hidden_states)))
     finally:
         for handle in handles:
             handle.remove()
@@ -43,7 +47,7 @@ def relative_errors(estimate: np.ndarray, truth: np.ndarray) -> np.ndarray:
 def score(observation: Observation, target: Target) -> dict[str, Any]:
     result = recover_analytically(observation)
     extras = result.extras
-    truth_inputs = true_layer_inputs(observation, target.images, list(extras["layer_inputs"]))
+    truth_inputs = true_layer_inputs(observation, target, list(extras["layer_inputs"]))
     layers = {}
     for name, estimate in extras["layer_inputs"].items():
         errors = relative_errors(estimate, truth_inputs[name])
@@ -126,12 +130,25 @@ def score_conv_stack(observation: Observation, target: Target, count: int,
             "ssim_of_their_mean_image": float(ssim(mean, real).mean())}
 
 
+def check_attacks_apply(config: VictimConfig, invert: int, conv: int) -> None:
+    """Refuse, naming the reason, an attack the victim's structure does not allow."""
+    from gradleak.attacks.conv_recovery import conv_blocks
+
+    victim = create_victim(config)
+    if invert and not isinstance(getattr(victim, "fc", None), torch.nn.Linear):
+        raise ConfigError(f"--invert: victim {config.name} has no `fc` Linear layer whose input "
+                          "(the conv features) the closed form recovers")
+    if conv:
+        conv_blocks(victim, config.frame_size)
+
+
 def evaluate_analytic(paths: Sequence[str | os.PathLike[str]], max_rows: int | None = None,
                       invert: int = 0, conv: int = 0, skip_nonfinite: bool = False
                       ) -> dict[str, dict[str, Any]]:
     results = {}
     for path in paths:
         with CaptureFile(path) as capture:
+            check_attacks_apply(capture.victim, invert, conv)  # before any row is read
             usable = np.flatnonzero(capture.usable_rows(skip_nonfinite))
             chosen = usable[:max_rows or len(usable)]
             # a slice unless rows were left out: h5py reads a slice far faster than a list

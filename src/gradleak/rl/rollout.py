@@ -30,20 +30,44 @@ def single_threaded_torch() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
+@dataclass
+class Step:
+    """One batched policy step: a ~ π_θ(·|s), log π(a|s), V(s), π(·|s), and the state a
+    recurrent victim carries to the next step (None for a feed-forward one)."""
+
+    actions: np.ndarray
+    log_probs: np.ndarray
+    values: np.ndarray
+    probs: np.ndarray
+    next_hidden: np.ndarray | None
+
+
+def _tensor(array: np.ndarray | None) -> torch.Tensor | None:
+    return None if array is None else torch.from_numpy(array)
+
+
 @torch.no_grad()
-def act(victim: Victim, images: np.ndarray, goals: np.ndarray, generator: torch.Generator
-        ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Sample a ~ π_θ(·|s) for a batch: (actions, log π(a|s), V(s), π(·|s))."""
-    logits, values = victim(torch.from_numpy(images), torch.from_numpy(goals))
+def act(victim: Victim, images: np.ndarray, goals: np.ndarray, generator: torch.Generator,
+        hidden: np.ndarray | None = None) -> Step:
+    """Sample actions for a batch from the pre-step state `hidden` (recurrent victims)."""
+    logits, values, following = victim.advance(torch.from_numpy(images),
+                                               torch.from_numpy(goals), _tensor(hidden))
     log_pi = torch.log_softmax(logits, dim=-1)
     actions = torch.multinomial(log_pi.exp(), 1, generator=generator).squeeze(-1)
     taken = log_pi.gather(-1, actions.unsqueeze(-1)).squeeze(-1)
-    return actions.numpy(), taken.numpy(), values.numpy(), log_pi.exp().numpy()
+    return Step(actions.numpy(), taken.numpy(), values.numpy(), log_pi.exp().numpy(),
+                None if following is None else following.numpy())
 
 
 @torch.no_grad()
-def value_of(victim: Victim, images: np.ndarray, goals: np.ndarray) -> np.ndarray:
-    return victim(torch.from_numpy(images), torch.from_numpy(goals))[1].numpy()
+def value_of(victim: Victim, images: np.ndarray, goals: np.ndarray,
+             hidden: np.ndarray | None = None) -> np.ndarray:
+    return victim(torch.from_numpy(images), torch.from_numpy(goals), _tensor(hidden))[1].numpy()
+
+
+def initial_state(victim: Victim, batch: int) -> np.ndarray | None:
+    state = victim.initial_state(batch)
+    return None if state is None else state.numpy()
 
 
 @dataclass
@@ -52,6 +76,7 @@ class Rollout:
 
     images: np.ndarray  # (T, N, H, W, 3) uint8
     goals: np.ndarray  # (T, N, 3)
+    hidden: np.ndarray | None  # (T, N, H): a recurrent victim's pre-step state, else None
     actions: np.ndarray
     log_probs: np.ndarray
     values: np.ndarray
@@ -73,12 +98,17 @@ class VectorRunner:
         self.goals = np.stack([o["goal"] for o in observations]).astype(np.float32)
         self._returns = np.zeros(len(envs))
         self._lengths = np.zeros(len(envs), dtype=np.int64)
+        self.hidden: np.ndarray | None = None  # set by the first rollout of a recurrent victim
 
     def collect(self, victim: Victim, steps: int, generator: torch.Generator) -> Rollout:
         n = len(self.envs)
         shape = (steps, n)
+        if victim.recurrent and self.hidden is None:
+            self.hidden = initial_state(victim, n)
         out = Rollout(images=np.zeros(shape + self.images.shape[1:], np.uint8),
                       goals=np.zeros(shape + (3,), np.float32),
+                      hidden=None if self.hidden is None else
+                      np.zeros(shape + self.hidden.shape[1:], np.float32),
                       actions=np.zeros(shape, np.int64), log_probs=np.zeros(shape, np.float32),
                       values=np.zeros(shape, np.float32), rewards=np.zeros(shape, np.float32),
                       next_values=np.zeros(shape, np.float32),
@@ -86,31 +116,39 @@ class VectorRunner:
         with single_threaded_torch():
             for t in range(steps):
                 self._record_step(victim, out, t, generator)
-            out.next_values[-1] += out.continues[-1] * value_of(victim, self.images, self.goals)
+            out.next_values[-1] += out.continues[-1] * value_of(victim, self.images, self.goals,
+                                                                self.hidden)
         out.next_values[:-1] += out.continues[:-1] * out.values[1:]
         return out
 
     def _record_step(self, victim: Victim, out: Rollout, t: int,
                      generator: torch.Generator) -> None:
         out.images[t], out.goals[t] = self.images, self.goals
-        actions, log_probs, values, _ = act(victim, self.images, self.goals, generator)
-        out.actions[t], out.log_probs[t], out.values[t] = actions, log_probs, values
-        self._step_all(victim, actions, out, t)
+        if out.hidden is not None:
+            out.hidden[t] = self.hidden
+        step = act(victim, self.images, self.goals, generator, self.hidden)
+        out.actions[t], out.log_probs[t], out.values[t] = step.actions, step.log_probs, \
+            step.values
+        self.hidden = step.next_hidden
+        self._step_all(victim, step.actions, out, t)
 
     def _step_all(self, victim: Victim, actions: np.ndarray, out: Rollout, t: int) -> None:
         for i, env in enumerate(self.envs):
             observation, reward, terminated, truncated, info = env.step(int(actions[i]))
+            state = None if self.hidden is None else self.hidden[i:i + 1]  # after s_t
             out.rewards[t, i] = reward
             self._returns[i] += reward
             self._lengths[i] += 1
             if terminated or truncated:
                 if truncated and not terminated:  # bootstrap the cut episode from its last frame
                     out.next_values[t, i] = value_of(victim, observation["image"][None],
-                                                     observation["goal"][None])[0]
+                                                     observation["goal"][None], state)[0]
                 out.episode_returns.append(float(self._returns[i]))
                 out.episode_lengths.append(int(self._lengths[i]))
                 out.episode_successes.append(bool(info.get("success", terminated)))
                 self._returns[i], self._lengths[i] = 0.0, 0
+                if self.hidden is not None:  # a new episode starts from the initial state
+                    self.hidden[i] = initial_state(victim, 1)[0]
                 observation, _ = env.reset()
             else:
                 out.continues[t, i] = 1.0

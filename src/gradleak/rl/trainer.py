@@ -67,7 +67,8 @@ def loss_coefficients(preset: Preset) -> LossCoefficients:
 
 def _minibatch_loss(victim: Victim, batch: dict[str, torch.Tensor], coefficients: LossCoefficients,
                     ppo: bool) -> tuple[torch.Tensor, dict[str, float]]:
-    logits, values = victim(batch["images"], batch["goals"])
+    # a recurrent victim reads each step's recorded pre-step state as a detached input
+    logits, values = victim(batch["images"], batch["goals"], batch.get("hidden"))
     advantages = batch["advantages"]
     advantages = (advantages - advantages.mean()) / (advantages.std(unbiased=False) + 1e-8)
     losses = actor_critic_loss(logits, values, batch["actions"], advantages, batch["returns"],
@@ -89,10 +90,13 @@ def _flatten_rollout(rollout: Rollout, advantages: np.ndarray) -> dict[str, torc
         return torch.from_numpy(np.ascontiguousarray(a.reshape((-1,) + a.shape[2:])))
 
     returns = advantages + rollout.values
-    return {"images": flat(rollout.images), "goals": flat(rollout.goals),
+    data = {"images": flat(rollout.images), "goals": flat(rollout.goals),
             "actions": flat(rollout.actions), "log_probs": flat(rollout.log_probs),
             "advantages": flat(advantages.astype(np.float32)),
             "returns": flat(returns.astype(np.float32))}
+    if rollout.hidden is not None:
+        data["hidden"] = flat(rollout.hidden)
+    return data
 
 
 def _optimise(victim: Victim, optimiser: torch.optim.Optimizer, data: dict[str, torch.Tensor],

@@ -58,6 +58,7 @@ from gradleak.training.checkpoint import (
 )
 from gradleak.training.data import WindowDataset
 from gradleak.training.fit import Budget, warmup_cosine
+from gradleak.victims.base import create_victim
 
 RENDERED = "rendered.safetensors"  # the random-walk frames of an unfinished run
 
@@ -261,6 +262,7 @@ class DecoderFit:
         if (self.out / META).exists() and not resume:
             raise ConfigError(f"{self.out} already holds an attacker: pass --resume to continue "
                               "it or choose another --out")
+        _check_feature_module(paths[0], model_config.feature_module)
         self.data = AuxiliaryFrames([str(p) for p in paths], config, progress,
                                     self.out / RENDERED)
         victim = self.data.fingerprint.victim
@@ -438,6 +440,19 @@ class DecoderFit:
             self.out, "decoder", self.model, self.optimiser, self.scheduler,
             self.model_config.frame_size,
             self.data.fingerprint, asdict(self.model_config))
+
+
+def _check_feature_module(path: str, module: str) -> None:
+    """Before any frame is read: the victim must have the module whose input is decoded, and
+    the `fc` Linear layer whose closed-form input starts every feature recovery."""
+    with CaptureFile(path) as capture:
+        victim = create_victim(capture.victim)
+    modules = dict(victim.named_modules())
+    if module not in modules or not isinstance(modules.get("fc"), nn.Linear):
+        raise ConfigError(f"attack.decoder.feature_module={module!r}: victim "
+                          f"{capture.victim.name} has no such module or no `fc` Linear layer, so "
+                          "no conv features to decode (the analytic decoder needs a conv encoder "
+                          "and an `fc`)")
 
 
 def _gradient_dim(path: str) -> int:

@@ -92,10 +92,31 @@ class Victim(nn.Module):
     policy_head: nn.Linear
     value_head: nn.Linear
     component_prefixes: dict[str, str] = {}
+    # The Linear modules applied once per sample, whose input the closed form recovers; None:
+    # every biased Linear layer (a ViT's token-wise layers are not, see victims/vit.py).
+    closed_form_linears: tuple[str, ...] | None = None
+    recurrent = False  # carries a hidden state through the episode (victims/recurrent.py)
+    extra_inputs: tuple[str, ...] = ()  # private inputs beside the frame, e.g. ("goal",)
 
-    def forward(self, image: torch.Tensor, goal: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, image: torch.Tensor, goal: torch.Tensor | None = None,
+                hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`hidden`: a recurrent victim's pre-step state (a detached input); others ignore it."""
         raise NotImplementedError
+
+    def initial_state(self, batch: int) -> torch.Tensor | None:
+        """The state an episode starts from: None for a feed-forward victim."""
+        return None
+
+    def advance(self, image: torch.Tensor, goal: torch.Tensor | None = None,
+                hidden: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(logits, value, next state) of one step: what a rollout needs."""
+        logits, values = self(image, goal, hidden)
+        return logits, values, None
+
+    @property
+    def hidden_size(self) -> int:
+        return 0
 
     def component_of(self, parameter_name: str) -> str:
         for prefix, component in self.component_prefixes.items():

@@ -46,8 +46,8 @@ class SharedCNN(Victim):
         x = self.encoder(self.prepare_image(image))  # (B, C, h, w)
         return torch.relu(self.fc(x.flatten(1)))  # (B, hidden)
 
-    def forward(self, image: torch.Tensor, goal: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, image: torch.Tensor, goal: torch.Tensor | None = None,
+                hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         h = self.features(image)
         return self.policy_head(h), self.value_head(h).squeeze(-1)
 
@@ -63,3 +63,25 @@ class SmallCNN(SharedCNN):
 
     width_multiplier = 0.5
     hidden = 256
+
+
+class TenActions:
+    """The paper's CNN-K10 row: the same network with the 10-action set (turn and look at two
+    speeds); the name promises K = 10, so another action count is refused."""
+
+    def __init__(self, config: VictimConfig) -> None:
+        if config.num_actions != 10:
+            raise ConfigError(f"victim {config.name} is the 10-action variant, but the "
+                              f"environment has {config.num_actions} actions (set "
+                              "env.doomnav.num_actions=10)")
+        super().__init__(config)  # type: ignore[call-arg]
+
+
+@register_victim("cnn-k10")
+class PaperCNN10(TenActions, PaperCNN):
+    """938,667 parameters at 84×84 with K = 10."""
+
+
+@register_victim("cnn-k10-small")
+class SmallCNN10(TenActions, SmallCNN):
+    """cnn-small with K = 10."""

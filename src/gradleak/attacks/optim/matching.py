@@ -113,6 +113,11 @@ class DummyGradient:
         config.check()
         self.config = config
         self.victim = victim_at_theta0(observation)
+        if self.victim.extra_inputs:
+            raise ConfigError(f"victim {observation.victim.name} also reads "
+                              f"{', '.join(self.victim.extra_inputs)} beside the frame: gradient "
+                              "matching optimises frames only (the goal comes back in closed "
+                              "form: gradleak analytic)")
         self.layers = selected_layers(observation, config.components)
         wanted = {layer.name for layer in self.layers}
         named = {n: p.detach() for n, p in self.victim.named_parameters()}
