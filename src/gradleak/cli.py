@@ -97,6 +97,11 @@ def _capture_preset(args: argparse.Namespace) -> Any:
     from gradleak.io import read_json, victim_directory
     from gradleak.presets import load_preset, preset_from_dict
 
+    trained_with = [a for a in args.set or [] if a.strip().startswith("train.")]
+    if trained_with and not args.random_init:
+        raise ConfigError(f"--set {trained_with[0]}: a checkpoint declares the learning rule it "
+                          "was trained with; to capture a client that used another loss, "
+                          "declare it with --loss value=...,entropy=...,clip=...")
     if args.random_init or args.preset:
         preset = _preset(args)
     else:  # capture in the environment the checkpoint was trained in
@@ -112,13 +117,15 @@ def _capture_preset(args: argparse.Namespace) -> Any:
 
 def cmd_capture(args: argparse.Namespace) -> None:
     from gradleak.capture.run import CaptureJob, parse_shard, run_capture, shard_output
+    from gradleak.rl.losses import parse_loss
 
     preset = _capture_preset(args)
     job = CaptureJob(victim=args.victim, split=args.scenes, steps=args.steps, out=Path(args.out),
                      preset=preset, random_init=args.random_init, algorithm=args.algo,
                      shard=parse_shard(args.shard), resume=args.resume,
                      overwrite=args.overwrite, progress=not (args.quiet or args.json),
-                     seed=args.seed)
+                     seed=args.seed, loss=parse_loss(args.loss) if args.loss is not None
+                     else None, advantage_norm=args.advantage_norm)
     start = time.perf_counter()
     result = run_capture(job)
     result["seconds"] = round(time.perf_counter() - start, 2)
@@ -414,6 +421,9 @@ def cmd_demo(args: argparse.Namespace) -> None:
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="print nothing but errors")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    parser.add_argument("--plugin", action="append", default=[], metavar="MODULE",
+                        help="import MODULE first: it registers victims, attacks or defenses "
+                        "(repeatable; entry points in the group gradleak.plugins load too)")
 
 
 def _nonfinite_flag(parser: argparse.ArgumentParser) -> None:
@@ -473,6 +483,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--components", default=None, help="subset of cnn,fc,heads")
     p.add_argument("--shard", default="0/1", help="i/n: this process's part of the capture")
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--loss", default=None, metavar="K=V,...",
+                   help="the loss the client used: value=,entropy=,clip=,gamma=,lam= (required "
+                   "for a checkpoint that declares none; overrides the declared keys)")
+    p.add_argument("--advantage-norm", default="episode", choices=["episode", "none"],
+                   help="per-episode (A − mean)/std, the capture protocol (default), or raw GAE")
     p.add_argument("--resume", action="store_true")
     p.add_argument("--overwrite", action="store_true")
     p.set_defaults(func=cmd_capture)
@@ -600,6 +615,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        from gradleak.plugins import load_plugins
+
+        load_plugins(args.plugin)
         args.func(args)
     except GradleakError as err:
         print(f"gradleak: error: {err}", file=sys.stderr)

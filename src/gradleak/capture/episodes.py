@@ -72,9 +72,10 @@ def _run_episode(env: gym.Env, victim: Victim, seed: int, scene: str, max_steps:
     return episode, bootstrap
 
 
-def episode_targets(episode: Episode, bootstrap: float, gamma: float, lam: float
-                    ) -> dict[str, np.ndarray]:
+def episode_targets(episode: Episode, bootstrap: float, gamma: float, lam: float,
+                    advantage_norm: str = "episode") -> dict[str, np.ndarray]:
     raw = episode_advantages(episode.rewards, episode.values, bootstrap, gamma, lam)
+    used = normalise(raw) if advantage_norm == "episode" else raw
     return {"advantages_raw": raw.astype(np.float32),
-            "advantages": normalise(raw).astype(np.float32),
+            "advantages": used.astype(np.float32),
             "returns": (raw + episode.values).astype(np.float32)}

@@ -30,8 +30,8 @@ from gradleak.io import (
     write_json,
 )
 from gradleak.presets import CaptureConfig, Preset, validate_preset
-from gradleak.rl.losses import LossCoefficients
-from gradleak.rl.trainer import ALGORITHMS, loss_coefficients
+from gradleak.rl.losses import ADVANTAGE_NORMS, LOSS_KEYS, LossCoefficients
+from gradleak.rl.trainer import ALGORITHMS
 from gradleak.victims.base import (
     COMPONENTS,
     VICTIMS,
@@ -42,6 +42,7 @@ from gradleak.victims.base import (
 )
 
 SPLITS = ("train", "heldout")
+ADVANTAGE_TEXT = {"episode": "per-episode, population std", "none": "none (raw GAE)"}
 GRADIENT_METHODS = ("vmap", "loop")
 GRADIENT_DTYPES = ("float16", "float32")
 FLOAT16_MAX = 65504.0
@@ -61,6 +62,11 @@ class CaptureJob:
     overwrite: bool = False
     progress: bool = True
     seed: int | None = None  # None: the preset's capture seed
+    # The loss the client really used (`--loss`): keys of rl.losses.LOSS_KEYS. A checkpoint's
+    # own declaration (its preset's train section) fills the keys not given; a checkpoint
+    # without one must be given all of them.
+    loss: dict[str, float] | None = None
+    advantage_norm: str = "episode"  # rl.losses.ADVANTAGE_NORMS
 
 
 def parse_shard(text: str) -> tuple[int, int]:
@@ -78,6 +84,9 @@ def shard_output(out: Path, shard: tuple[int, int]) -> Path:
 
 def _victim_and_rule(job: CaptureJob) -> tuple[Victim, str, LossCoefficients, float, float]:
     preset = job.preset
+    if job.advantage_norm not in ADVANTAGE_NORMS:
+        raise ConfigError(f"--advantage-norm {job.advantage_norm!r}: expected one of "
+                          f"{', '.join(ADVANTAGE_NORMS)}")
     if job.random_init:
         if job.victim not in VICTIMS:
             raise ConfigError(f"--random-init needs a victim name ({', '.join(VICTIMS.names())}), "
@@ -87,17 +96,15 @@ def _victim_and_rule(job: CaptureJob) -> tuple[Victim, str, LossCoefficients, fl
         torch.manual_seed(job.seed if job.seed is not None else preset.capture.seed)
         config = VictimConfig(job.victim, preset.env.doomnav.frame_size, num_actions(preset.env))
         victim = create_victim(config).eval()
-        return (victim, job.algorithm, loss_coefficients(preset), preset.train.gamma,
-                preset.train.lam)
+        t = preset.train  # the preset declares the rule of a model it creates
+        declared = {"value": t.value_coef, "entropy": t.entropy_coef, "clip": t.clip,
+                    "gamma": t.gamma, "lam": t.lam}
+        return (victim, job.algorithm, *_rule({**declared, **(job.loss or {})}))
     victim, meta = load_victim(job.victim)
     for name, tensor in victim.state_dict().items():
         if tensor.is_floating_point() and not torch.isfinite(tensor).all():
             raise CheckpointError(f"victim checkpoint {job.victim}: tensor {name} holds NaN/Inf "
                                   "values (a diverged training run?)")
-    train = _checkpoint_train_settings(job.victim, meta)
-    coefficients = LossCoefficients(value=train.get("value_coef", 0.5),
-                                    entropy=train.get("entropy_coef", 0.01),
-                                    clip=train.get("clip", 0.2))
     if victim.config.frame_size != preset.env.doomnav.frame_size:
         raise ConfigError(f"victim {job.victim} takes {victim.config.frame_size}x"
                           f"{victim.config.frame_size} frames but the preset renders "
@@ -105,25 +112,48 @@ def _victim_and_rule(job: CaptureJob) -> tuple[Victim, str, LossCoefficients, fl
     if victim.config.num_actions != num_actions(preset.env):
         raise ConfigError(f"victim {job.victim} has {victim.config.num_actions} actions but the "
                           f"environment has {num_actions(preset.env)}")
-    return (victim, meta.get("algorithm", "ppo"), coefficients, train.get("gamma", 0.99),
-            train.get("lam", 0.95))
+    declared = {**_checkpoint_rule(job.victim, meta), **(job.loss or {})}
+    missing = [key for key in LOSS_KEYS if key not in declared]
+    if missing:
+        raise ConfigError(f"victim config {victim_directory(job.victim) / 'victim.json'} "
+                          "declares no learning rule (no 'preset'): declare the loss the client "
+                          f"used, --loss {','.join(f'{k}=...' for k in LOSS_KEYS)} (missing "
+                          f"{', '.join(missing)})")
+    return (victim, meta.get("algorithm", "ppo"), *_rule(declared))
 
 
-def _checkpoint_train_settings(source: str, meta: dict[str, Any]) -> dict[str, Any]:
-    """The learning rule a checkpoint was trained with (its preset's `train` section)."""
+def _rule(declared: dict[str, float]) -> tuple[LossCoefficients, float, float]:
+    return (LossCoefficients(value=declared["value"], entropy=declared["entropy"],
+                             clip=declared["clip"]), declared["gamma"], declared["lam"])
+
+
+# a checkpoint's preset names the rule's parts as the trainer's config does
+TRAIN_FIELDS = {"value": "value_coef", "entropy": "entropy_coef", "clip": "clip",
+                "gamma": "gamma", "lam": "lam"}
+
+
+def _checkpoint_rule(source: str, meta: dict[str, Any]) -> dict[str, float]:
+    """The learning rule a checkpoint declares (its preset's `train` section), or {} when it
+    declares none; a malformed declaration is named."""
     where = f"victim config {victim_directory(source) / 'victim.json'}"
-    preset = meta.get("preset", {})
+    if "preset" not in meta:
+        return {}
+    preset = meta["preset"]
     train = preset.get("train", {}) if isinstance(preset, dict) else None
     if not isinstance(train, dict):
         raise CheckpointError(f"{where}: field 'preset' is malformed (expected an object with "
                               "a 'train' object)")
-    for key in ("value_coef", "entropy_coef", "clip", "gamma", "lam"):
-        value = train.get(key, 0.0)
+    rule = {}
+    for key, field in TRAIN_FIELDS.items():
+        if field not in train:
+            continue  # --loss must give it, or the capture is refused
+        value = train[field]
         if isinstance(value, bool) or not isinstance(value, (int, float)) \
                 or not math.isfinite(value):
-            raise CheckpointError(f"{where}: field 'preset.train.{key}' is {value!r}, expected "
-                                  "a finite number")
-    return train
+            raise CheckpointError(f"{where}: field 'preset.train.{field}' is {value!r}, "
+                                  "expected a finite number")
+        rule[key] = float(value)
+    return rule
 
 
 def _shard_scenes(scenes: list[str], shard: tuple[int, int]) -> list[str]:
@@ -204,11 +234,13 @@ def _plan(job: CaptureJob) -> _Plan:
                 "shard": [shard_index, shard_count], "env": _env_settings(preset)}
     if dtype != "float16":  # only when set, so captures made before the option still resume
         settings["gradient_dtype"] = dtype
+    if job.advantage_norm != "episode":  # likewise
+        settings["advantage_norm"] = job.advantage_norm
     attrs = {"format": FORMAT, "format_version": FORMAT_VERSION, "victim": victim.config.name,
              "victim_config": json.dumps(victim.config.to_dict()),
              "theta0_sha256": settings["theta0_sha256"], "algorithm": algorithm,
              "loss": json.dumps({**coefficients.to_dict(), "gamma": gamma, "lam": lam,
-                                 "advantage_normalisation": "per-episode, population std"}),
+                                 "advantage_normalisation": ADVANTAGE_TEXT[job.advantage_norm]}),
              "layer_table": layers_to_json(layers),
              "components": json.dumps(list(preset.capture.components)),
              "scenes": json.dumps(scenes), "all_scenes": json.dumps(all_scenes),
@@ -278,7 +310,8 @@ def _capture_loop(plan: _Plan, env: Any, writer: CaptureWriter, job: CaptureJob
             episode, bootstrap = run_episode(env, plan.victim, seed, scene,
                                              min(max_steps, plan.steps - writer.num_rows),
                                              torch.Generator().manual_seed(seed))
-            targets = episode_targets(episode, bootstrap, plan.gamma, plan.lam)
+            targets = episode_targets(episode, bootstrap, plan.gamma, plan.lam,
+                                      job.advantage_norm)
             tock = time.perf_counter()
             gradients = _gradients(plan, episode, targets, job.preset.capture, index)
             tack = time.perf_counter()

@@ -10,11 +10,14 @@ is one and the clip inactive, so PPO and A2C give the same gradient (Proposition
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from gradleak.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -25,6 +28,36 @@ class LossCoefficients:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+# The keys of `--loss`: the coefficients, and the discounting behind the advantages.
+LOSS_KEYS = ("value", "entropy", "clip", "gamma", "lam")
+# How a client normalises its advantages before the loss. "episode": (A − mean) / std over the
+# episode (the TRACE protocol); "none": raw GAE. An optimiser-minibatch normalisation (SB3's)
+# depends on the shuffled rollout buffer, which a capture of single steps does not replay.
+ADVANTAGE_NORMS = ("episode", "none")
+
+
+def parse_loss(text: str) -> dict[str, float]:
+    """`value=0.25,entropy=0.02,clip=0.1[,gamma=0.99,lam=0.95]`: each key once, finite."""
+    values: dict[str, float] = {}
+    for item in [part.strip() for part in text.split(",") if part.strip()]:
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or key not in LOSS_KEYS:
+            raise ConfigError(f"--loss {text!r}: {item!r} is not KEY=VALUE with KEY one of "
+                              f"{', '.join(LOSS_KEYS)}")
+        if key in values:
+            raise ConfigError(f"--loss {text!r}: {key!r} is given twice")
+        try:
+            values[key] = float(value)
+        except ValueError:
+            raise ConfigError(f"--loss {text!r}: {key}={value.strip()!r} is not a number") from None
+        if not math.isfinite(values[key]) or values[key] < 0:
+            raise ConfigError(f"--loss {text!r}: {key}={value.strip()} must be finite and >= 0")
+    if not values:
+        raise ConfigError("--loss '': expected value=...,entropy=...,clip=...")
+    return values
 
 
 def log_probs_and_entropy(logits: torch.Tensor, actions: torch.Tensor

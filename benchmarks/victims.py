@@ -1,0 +1,233 @@
+"""The paper's Table 10 at CPU scale: every registered victim, its `-small` size at 64×64.
+
+For each victim: a short PPO training on DoomNav (training maps), then captures at the trained
+θ0 on training and held-out scenes (float32, the wire format), and on the held-out capture:
+gradient dimension and MB per 1,000 steps; the accuracy of each action rule; what the closed
+form recovers and its error (h, the FC input, the goal, the GRU's pre-step state); the deepest
+conv input the recursion recovers and frames beneath it by the smoothness prior (training-free),
+or why it does not apply; and the learned attackers (LtI, and the analytic decoder where the
+victim has conv features), each given the same CPU budget, against the mean training image.
+
+    OMP_NUM_THREADS=1 python benchmarks/victims.py [--victims cnn-small,vit-tiny-small,...]
+        [--updates 6] [--train-steps 2048] [--heldout-steps 512] [--minutes 3] [--frames 32]
+        [--work runs/bench-victims]
+
+Each victim's result is written to WORK/NAME/result.json as soon as it is done and reused on
+the next run (delete it to measure again); the merge goes to benchmarks/results/victims.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gradleak.capture.run import CaptureJob, run_capture
+from gradleak.errors import ConfigError
+from gradleak.evaluation import evaluate_action_rules
+from gradleak.evaluation.analytic import check_attacks_apply, evaluate_analytic
+from gradleak.evaluation.reconstructions import evaluate
+from gradleak.io import atomic_path, read_json, write_json
+from gradleak.presets import Preset, load_preset
+from gradleak.report.tables import markdown_table
+from gradleak.rl.trainer import train_victim
+from gradleak.training.auxiliary import fit_decoder
+from gradleak.training.fit import fit_attacker
+from gradleak.victims import VictimConfig
+
+RESULTS = Path(__file__).parent / "results" / "victims.json"
+RULES = ("odd-sign", "sign-agnostic", "sign-aware")
+VICTIMS = ("cnn-small", "cnn-k10-small", "vit-tiny-small", "impala-small", "impala-wide-small",
+           "cnn-gru-small", "multimodal-small")
+# The paper's Table 10 (AI2-THOR 84×84, TRACE after 50 GPU-epochs): PSNR in dB.
+PAPER_PSNR = {"cnn-small": None, "cnn-k10-small": 18.92, "vit-tiny-small": 13.99,
+              "impala-small": 21.85, "impala-wide-small": 22.36, "cnn-gru-small": 18.62,
+              "multimodal-small": 19.78}
+
+
+def victim_preset(name: str, updates: int) -> Preset:
+    preset = load_preset("cpu-quick", [f"train.victim={name}", f"train.updates={updates}",
+                                       "capture.gradient_dtype=float32"])
+    if "k10" in name:
+        preset.env.doomnav.num_actions = 10
+    return preset
+
+
+def cpu_minutes(start: float) -> float:
+    return round((time.process_time() - start) / 60, 2)
+
+
+def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    work = Path(args.work) / name
+    preset = victim_preset(name, args.updates)
+    tick = time.process_time()
+    training = train_victim(preset, work / "victim", resume=(work / "victim").exists(),
+                            progress=False)
+    result: dict[str, Any] = {"victim": name, "train_updates": training["updates"],
+                              "train_cpu_minutes": cpu_minutes(tick)}
+    captures = {}
+    for split, steps in (("train", args.train_steps), ("heldout", args.heldout_steps)):
+        captures[split] = work / f"{split}.h5"
+        run_capture(CaptureJob(victim=str(work / "victim"), split=split, steps=steps,
+                               out=captures[split], preset=preset, resume=True, progress=False))
+    heldout = captures["heldout"]
+    meta = read_json(work / "victim" / "victim.json", "victim config")
+    result["gradient_dim"] = int(_attr(heldout, "gradient_dim"))
+    result["mb_per_1000_steps"] = round(heldout.stat().st_size / 2**20 / args.heldout_steps
+                                        * 1000, 1)
+    result["rules"] = {rule: round(r["accuracy"], 4) for rule, r in
+                       evaluate_action_rules([heldout], RULES).items()}
+    result.update(closed_form(heldout, VictimConfig.from_dict(meta["victim"]), args.frames))
+    result["learned"] = learned(work, captures, preset, args.minutes)
+    return result
+
+
+def _attr(path: Path, name: str) -> Any:
+    import h5py
+
+    with h5py.File(path, "r") as handle:
+        return handle.attrs[name]
+
+
+def closed_form(heldout: Path, config: VictimConfig, frames: int) -> dict[str, Any]:
+    """Actions, A, R and every recoverable layer input; the conv recursion where it applies."""
+    try:
+        check_attacks_apply(config, invert=0, conv=frames)
+        conv = frames
+    except ConfigError as refusal:
+        conv, reason = 0, str(refusal)
+    scores = evaluate_analytic([heldout], conv=conv)[str(heldout)]
+    out = {"closed_form": {"action_accuracy": scores["action_accuracy"],
+                           "advantage_median_relative_error":
+                               scores["advantage_median_relative_error"],
+                           "returns_max_abs_error": scores["returns_max_abs_error"],
+                           "layer_inputs": {name: v["median_relative_error"] for name, v in
+                                            scores["layer_inputs"].items()}}}
+    if conv:
+        stack = scores["conv_stack"]
+        deepest = stack["frames_from"]
+        out["conv_stack"] = {"deepest_input": deepest,
+                             "shape": stack["layers"][deepest]["shape"],
+                             "median_relative_error":
+                                 stack["layers"][deepest]["median_relative_error"],
+                             "frames": stack["frames"], "psnr": stack["psnr"],
+                             "ssim": stack["ssim"],
+                             "psnr_of_their_mean_image": stack["psnr_of_their_mean_image"],
+                             "ms_per_frame": 1000 * (stack["recovery_seconds_per_frame"]
+                                                     + stack["frame_seconds_per_frame"])}
+    else:
+        out["conv_stack"] = {"refused": reason}
+    return out
+
+
+def learned(work: Path, captures: dict[str, Path], preset: Preset, minutes: float
+            ) -> dict[str, Any]:
+    """LtI and (where it applies) the analytic decoder, each `minutes` of this process's CPU."""
+    attackers: dict[str, str] = {}
+    train = [str(captures["train"])]
+    lti = preset.attack.lti_fit
+    lti.epochs, lti.time_limit_minutes, lti.time_limit_clock, lti.workers = 50, minutes, "cpu", 0
+    if not (work / "lti" / "attacker.json").exists():  # a finished budget is never topped up
+        fit_attacker("lti", preset.attack.lti, lti, train, work / "lti", progress=False)
+    attackers["LtI"] = str(work / "lti")
+    decoder = preset.attack.decoder_fit
+    decoder.epochs, decoder.time_limit_minutes, decoder.time_limit_clock = 20, minutes, "cpu"
+    decoder.extra_frames = 0  # the captured training frames only: equal data for both
+    refused = None
+    try:
+        if not (work / "decoder" / "attacker.json").exists():
+            fit_decoder(preset.attack.decoder, decoder, train, work / "decoder", progress=False)
+        attackers["analytic+decoder"] = str(work / "decoder")
+    except ConfigError as refusal:
+        refused = str(refusal)
+    scores = evaluate([captures["heldout"]], attackers, work / "eval", baselines={})
+    methods = scores["methods"]
+    keep = ("psnr", "ssim", "lpips", "action_accuracy", "parameters", "ms_per_frame")
+    out = {name: {k: methods[name].get(k) for k in keep} for name in
+           [*attackers, "mean training image", "mean colour (oracle)"]}
+    out["lpips"] = scores["lpips"]
+    if refused:
+        out["decoder_refused"] = refused
+    return out
+
+
+def markdown(result: dict[str, Any]) -> str:
+    rows = []
+    for name, r in result["victims"].items():
+        learned_rows = {k: v for k, v in r["learned"].items() if isinstance(v, dict)
+                        and k not in ("mean training image", "mean colour (oracle)")}
+        best = max(learned_rows.items(), key=lambda kv: kv[1]["psnr"])
+        conv = r["conv_stack"]
+        inputs = r["closed_form"]["layer_inputs"]
+        rows.append({
+            "victim": name, "gradient dim": f"{r['gradient_dim']:,}",
+            "MB / 1k steps": r["mb_per_1000_steps"],
+            "odd-sign / agnostic / aware*": " / ".join(f"{100 * r['rules'][k]:.1f}%"
+                                                      for k in RULES),
+            "closed form: actions, A err": closed_form_text(r["closed_form"]),
+            "closed form: inputs (median rel. err.)": ", ".join(
+                f"{k} {v:.1e}" for k, v in inputs.items() if k in KEY_INPUTS),
+            "deepest conv input": (f"{conv['deepest_input']} {tuple(conv['shape'])} "
+                                   f"{conv['median_relative_error']:.1e}") if "psnr" in conv
+            else "refused",
+            "training-free frames (PSNR / SSIM)": f"{conv['psnr']:.2f} / {conv['ssim']:.3f}"
+            if "psnr" in conv else "-",
+            "best learned (PSNR / SSIM)": f"{best[0]} {best[1]['psnr']:.2f} / "
+                                          f"{best[1]['ssim']:.3f}",
+            "mean image": f"{r['learned']['mean training image']['psnr']:.2f}",
+            "paper (TRACE)": PAPER_PSNR.get(name) or "-"})
+    columns = list(rows[0])
+    return (f"# The paper's victims at CPU scale\n\n{result['setup']}\n\n"
+            + markdown_table(rows, columns)
+            + "\n\n* sign-aware is given the true sign of each advantage (an oracle).\n"
+            + "LPIPS: " + next(iter(result["victims"].values()))["learned"]["lpips"] + "\n")
+
+
+KEY_INPUTS = ("fc", "policy_head", "goal_encoder.0", "gru.state")
+
+
+def closed_form_text(scores: dict[str, Any]) -> str:
+    return (f"{100 * scores['action_accuracy']:.1f}%, "
+            f"{scores['advantage_median_relative_error']:.1e}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--victims", default=",".join(VICTIMS))
+    parser.add_argument("--updates", type=int, default=6)
+    parser.add_argument("--train-steps", type=int, default=2048)
+    parser.add_argument("--heldout-steps", type=int, default=512)
+    parser.add_argument("--minutes", type=float, default=3.0, help="CPU minutes per attacker")
+    parser.add_argument("--frames", type=int, default=32, help="steps the conv recursion runs on")
+    parser.add_argument("--work", default="runs/bench-victims")
+    args = parser.parse_args()
+    victims = {}
+    for name in [v for v in args.victims.split(",") if v]:
+        cell = Path(args.work) / name / "result.json"
+        if not cell.is_file():
+            write_json(cell, measure(name, args))
+        victims[name] = read_json(cell, "victim benchmark cell")
+        print(json.dumps(victims[name]), flush=True)
+    setup = (f"Each victim at 64×64 (K = 5; K = 10 for cnn-k10-small), trained {args.updates} "
+             f"PPO updates of 512 steps on cpu-quick's training maps; captures at that θ0 "
+             f"(float32): {args.train_steps} training-scene steps, {args.heldout_steps} "
+             f"held-out steps on unseen maps. LtI and the analytic decoder get "
+             f"{args.minutes} CPU-minutes each on the training capture (captured frames only). "
+             f"The conv recursion runs on {args.frames} held-out steps. Machine: "
+             f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+             f"{torch.get_num_threads()} torch threads.")
+    result = {"setup": setup, "victims": victims, "paper_trace_psnr": PAPER_PSNR}
+    write_json(RESULTS, result)
+    with atomic_path(RESULTS.with_suffix(".md")) as tmp:
+        tmp.write_text(markdown(result))
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
