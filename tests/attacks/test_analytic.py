@@ -87,3 +87,16 @@ def test_feature_inversion_through_a_linear_first_layer_is_exact() -> None:
     features = recover_analytically(observation).extras["layer_inputs"]["fc"]
     recovered = invert_features(observation, features, iterations=300, lr=0.02, tv=0.0)
     assert float(psnr(to_unit_tensor(recovered), to_unit_tensor(images.numpy())).min()) > 35
+
+
+def test_scoring_in_chunks_equals_scoring_all_rows_at_once(random_capture) -> None:
+    from gradleak.evaluation.analytic import evaluate_analytic
+
+    whole = evaluate_analytic([random_capture], chunk=10_000)[str(random_capture)]
+    pieces = evaluate_analytic([random_capture], chunk=7)[str(random_capture)]  # 8 chunks
+    layers, whole_layers = pieces.pop("layer_inputs"), whole.pop("layer_inputs")
+    assert pieces == whole  # actions, π, V, A, R: row by row, so exactly equal
+    assert list(layers) == list(whole_layers)
+    for name, scores in layers.items():
+        # the truth's forward passes run in other batch sizes: float32 sums in another order
+        assert scores == pytest.approx(whole_layers[name], rel=1e-3)

@@ -42,6 +42,8 @@ def test_every_action_and_advantage_comes_back_from_a_captured_stream(
     assert result["advantage_median_relative_error"] < 1e-2
     if name == "multimodal-small":  # the goal: the goal encoder's first input
         assert result["layer_inputs"]["goal_encoder.0"]["median_relative_error"] < 1e-2
+        assert result["goal"]["goal_distance_m_median"] < 0.05  # metres
+        assert result["goal"]["goal_bearing_deg_median"] < 1.0
 
 
 @pytest.mark.parametrize("victim, command, fragment", [

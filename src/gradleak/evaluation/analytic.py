@@ -17,6 +17,8 @@ from gradleak.errors import ConfigError
 from gradleak.threat import Observation, Target
 from gradleak.victims.base import VictimConfig, create_victim
 
+CHUNK_ROWS = 128  # rows of gradients held at once
+
 
 def true_layer_inputs(observation: Observation, target: Target, modules: list[str]
                       ) -> dict[str, np.ndarray]:
@@ -44,26 +46,61 @@ def relative_errors(estimate: np.ndarray, truth: np.ndarray) -> np.ndarray:
         return np.linalg.norm(estimate - truth, axis=1) / np.linalg.norm(truth, axis=1)
 
 
-def score(observation: Observation, target: Target) -> dict[str, Any]:
+def row_scores(observation: Observation, target: Target) -> dict[str, np.ndarray]:
+    """Per-row errors of the closed form on one chunk of rows: small arrays, kept across chunks
+    while the gradients themselves are dropped."""
     result = recover_analytically(observation)
     extras = result.extras
     truth_inputs = true_layer_inputs(observation, target, list(extras["layer_inputs"]))
-    layers = {}
-    for name, estimate in extras["layer_inputs"].items():
-        errors = relative_errors(estimate, truth_inputs[name])
-        layers[name] = {"median_relative_error": float(np.nanmedian(errors)),
-                        "max_relative_error": float(np.nanmax(errors)),
-                        "rows_without_signal": int(np.isnan(errors).sum())}
+    rows = {f"layer:{name}": relative_errors(estimate, truth_inputs[name])
+            for name, estimate in extras["layer_inputs"].items()}
+    if GOAL_INPUT in extras["layer_inputs"] and target.goals is not None:
+        rows.update(goal_errors(extras["layer_inputs"][GOAL_INPUT], target.goals))
     advantage_error = np.abs(extras["advantages"] - target.advantages)
-    return {"rows": len(observation), "action_accuracy": float((result.actions ==
-                                                                target.actions).mean()),
-            "probs_max_abs_error": float(np.abs(extras["probs"] - target.probs).max()),
-            "values_max_abs_error": float(np.abs(extras["values"] - target.values).max()),
-            "advantage_max_abs_error": float(advantage_error.max()),
-            "advantage_median_relative_error": float(np.median(
-                advantage_error / np.maximum(np.abs(target.advantages), 1e-8))),
-            "returns_max_abs_error": float(np.abs(extras["returns"] - target.returns).max()),
-            "median_misfit": float(np.nanmedian(extras["misfit"])), "layer_inputs": layers}
+    return {**rows, "correct": result.actions == target.actions,
+            "probs": np.abs(extras["probs"] - target.probs).max(1),
+            "values": np.abs(extras["values"] - target.values),
+            "advantage": advantage_error,
+            "advantage_relative": advantage_error / np.maximum(np.abs(target.advantages), 1e-8),
+            "returns": np.abs(extras["returns"] - target.returns), "misfit": extras["misfit"]}
+
+
+GOAL_INPUT = "goal_encoder.0"  # the multimodal victim's first goal layer reads the goal itself
+
+
+def goal_errors(estimate: np.ndarray, truth: np.ndarray) -> dict[str, np.ndarray]:
+    """Where the agent is heading, in DoomNav's units: the goal is (distance / 10 m, sin, cos)
+    of the bearing, so the errors are metres of distance and degrees of bearing."""
+    def bearing(goal: np.ndarray) -> np.ndarray:
+        return np.degrees(np.arctan2(goal[:, 1], goal[:, 2]))
+
+    turn = (bearing(estimate) - bearing(truth) + 180.0) % 360.0 - 180.0
+    return {"goal_distance_m": 10.0 * np.abs(estimate[:, 0] - truth[:, 0]),
+            "goal_bearing_deg": np.abs(turn)}
+
+
+def summarise_rows(chunks: list[dict[str, np.ndarray]]) -> dict[str, Any]:
+    joined = {key: np.concatenate([chunk[key] for chunk in chunks]) for key in chunks[0]}
+    goal = {f"{key}_median": float(np.median(joined[key])) for key in ("goal_distance_m",
+                                                                       "goal_bearing_deg")
+            if key in joined}
+    layers = {key.removeprefix("layer:"): {
+        "median_relative_error": float(np.nanmedian(errors)),
+        "max_relative_error": float(np.nanmax(errors)),
+        "rows_without_signal": int(np.isnan(errors).sum())}
+        for key, errors in joined.items() if key.startswith("layer:")}
+    return {"rows": len(joined["correct"]), "action_accuracy": float(joined["correct"].mean()),
+            "probs_max_abs_error": float(joined["probs"].max()),
+            "values_max_abs_error": float(joined["values"].max()),
+            "advantage_max_abs_error": float(joined["advantage"].max()),
+            "advantage_median_relative_error": float(np.median(joined["advantage_relative"])),
+            "returns_max_abs_error": float(joined["returns"].max()),
+            "median_misfit": float(np.nanmedian(joined["misfit"])), "layer_inputs": layers,
+            **({"goal": goal} if goal else {})}
+
+
+def score(observation: Observation, target: Target) -> dict[str, Any]:
+    return summarise_rows([row_scores(observation, target)])
 
 
 def score_inversion(observation: Observation, target: Target, count: int) -> dict[str, Any]:
@@ -143,23 +180,32 @@ def check_attacks_apply(config: VictimConfig, invert: int, conv: int) -> None:
 
 
 def evaluate_analytic(paths: Sequence[str | os.PathLike[str]], max_rows: int | None = None,
-                      invert: int = 0, conv: int = 0, skip_nonfinite: bool = False
-                      ) -> dict[str, dict[str, Any]]:
+                      invert: int = 0, conv: int = 0, skip_nonfinite: bool = False,
+                      chunk: int = CHUNK_ROWS) -> dict[str, dict[str, Any]]:
+    """Closed-form recovery scored over whole files, `chunk` rows at a time: peak memory is
+    bounded by one chunk's gradients, whatever the number of rows. --invert and --conv read
+    only the rows they attack."""
     results = {}
     for path in paths:
         with CaptureFile(path) as capture:
             check_attacks_apply(capture.victim, invert, conv)  # before any row is read
             usable = np.flatnonzero(capture.usable_rows(skip_nonfinite))
             chosen = usable[:max_rows or len(usable)]
-            # a slice unless rows were left out: h5py reads a slice far faster than a list
-            rows = slice(0, len(chosen)) if len(usable) == len(capture) else chosen
-            observation, target = capture.observation(rows), capture.target(rows)
-            skipped = len(capture) - len(usable)
-        results[str(path)] = score(observation, target)
-        results[str(path)]["skipped_nonfinite_rows"] = skipped
-        if invert:
-            results[str(path)]["feature_inversion"] = score_inversion(observation, target,
-                                                                      invert)
-        if conv:
-            results[str(path)]["conv_stack"] = score_conv_stack(observation, target, conv)
+            parts = [row_scores(*read_rows(capture, chosen[start:start + chunk]))
+                     for start in range(0, len(chosen), chunk)]
+            result = summarise_rows(parts)
+            result["skipped_nonfinite_rows"] = len(capture) - len(usable)
+            for count, name, scorer in ((invert, "feature_inversion", score_inversion),
+                                        (conv, "conv_stack", score_conv_stack)):
+                if count:
+                    spread = chosen[np.linspace(0, len(chosen) - 1, count).astype(int)]
+                    result[name] = scorer(*read_rows(capture, spread), count)
+        results[str(path)] = result
     return results
+
+
+def read_rows(capture: CaptureFile, rows: np.ndarray) -> tuple[Observation, Target]:
+    """A contiguous run of rows is read as a slice: h5py reads a slice far faster than a list."""
+    index: Any = slice(int(rows[0]), int(rows[-1]) + 1) \
+        if len(rows) and rows[-1] - rows[0] + 1 == len(rows) else rows
+    return capture.observation(index), capture.target(index)
