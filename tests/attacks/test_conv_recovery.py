@@ -101,7 +101,7 @@ def test_the_frame_itself_is_refused_as_underdetermined(trained_statistics) -> N
 
 def test_victims_without_a_conv_stack_are_named() -> None:
     observation, _ = mlp_observation(frames=2)
-    with pytest.raises(ConfigError, match="Conv2d → ReLU → BatchNorm2d"):
+    with pytest.raises(ConfigError, match=r"Conv2d → ReLU \[→ BatchNorm2d\] blocks"):
         observed_conv_inputs(observation)
 
 
@@ -124,3 +124,24 @@ def test_each_step_keeps_the_run_with_the_least_relative_noise() -> None:
     assert kept.inputs["c"][:, 0, 0, 0].tolist() == [1.0, 2.0]
     assert kept.masks["c"].flatten().tolist() == [False, True]
     assert kept.thresholds.tolist() == [10.0, 20.0]
+
+
+def test_blocks_without_batchnorm_are_walked_exactly() -> None:
+    """NatureCNN (SB3's CnnPolicy): Conv → ReLU with no normalisation; at 64×64 the gradients
+    determine the inputs of its last two convs exactly, and the frame needs the prior."""
+    torch.manual_seed(3)
+    victim = create_victim("nature-cnn", frame_size=64).eval()
+    assert sum(p.numel() for p in victim.parameters()) == 603_814  # SB3's NatureCNN at 64×64, K = 5
+    images = torch.stack([smooth_frame(64, seed) for seed in range(6)])
+    observation, _ = observe(victim, images, torch.arange(6) % 5,
+                             torch.linspace(-1.5, 1.5, 6), torch.linspace(-0.5, 0.8, 6))
+    found = observed_conv_inputs(observation)
+    assert list(found.inputs) == ["encoder.4", "encoder.2"]
+    truth = true_inputs(observation, images, list(found.inputs))
+    for name, estimate in found.inputs.items():
+        known = torch.isfinite(found.noise[name])  # pixels some conv output reads
+        error = relative_error(estimate * known, truth[name] * known)
+        assert float(error.max()) <= 1e-4, name
+    # its 4×4 stride-2 conv never reads the last row and column of the 15×15 map: unknown
+    unread = ~torch.isfinite(found.noise["encoder.2"][0, 0])
+    assert unread[14].all() and unread[:, 14].all() and int(unread.sum()) == 29

@@ -45,7 +45,7 @@ GradientOf = Callable[[str], torch.Tensor]  # parameter name → (N, *shape) per
 class ConvBlock:
     name: str  # the conv module's name, e.g. "encoder.3"
     conv: nn.Conv2d
-    norm: nn.BatchNorm2d
+    norm: nn.BatchNorm2d  # the identity (`identity_norm`) when the block has none
     input_size: int  # the square input map's side
 
 
@@ -59,9 +59,13 @@ class ConvInputs:
     thresholds: torch.Tensor | None = None  # (N,) the on/off margin kept for each step
 
     def relative_noise(self, name: str) -> torch.Tensor:
-        """(N,) ‖estimated noise‖ / ‖recovered input‖: tracks the true relative error."""
-        return (self.noise[name].flatten(1).norm(dim=1)
-                / self.inputs[name].flatten(1).norm(dim=1).clamp_min(1e-30))
+        """(N,) ‖estimated noise‖ / ‖recovered input‖ over the pixels the gradient determines:
+        tracks the true relative error."""
+        noise = self.noise[name]
+        known = torch.isfinite(noise)
+        return (torch.where(known, noise, 0).flatten(1).norm(dim=1)
+                / torch.where(known, self.inputs[name], 0).flatten(1).norm(dim=1
+                                                                       ).clamp_min(1e-30))
 
     def pick(self, others: list[ConvInputs], name: str, thresholds: list[float]) -> ConvInputs:
         """Per step, the run (this or one of `others`) whose `name` input is least noisy."""
@@ -78,25 +82,37 @@ class ConvInputs:
 
 
 def conv_blocks(victim: nn.Module, frame_size: int) -> list[ConvBlock]:
-    """The victim's Conv → ReLU → BatchNorm blocks in order, then an `fc` Linear layer."""
+    """The victim's Conv → ReLU [→ BatchNorm] blocks in order, then an `fc` Linear layer. A
+    block without BatchNorm (NatureCNN, SB3's CnnPolicy) gets the identity as its affine map."""
     encoder, fc = getattr(victim, "encoder", None), getattr(victim, "fc", None)
-    layers = list(encoder) if isinstance(encoder, nn.Sequential) else []
-    shaped = len(layers) > 0 and len(layers) % 3 == 0 and all(
-        isinstance(layers[i], nn.Conv2d) and isinstance(layers[i + 1], nn.ReLU)
-        and isinstance(layers[i + 2], nn.BatchNorm2d) for i in range(0, len(layers), 3))
-    if not shaped or not isinstance(fc, nn.Linear):
-        raise ConfigError(f"victim {type(victim).__name__}: recovery through the conv stack "
-                          "needs an `encoder` of Conv2d → ReLU → BatchNorm2d blocks and an "
-                          "`fc` Linear layer (the cnn and cnn-small victims)")
-    blocks, size = [], frame_size
-    for i in range(0, len(layers), 3):
+    layers = [m for m in encoder if not isinstance(m, nn.Flatten)] \
+        if isinstance(encoder, nn.Sequential) else []
+    blocks, size, i = [], frame_size, 0
+    while i < len(layers) and isinstance(fc, nn.Linear):
         conv = layers[i]
+        if not (isinstance(conv, nn.Conv2d) and i + 1 < len(layers)
+                and isinstance(layers[i + 1], nn.ReLU)):
+            break
+        normed = i + 2 < len(layers) and isinstance(layers[i + 2], nn.BatchNorm2d)
         if conv.groups != 1 or conv.dilation != (1, 1) or conv.bias is None:
             raise ConfigError(f"encoder.{i}: only plain biased convolutions are supported")
-        blocks.append(ConvBlock(f"encoder.{i}", conv, layers[i + 2], size))
+        norm = layers[i + 2] if normed else identity_norm(conv.out_channels)
+        blocks.append(ConvBlock(f"encoder.{i}", conv, norm, size))
         kernel, stride, padding = conv.kernel_size[0], conv.stride[0], conv.padding[0]
         size = (size + 2 * padding - kernel) // stride + 1
+        i += 3 if normed else 2
+    if not blocks or i != len(layers):
+        raise ConfigError(f"victim {type(victim).__name__}: recovery through the conv stack "
+                          "needs an `encoder` of Conv2d → ReLU [→ BatchNorm2d] blocks and an "
+                          "`fc` Linear layer (cnn, cnn-small, nature-cnn and the victims built "
+                          "on them)" + (f"; encoder.{i} is a {type(layers[i]).__name__}"
+                                       if i < len(layers) else ""))
     return blocks
+
+
+def identity_norm(channels: int) -> nn.BatchNorm2d:
+    """The affine map of a block without normalisation: γ = 1, β = 0, μ = 0, σ = 1 exactly."""
+    return nn.BatchNorm2d(channels, eps=0.0).eval()
 
 
 def solvable(block: ConvBlock) -> bool:
@@ -247,7 +263,8 @@ def frames_from_first_block(victim: nn.Module, frame_size: int, output: torch.Te
     first = conv_blocks(victim, frame_size)[0]
     with torch.no_grad():  # an undecided unit is near 0 either way: hold it off
         relu, on, _, _ = unit_states(first, output, noise, threshold)
-    off = ~on
+    known = torch.isfinite(noise)  # a pixel no conv above reads says nothing of the frame
+    on, off = on & known, ~on & known
     conv = first.conv
     weight, bias = conv.weight.detach().double(), conv.bias.detach().double()
     scale = (relu * on).pow(2).flatten(1).sum(1).clamp_min(1e-12)
@@ -290,13 +307,25 @@ def settle_masks(block: ConvBlock, full: torch.Tensor, sure: torch.Tensor,
     return mask
 
 
+def covered_pixels(block: ConvBlock) -> torch.Tensor:
+    """(Q,) bool: the input pixels some output position reads. A strided conv without padding
+    can leave the last rows and columns unread (NatureCNN's 15×15 map under its 4×4, stride-2
+    conv); no gradient says anything about them."""
+    return unfold_identity(block).flatten(1).any(1)
+
+
 def least_squares(block: ConvBlock, delta: torch.Tensor, weight_gradient: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """D(δ) (N, R, Q), the right-hand sides (N, R, C_in) and their solution (N, Q, C_in)."""
+    """D(δ) (N, R, Q') over the read pixels, the right-hand sides (N, R, C_in) and the solution
+    (N, Q, C_in), zero at the pixels no output reads (rank-deficient columns otherwise, which
+    gelsy does not solve)."""
     count, channels_in = len(delta), block.conv.in_channels
-    matrix = weight_gradient_matrix(block, delta, unfold_identity(block))
+    read = covered_pixels(block)
+    matrix = weight_gradient_matrix(block, delta, unfold_identity(block)[read])
     rhs = weight_gradient.permute(0, 1, 3, 4, 2).reshape(count, -1, channels_in)
-    return matrix, rhs, torch.linalg.lstsq(matrix, rhs, driver="gelsy").solution
+    solution = torch.zeros(count, len(read), channels_in, dtype=matrix.dtype)
+    solution[:, read] = torch.linalg.lstsq(matrix, rhs, driver="gelsy").solution
+    return matrix, rhs, solution
 
 
 def as_map(block: ConvBlock, columns: torch.Tensor) -> torch.Tensor:
@@ -313,12 +342,15 @@ def solve_input(block: ConvBlock, delta: torch.Tensor, weight_gradient: torch.Te
 
 def solve_input_with_noise(block: ConvBlock, delta: torch.Tensor, weight_gradient: torch.Tensor
                            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The conv's input and its per-pixel noise standard deviation, from the fit's residual."""
+    """The conv's input and its per-pixel noise standard deviation, from the fit's residual;
+    infinite at the pixels no output reads (unknown, not zero)."""
     matrix, rhs, solution = least_squares(block, delta, weight_gradient)
-    residual = (matrix @ solution - rhs).pow(2).sum(1)  # (N, C_in)
+    read = covered_pixels(block)
+    residual = (matrix @ solution[:, read] - rhs).pow(2).sum(1)  # (N, C_in)
     sigma = (residual / max(1, matrix.shape[1] - matrix.shape[2])).sqrt()
     spread = torch.linalg.pinv(matrix.transpose(1, 2) @ matrix).diagonal(dim1=1, dim2=2)
-    std = sigma[:, None, :] * spread.clamp_min(0).sqrt()[:, :, None]  # (N, Q, C_in)
+    std = torch.full_like(solution, float("inf"))
+    std[:, read] = sigma[:, None, :] * spread.clamp_min(0).sqrt()[:, :, None]  # (N, Q', C_in)
     return as_map(block, solution), as_map(block, std)
 
 

@@ -143,10 +143,13 @@ def score_conv_stack(observation: Observation, target: Target, count: int,
         truth = {name: module_input(victim, name, torch.from_numpy(images)).double()
                  for name in found.inputs}
     for name, estimate in found.inputs.items():
-        errors = relative_errors(estimate.flatten(1).numpy(), truth[name].flatten(1).numpy())
+        known = torch.isfinite(found.noise[name])  # pixels no conv reads are unknown, not 0
+        errors = relative_errors((estimate * known).flatten(1).numpy(),
+                                 (truth[name] * known).flatten(1).numpy())
         layers[name] = {"shape": list(estimate.shape[1:]),
                         "median_relative_error": float(np.median(errors)),
-                        "max_relative_error": float(np.max(errors))}
+                        "max_relative_error": float(np.max(errors)),
+                        "unread_fraction": float(1 - known.double().mean())}
     deepest = list(found.inputs)[-1]
     double = victim_at_theta0(observation).double()
     size = observation.victim.frame_size
