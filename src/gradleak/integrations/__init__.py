@@ -1,0 +1,1 @@
+"""Integrations with the libraries clients train with; each imports its library lazily."""

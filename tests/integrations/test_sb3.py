@@ -1,0 +1,129 @@
+"""Stable-Baselines3, as a user of it calls gradleak: the converted victim is SB3's network, the
+captured per-step gradient is SB3's own PPO or A2C loss gradient for a minibatch of one, and a
+saved agent is captured and attacked from the plain CLI with SB3's coefficients."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import stable_baselines3 as sb3
+import torch
+import torch.nn.functional as F
+
+from gradleak.capture.grads import StepBatch, per_step_gradients
+from gradleak.errors import ConfigError
+from gradleak.integrations import sb3 as integration
+from gradleak.rl.losses import LossCoefficients
+from gradleak.victims import layer_table
+
+
+class Frames(gym.Env):
+    """64×64 RGB frames that change with the action: enough for SB3 to build a CnnPolicy."""
+
+    observation_space = gym.spaces.Box(0, 255, (64, 64, 3), np.uint8)
+    action_space = gym.spaces.Discrete(5)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self._t = 0
+        return self.np_random.integers(0, 256, (64, 64, 3), dtype=np.uint8), {}
+
+    def step(self, action):
+        self._t += 1
+        frame = self.np_random.integers(0, 256, (64, 64, 3), dtype=np.uint8)
+        return frame, float(action == 1), self._t >= 16, False, {}
+
+
+def model_of(kind: str):
+    algorithm = {"ppo": sb3.PPO, "a2c": sb3.A2C}[kind]
+    extra = {"n_steps": 16, "batch_size": 16} if kind == "ppo" else {"n_steps": 8}
+    model = algorithm("CnnPolicy", Frames(), seed=0, device="cpu", vf_coef=0.25, ent_coef=0.02,
+                      gamma=0.98, gae_lambda=0.9, **({"clip_range": 0.1} if kind == "ppo"
+                                                     else {}), **extra)
+    model.learn(32)  # θ away from its initialisation
+    return model
+
+
+def sb3_gradient(model, image: np.ndarray, action: int, advantage: float, ret: float,
+                 kind: str) -> dict[str, torch.Tensor]:
+    """SB3's own loss (ppo.py / a2c.py train()) on a minibatch of one, at the policy's θ."""
+    policy = model.policy
+    policy.set_training_mode(False)
+    obs = torch.as_tensor(image.transpose(2, 0, 1)[None])  # VecTransposeImage's layout
+    actions = torch.tensor([action])
+    values, log_prob, entropy = policy.evaluate_actions(obs, actions)
+    advantages, returns = torch.tensor([advantage]), torch.tensor([ret])
+    if kind == "ppo":
+        ratio = torch.exp(log_prob - log_prob.detach())
+        clip = model.clip_range(1.0)
+        policy_loss = -torch.min(advantages * ratio,
+                                 advantages * torch.clamp(ratio, 1 - clip, 1 + clip)).mean()
+    else:
+        policy_loss = -(advantages * log_prob).mean()
+    loss = (policy_loss + model.ent_coef * -torch.mean(entropy)
+            + model.vf_coef * F.mse_loss(returns, values.flatten()))
+    named = dict(policy.named_parameters())
+    grads = torch.autograd.grad(loss, list(named.values()))
+    return dict(zip(named, grads, strict=True))
+
+
+@pytest.mark.parametrize("kind", ["ppo", "a2c"])
+def test_the_captured_gradient_is_sb3s_own_loss_gradient(kind: str) -> None:
+    model = model_of(kind)
+    victim = integration.victim(model)
+    rule = integration.learning_rule(model)
+    assert rule["algorithm"] == kind and rule["value"] == 0.25 and rule["entropy"] == 0.02
+    images = np.random.default_rng(1).integers(0, 256, (4, 64, 64, 3), dtype=np.uint8)
+    with torch.no_grad():  # the same network: SB3's logits and values
+        logits, values = victim(torch.from_numpy(images))
+        obs = torch.as_tensor(images.transpose(0, 3, 1, 2))
+        theirs = model.policy.get_distribution(obs).distribution.logits
+        assert torch.allclose(logits.log_softmax(-1), theirs, atol=1e-5)
+        assert torch.allclose(values, model.policy.predict_values(obs).flatten(), atol=1e-5)
+    actions, advantages = torch.tensor([0, 3, 1, 4]), torch.tensor([1.3, -0.6, 0.2, -2.0])
+    returns = torch.tensor([0.5, -0.2, 1.1, 0.0])
+    old = logits.log_softmax(-1).gather(-1, actions[:, None])[:, 0]
+    layers = layer_table(victim)
+    ours = per_step_gradients(victim, StepBatch(torch.from_numpy(images), actions, advantages,
+                                                returns, old), LossCoefficients(
+        value=rule["value"], entropy=rule["entropy"], clip=rule["clip"]), layers,
+        ppo=kind == "ppo")
+    for i in range(4):
+        reference = sb3_gradient(model, images[i], int(actions[i]), float(advantages[i]),
+                                 float(returns[i]), kind)
+        flat = torch.cat([reference[f"{integration.PARAMETERS[layer.name.rsplit('.', 1)[0]]}."
+                                    f"{layer.name.rsplit('.', 1)[1]}"].flatten()
+                          for layer in layers])
+        error = float((ours[i] - flat).norm() / flat.norm())
+        assert error <= 1e-5, (i, error)
+
+
+def test_a_saved_agent_is_captured_with_sb3s_coefficients(capsys, tmp_path: Path) -> None:
+    from gradleak.cli import main
+
+    model = model_of("ppo")
+    integration.save(model, tmp_path / "victim")
+    out = tmp_path / "heldout.h5"
+    assert main(["capture", "--victim", str(tmp_path / "victim"), "--scenes", "heldout",
+                 "--steps", "12", "--out", str(out), "--seed", "1", "--quiet",
+                 "--set", "env.heldout_maps=MAP05", "--set", "env.max_regions_per_map=1",
+                 "--set", "env.doomnav.max_steps=6"]) == 0
+    import h5py
+
+    with h5py.File(out, "r") as handle:
+        loss = json.loads(handle.attrs["loss"])
+    assert (loss["value"], loss["entropy"], loss["clip"]) == (0.25, 0.02, 0.1)
+    assert main(["analytic", str(out), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)[str(out)]
+    assert result["action_accuracy"] == 1.0
+
+
+def test_a_policy_gradleak_cannot_model_is_named() -> None:
+    model = sb3.PPO("CnnPolicy", Frames(), seed=0, device="cpu", n_steps=16, batch_size=16,
+                    policy_kwargs={"net_arch": [32]})
+    with pytest.raises(ConfigError, match="hidden layers after the CNN"):
+        integration.victim(model)
