@@ -98,10 +98,15 @@ class Victim(nn.Module):
     recurrent = False  # carries a hidden state through the episode (victims/recurrent.py)
     extra_inputs: tuple[str, ...] = ()  # private inputs beside the frame, e.g. ("goal",)
 
+    def features(self, image: torch.Tensor, goal: torch.Tensor | None = None) -> torch.Tensor:
+        """h(s): what both heads read."""
+        raise NotImplementedError
+
     def forward(self, image: torch.Tensor, goal: torch.Tensor | None = None,
                 hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """`hidden`: a recurrent victim's pre-step state (a detached input); others ignore it."""
-        raise NotImplementedError
+        h = self.features(image, goal)
+        return self.policy_head(h), self.value_head(h).squeeze(-1)
 
     def initial_state(self, batch: int) -> torch.Tensor | None:
         """The state an episode starts from: None for a feed-forward victim."""

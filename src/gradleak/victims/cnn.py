@@ -22,6 +22,7 @@ class SharedCNN(Victim):
     blocks = ((32, 8, 4, 2), (64, 4, 2, 1), (64, 3, 1, 1), (64, 3, 2, 1))
     width_multiplier = 1.0
     hidden = 512
+    normalise = True  # BatchNorm after each ReLU
 
     def __init__(self, config: VictimConfig) -> None:
         super().__init__()
@@ -30,8 +31,8 @@ class SharedCNN(Victim):
         channels, size = 3, config.frame_size
         for out, kernel, stride, padding in self.blocks:
             out = int(out * self.width_multiplier)
-            layers += [nn.Conv2d(channels, out, kernel, stride, padding), nn.ReLU(),
-                       nn.BatchNorm2d(out)]
+            layers += [nn.Conv2d(channels, out, kernel, stride, padding), nn.ReLU()]
+            layers += [nn.BatchNorm2d(out)] if self.normalise else []
             channels, size = out, conv_output_size(size, kernel, stride, padding)
             if size < 1:
                 raise ConfigError(f"victim {config.name}: frame_size {config.frame_size} is too "
@@ -41,15 +42,11 @@ class SharedCNN(Victim):
         self.policy_head = nn.Linear(self.hidden, config.num_actions)
         self.value_head = nn.Linear(self.hidden, 1)
 
-    def features(self, image: torch.Tensor) -> torch.Tensor:
+    def features(self, image: torch.Tensor, goal: torch.Tensor | None = None
+                 ) -> torch.Tensor:
         """h(s): the non-negative features both heads read."""
         x = self.encoder(self.prepare_image(image))  # (B, C, h, w)
         return torch.relu(self.fc(x.flatten(1)))  # (B, hidden)
-
-    def forward(self, image: torch.Tensor, goal: torch.Tensor | None = None,
-                hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        h = self.features(image)
-        return self.policy_head(h), self.value_head(h).squeeze(-1)
 
 
 @register_victim("cnn")
@@ -85,3 +82,14 @@ class PaperCNN10(TenActions, PaperCNN):
 @register_victim("cnn-k10-small")
 class SmallCNN10(TenActions, SmallCNN):
     """cnn-small with K = 10."""
+
+
+@register_victim("nature-cnn")
+class NatureCNN(SharedCNN):
+    """The Nature-DQN CNN of Stable-Baselines3's `CnnPolicy`: three Conv → ReLU blocks with no
+    normalisation and no padding, FC 512 (603,814 parameters at 64×64 with K = 5). Registered so
+    that SB3 agents are audited as they are (gradleak.integrations.sb3), and the conv-stack
+    recursion runs through blocks without BatchNorm."""
+
+    blocks = ((32, 8, 4, 0), (64, 4, 2, 0), (64, 3, 1, 0))
+    normalise = False

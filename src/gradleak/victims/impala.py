@@ -52,15 +52,11 @@ class Impala(Victim):
         self.policy_head = nn.Linear(self.hidden, config.num_actions)
         self.value_head = nn.Linear(self.hidden, 1)
 
-    def features(self, image: torch.Tensor) -> torch.Tensor:
+    def features(self, image: torch.Tensor, goal: torch.Tensor | None = None
+                 ) -> torch.Tensor:
         """h(s): the non-negative features both heads read."""
         x = torch.relu(self.encoder(self.prepare_image(image)))  # (B, C, h, w)
         return torch.relu(self.fc(x.flatten(1)))  # (B, hidden)
-
-    def forward(self, image: torch.Tensor, goal: torch.Tensor | None = None,
-                hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        h = self.features(image)
-        return self.policy_head(h), self.value_head(h).squeeze(-1)
 
 
 @register_victim("impala")

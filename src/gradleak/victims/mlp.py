@@ -23,7 +23,5 @@ class MLPVictim(Victim):
         self.policy_head = nn.Linear(hidden, config.num_actions)
         self.value_head = nn.Linear(hidden, 1)
 
-    def forward(self, image: torch.Tensor, goal: torch.Tensor | None = None,
-                hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        h = torch.relu(self.fc(self.prepare_image(image).flatten(1)))
-        return self.policy_head(h), self.value_head(h).squeeze(-1)
+    def features(self, image: torch.Tensor, goal: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.relu(self.fc(self.prepare_image(image).flatten(1)))

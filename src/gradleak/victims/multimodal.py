@@ -47,11 +47,6 @@ class MultiModal(Victim):
         fused = torch.cat([visual, self.goal_encoder(goal.to(visual.dtype))], dim=-1)
         return torch.relu(self.fusion(fused))  # (B, fused): non-negative, as the heads need
 
-    def forward(self, image: torch.Tensor, goal: torch.Tensor | None = None,
-                hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        h = self.features(image, goal)
-        return self.policy_head(h), self.value_head(h).squeeze(-1)
-
 
 @register_victim("multimodal")
 class PaperMultiModal(MultiModal):

@@ -62,16 +62,12 @@ class TinyViT(Victim):
         self.policy_head = nn.Linear(self.dim, config.num_actions)
         self.value_head = nn.Linear(self.dim, 1)
 
-    def features(self, image: torch.Tensor) -> torch.Tensor:
+    def features(self, image: torch.Tensor, goal: torch.Tensor | None = None
+                 ) -> torch.Tensor:
         """The normalised class token: what both heads read (not non-negative, unlike a CNN's)."""
         x = self.patch_embed(self.prepare_image(image)).flatten(2).transpose(1, 2)  # (B, N, C)
         x = torch.cat([self.cls_token.expand(len(x), -1, -1), x], dim=1) + self.pos_embed
         return self.norm(self.blocks(x)[:, 0])
-
-    def forward(self, image: torch.Tensor, goal: torch.Tensor | None = None,
-                hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        h = self.features(image)
-        return self.policy_head(h), self.value_head(h).squeeze(-1)
 
 
 @register_victim("vit-tiny")
