@@ -44,11 +44,11 @@ from gradleak.victims import VictimConfig
 RESULTS = Path(__file__).parent / "results" / "victims.json"
 RULES = ("odd-sign", "sign-agnostic", "sign-aware")
 VICTIMS = ("cnn-small", "cnn-k10-small", "vit-tiny-small", "impala-small", "impala-wide-small",
-           "cnn-gru-small", "multimodal-small")
+           "cnn-gru-small", "multimodal-small", "nature-cnn")
 # The paper's Table 10 (AI2-THOR 84×84, TRACE after 50 GPU-epochs): PSNR in dB.
 PAPER_PSNR = {"cnn-small": None, "cnn-k10-small": 18.92, "vit-tiny-small": 13.99,
               "impala-small": 21.85, "impala-wide-small": 22.36, "cnn-gru-small": 18.62,
-              "multimodal-small": 19.78}
+              "multimodal-small": 19.78, "nature-cnn": None}
 
 
 def victim_preset(name: str, updates: int) -> Preset:
@@ -167,7 +167,7 @@ def markdown(result: dict[str, Any]) -> str:
         inputs = r["closed_form"]["layer_inputs"]
         rows.append({
             "victim": name, "gradient dim": f"{r['gradient_dim']:,}",
-            "MB / 1k steps": r["mb_per_1000_steps"],
+            "MB / 1k steps": f"{r['mb_per_1000_steps']:.0f}",
             "odd-sign / agnostic / aware*": " / ".join(f"{100 * r['rules'][k]:.1f}%"
                                                       for k in RULES),
             "closed form: actions, A err": closed_form_text(r["closed_form"]),
@@ -186,7 +186,7 @@ def markdown(result: dict[str, Any]) -> str:
     return (f"# The paper's victims at CPU scale\n\n{result['setup']}\n\n"
             + markdown_table(rows, columns)
             + "\n\n* sign-aware is given the true sign of each advantage (an oracle).\n"
-            + "LPIPS: " + next(iter(result["victims"].values()))["learned"]["lpips"] + "\n")
+            + next(iter(result["victims"].values()))["learned"]["lpips"] + "\n")
 
 
 KEY_INPUTS = ("fc", "policy_head", "goal_encoder.0", "gru.state")
