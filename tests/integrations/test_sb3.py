@@ -127,3 +127,38 @@ def test_a_policy_gradleak_cannot_model_is_named() -> None:
                     policy_kwargs={"net_arch": [32]})
     with pytest.raises(ConfigError, match="hidden layers after the CNN"):
         integration.victim(model)
+
+
+@pytest.mark.parametrize("kind", ["ppo", "a2c"])
+def test_a_callback_records_what_the_client_sends_during_learn(capsys, tmp_path: Path,
+                                                                kind: str) -> None:
+    import h5py
+
+    from gradleak.cli import main
+    from gradleak.integrations.sb3_capture import GradleakCapture
+
+    model = model_of(kind)
+    callback = GradleakCapture(tmp_path / "train-{rollout}.h5", every=2)
+    model.learn(4 * model.n_steps, callback=callback, reset_num_timesteps=False)
+    assert [Path(p).name for p in callback.written] == ["train-0.h5", "train-2.h5"]
+    last = callback.written[-1]
+    assert main(["info", last, "--json"]) == 0  # a valid capture, every chunk decoded
+    assert json.loads(capsys.readouterr().out)["rows"] == model.n_steps
+    # the rollout after the last recorded one changed θ, so check the file against its own θ0
+    with h5py.File(last, "r") as handle:
+        image, action = handle["images"][3], int(handle["actions"][3])
+        advantage, ret = float(handle["advantages"][3]), float(handle["returns"][3])
+        row = torch.from_numpy(handle["gradients"][3])
+        theta0 = {k: torch.as_tensor(np.asarray(v[()])) for k, v in handle["theta0"].items()}
+        loss = json.loads(handle.attrs["loss"])
+    assert loss["advantage_normalisation"] == "none (raw GAE)" and loss["value"] == 0.25
+    policy_state = model.policy.state_dict()
+    for ours, source in integration.PARAMETERS.items():
+        for part in ("weight", "bias"):
+            policy_state[f"{source}.{part}"] = theta0[f"{ours}.{part}"]
+    model.policy.load_state_dict(policy_state)
+    reference = sb3_gradient(model, image, action, advantage, ret, kind)
+    layers = layer_table(integration.victim(model))
+    flat = torch.cat([reference[f"{integration.PARAMETERS[layer.name.rsplit('.', 1)[0]]}."
+                                f"{layer.name.rsplit('.', 1)[1]}"].flatten() for layer in layers])
+    assert float((row - flat).norm() / flat.norm()) <= 1e-5

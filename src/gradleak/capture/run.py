@@ -236,23 +236,34 @@ def _plan(job: CaptureJob) -> _Plan:
         settings["gradient_dtype"] = dtype
     if job.advantage_norm != "episode":  # likewise
         settings["advantage_norm"] = job.advantage_norm
-    attrs = {"format": FORMAT, "format_version": FORMAT_VERSION, "victim": victim.config.name,
-             "victim_config": json.dumps(victim.config.to_dict()),
-             "theta0_sha256": settings["theta0_sha256"], "algorithm": algorithm,
-             "loss": json.dumps({**coefficients.to_dict(), "gamma": gamma, "lam": lam,
-                                 "advantage_normalisation": ADVANTAGE_TEXT[job.advantage_norm]}),
-             "layer_table": layers_to_json(layers),
-             "components": json.dumps(list(preset.capture.components)),
-             "scenes": json.dumps(scenes), "all_scenes": json.dumps(all_scenes),
-             "split": job.split, "shard": f"{shard_index}/{shard_count}",
-             "gradient_dim": sum(layer.size for layer in layers),
-             "hidden_size": victim.hidden_size,
-             "env_config": json.dumps(settings["env"]), "seed": seed,
-             "gradleak_version": __version__, "source": str(job.victim),
-             "settings": json.dumps(settings, sort_keys=True)}
+    attrs = capture_attributes(victim, layers, algorithm, coefficients, gamma, lam,
+                               job.advantage_norm, settings, all_scenes, str(job.victim))
     steps = shard_steps(job.steps, job.shard)
     return _Plan(victim, algorithm, coefficients, gamma, lam, layers, scenes, all_scenes, steps,
                  seed, shard_index, shard_output(job.out, job.shard), attrs)
+
+
+def capture_attributes(victim: Victim, layers: list[Any], algorithm: str,
+                       coefficients: LossCoefficients, gamma: float, lam: float,
+                       advantage_norm: str, settings: dict[str, Any], all_scenes: list[str],
+                       source: str) -> dict[str, Any]:
+    """The file's attributes (docs/data-format.md) from what a capture decided; `settings`
+    holds the split, scenes, components, seed, shard and environment, and is what a resume
+    must match."""
+    index, count = settings["shard"]
+    return {"format": FORMAT, "format_version": FORMAT_VERSION, "victim": victim.config.name,
+            "victim_config": json.dumps(victim.config.to_dict()),
+            "theta0_sha256": settings["theta0_sha256"], "algorithm": algorithm,
+            "loss": json.dumps({**coefficients.to_dict(), "gamma": gamma, "lam": lam,
+                                "advantage_normalisation": ADVANTAGE_TEXT[advantage_norm]}),
+            "layer_table": layers_to_json(layers),
+            "components": json.dumps(settings["components"]),
+            "scenes": json.dumps(settings["scenes"]), "all_scenes": json.dumps(all_scenes),
+            "split": settings["split"], "shard": f"{index}/{count}",
+            "gradient_dim": sum(layer.size for layer in layers),
+            "hidden_size": victim.hidden_size, "env_config": json.dumps(settings["env"]),
+            "seed": settings["seed"], "gradleak_version": __version__, "source": source,
+            "settings": json.dumps(settings, sort_keys=True)}
 
 
 def run_capture(job: CaptureJob) -> dict[str, Any]:
