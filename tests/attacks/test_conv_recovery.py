@@ -13,10 +13,10 @@ from helpers import mlp_observation, observe, smooth_frame
 
 from gradleak.attacks.analytic import module_input
 from gradleak.attacks.conv_recovery import ConvInputs, deepest_inputs, observed_conv_inputs
-from gradleak.attacks.optim.matching import victim_at_theta0
 from gradleak.capture.reader import CaptureFile
 from gradleak.errors import ConfigError
 from gradleak.victims import create_victim
+from gradleak.victims.base import victim_at_theta0
 
 
 def relative_error(estimate: torch.Tensor, truth: torch.Tensor) -> torch.Tensor:

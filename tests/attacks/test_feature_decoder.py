@@ -47,7 +47,7 @@ def decoder_for(observation, channels: int = 16, context: str = "none"  # noqa: 
 def test_features_and_actions_are_exact_on_float32_captures(float32_capture: Path) -> None:
     with CaptureFile(float32_capture) as capture:
         observation, target = capture.observation(), capture.target()
-    from gradleak.attacks.optim.matching import victim_at_theta0
+    from gradleak.victims.base import victim_at_theta0
 
     decoder = decoder_for(observation)
     gradients = torch.from_numpy(observation.gradients)
@@ -73,7 +73,7 @@ def test_a_tiny_decoder_overfits_a_tiny_set(train_capture: Path) -> None:
     with CaptureFile(train_capture) as capture:
         observation = capture.observation(slice(0, 8))
         images = torch.from_numpy(capture.target(slice(0, 8)).images)
-    from gradleak.attacks.optim.matching import victim_at_theta0
+    from gradleak.victims.base import victim_at_theta0
 
     torch.manual_seed(0)
     decoder = decoder_for(observation, channels=32)
@@ -243,7 +243,7 @@ def test_under_aggregation_the_recovered_input_is_an_affine_mix_of_the_steps() -
     """agg:k averages k per-step gradients, so ∇W = (1/k) Σ δ_i x_iᵀ has rank ≤ k. The
     least-squares input is then Σ w_i x_i with w_i = δ·δ_i / ‖δ‖² (δ = Σ δ_i): weights that sum
     to one but may be negative. What the decoder reads under aggregation, exactly."""
-    from gradleak.attacks.optim.matching import victim_at_theta0
+    from gradleak.victims.base import victim_at_theta0
 
     observation, batch = synthetic(0.01, 0.0)
     decoder = decoder_for(observation)
@@ -267,7 +267,7 @@ def test_a_decoder_through_the_conv_stack_reads_the_exact_map(float32_capture: P
     parameters as the attacker's."""
     with CaptureFile(float32_capture) as capture:
         observation, target = capture.observation(), capture.target()
-    from gradleak.attacks.optim.matching import victim_at_theta0
+    from gradleak.victims.base import victim_at_theta0
 
     config = DecoderConfig(gradient_dim=observation.gradients.shape[1], frame_size=32,
                            layer_table=layers_to_json(list(observation.layers)),

@@ -18,7 +18,7 @@ import torch
 
 from gradleak.errors import ConfigError
 from gradleak.threat import Observation, Reconstruction
-from gradleak.victims.base import VICTIMS
+from gradleak.victims.base import VICTIMS, victim_at_theta0
 
 POLICY, VALUE = "policy_head", "value_head"
 
@@ -170,8 +170,6 @@ def invert_features(observation: Observation, features: np.ndarray, module: str 
     Defaults from a sweep on 16 cpu-bench held-out frames (random-init cnn-small, 64×64):
     TV 0.02 → 11 dB, 0.2 → 18.1 dB, 0.5 → 17.9 dB, 1.0 → 16.0 dB (mean of those frames:
     21.8 dB): the 4×4×32 feature map alone does not pin the frame down."""
-    from gradleak.attacks.optim.matching import victim_at_theta0
-
     victim = victim_at_theta0(observation)
     for parameter in victim.parameters():
         parameter.requires_grad_(False)

@@ -37,6 +37,7 @@ from torch import nn
 
 from gradleak.errors import ConfigError
 from gradleak.threat import Observation
+from gradleak.victims.base import victim_at_theta0
 
 GradientOf = Callable[[str], torch.Tensor]  # parameter name → (N, *shape) per-step gradients
 
@@ -358,8 +359,6 @@ def observed_conv_inputs(observation: Observation, down_to: str | None = None,
                          thresholds: tuple[float, ...] = (10.0, 20.0, 40.0),
                          rounds: int = 3) -> ConvInputs:
     """`recover_conv_inputs` on what the server holds: the observation's gradients and θ0."""
-    from gradleak.attacks.optim.matching import victim_at_theta0
-
     victim = victim_at_theta0(observation).double()
 
     def gradient_of(name: str) -> torch.Tensor:

@@ -11,11 +11,10 @@ import numpy as np
 import torch
 
 from gradleak.attacks.analytic import invert_features, module_input, recover_analytically
-from gradleak.attacks.optim.matching import victim_at_theta0
 from gradleak.capture.reader import CaptureFile
 from gradleak.errors import ConfigError
 from gradleak.threat import Observation, Target
-from gradleak.victims.base import VictimConfig, create_victim
+from gradleak.victims.base import VictimConfig, create_victim, victim_at_theta0
 
 CHUNK_ROWS = 128  # rows of gradients held at once
 

@@ -33,7 +33,6 @@ from tqdm import tqdm
 
 from gradleak.attacks.analytic import POLICY, module_input
 from gradleak.attacks.feature_decoder import DecoderConfig, FeatureDecoder
-from gradleak.attacks.optim.matching import victim_at_theta0
 from gradleak.capture.reader import CaptureFile
 from gradleak.defenses import Chain, parse_defense
 from gradleak.envs.actions import mirrored_actions
@@ -58,7 +57,7 @@ from gradleak.training.checkpoint import (
 )
 from gradleak.training.data import WindowDataset
 from gradleak.training.fit import Budget, warmup_cosine
-from gradleak.victims.base import create_victim
+from gradleak.victims.base import create_victim, victim_at_theta0
 
 RENDERED = "rendered.safetensors"  # the random-walk frames of an unfinished run
 

@@ -6,6 +6,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -158,3 +159,19 @@ def layer_table(victim: Victim, components: tuple[str, ...] = COMPONENTS) -> lis
             table.append(LayerInfo(name, tuple(parameter.shape), offset, component))
             offset += parameter.numel()
     return table
+
+
+def victim_at_theta0(observation: Any) -> Victim:
+    """The victim of an observation (`gradleak.threat.Observation`: its config and θ0), in eval
+    mode: the white-box model every attack that runs the network rebuilds."""
+    if not observation.theta0:
+        raise ConfigError("this attack needs θ0: read the observation with with_theta0=True "
+                          "(the capture stores it in its 'theta0' group)")
+    victim = create_victim(observation.victim)
+    state = {name: torch.as_tensor(np.asarray(value)) for name, value in
+             observation.theta0.items()}
+    missing, unexpected = victim.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ConfigError(f"θ0 does not fit victim {observation.victim.name}: missing "
+                          f"{missing[:3]}, unexpected {unexpected[:3]}")
+    return victim.eval()

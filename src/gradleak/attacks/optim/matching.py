@@ -18,7 +18,7 @@ from torch.func import functional_call, grad
 from gradleak.errors import ConfigError
 from gradleak.rl.losses import LossCoefficients, actor_critic_loss, log_probs_and_entropy
 from gradleak.threat import Observation
-from gradleak.victims.base import COMPONENTS, LayerInfo, Victim, create_victim
+from gradleak.victims.base import COMPONENTS, LayerInfo, victim_at_theta0
 
 DUMMY_LOSSES = ("victim", "probe")
 DISTANCES = ("cosine", "l2")
@@ -86,20 +86,6 @@ def total_variation(image: torch.Tensor) -> torch.Tensor:
     """Anisotropic TV of an (H, W, C) image, as inversefed computes it (means of |Δ|)."""
     return ((image[1:] - image[:-1]).abs().mean()
             + (image[:, 1:] - image[:, :-1]).abs().mean())
-
-
-def victim_at_theta0(observation: Observation) -> Victim:
-    if not observation.theta0:
-        raise ConfigError("gradient matching needs θ0: read the observation with "
-                          "with_theta0=True (the capture stores it in its 'theta0' group)")
-    victim = create_victim(observation.victim)
-    state = {name: torch.from_numpy(np.asarray(value)) for name, value in
-             observation.theta0.items()}
-    missing, unexpected = victim.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise ConfigError(f"θ0 does not fit victim {observation.victim.name}: missing "
-                          f"{missing[:3]}, unexpected {unexpected[:3]}")
-    return victim.eval()
 
 
 class DummyGradient:
