@@ -138,3 +138,26 @@ def _running(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return state not in ("Z", "X")
+
+
+@pytest.mark.slow
+def test_two_captures_of_one_output_a_live_one_and_a_second(capsys, tmp_path: Path) -> None:
+    """The reported case, with two real processes: the second is refused and names the first,
+    whose partial file stays readable and resumes."""
+    out = tmp_path / "c.h5"
+    first = subprocess.Popen([sys.executable, "-m", "gradleak.cli", *capture_argv(out, steps=4000),
+                              "--quiet"], cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "c.h5.partial").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert (tmp_path / "c.h5.partial").exists()
+        assert main([*capture_argv(out, "--overwrite", steps=4000), "--quiet"]) == 2
+        err = capsys.readouterr().err
+        assert f"PID {first.pid}" in err and "being written by another process" in err
+    finally:
+        first.send_signal(signal.SIGINT)
+        first.wait(timeout=60)
+    with h5py.File(tmp_path / "c.h5.partial", "r") as handle:  # intact: the first one resumes
+        assert handle.attrs["complete"] == False  # noqa: E712  (a numpy bool)
+        assert int(handle.attrs["num_rows"]) == len(handle["gradients"])
