@@ -17,17 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
-from gradleak.capture.grads import StepBatch, per_step_gradients
-from gradleak.capture.run import capture_attributes
-from gradleak.capture.schema import step_columns
-from gradleak.capture.writer import CaptureWriter
+from gradleak.capture.record import record
 from gradleak.errors import ConfigError
 from gradleak.integrations.sb3 import learning_rule, victim
-from gradleak.io import check_output, theta_sha256
-from gradleak.rl.losses import LossCoefficients
-from gradleak.victims.base import layer_table
 
 try:
     from stable_baselines3.common.callbacks import BaseCallback
@@ -69,61 +62,19 @@ def segments(starts: np.ndarray) -> list[tuple[int, int, int]]:
 
 
 def write_rollout(model: Any, out: Path, split: str, index: int) -> None:
-    """One standard capture file of the rollout in `model.rollout_buffer`, at the current θ."""
-    check_output(out, "GradleakCapture path")
+    """One standard capture file of the rollout in `model.rollout_buffer`, at the current θ:
+    each environment's steps in order, one episode id per segment."""
     buffer, rule = model.rollout_buffer, learning_rule(model)
-    converted = victim(model)
-    layers = layer_table(converted)
-    coefficients = LossCoefficients(value=rule["value"], entropy=rule["entropy"],
-                                    clip=rule["clip"])
-    images = np.ascontiguousarray(buffer.observations.transpose(0, 1, 3, 4, 2))  # (T, N, H, W, 3)
-    with torch.no_grad():
-        logits, _ = converted(torch.from_numpy(images.reshape(-1, *images.shape[2:])))
-    probs = logits.softmax(-1).numpy().reshape(*images.shape[:2], -1)
-    settings = {"theta0_sha256": theta_sha256(converted),
-                "victim_config": converted.config.to_dict(), "algorithm": rule["algorithm"],
-                "loss": coefficients.to_dict(), "gamma": rule["gamma"], "lam": rule["lam"],
-                "split": split, "scenes": ["stable-baselines3"], "components":
-                ["cnn", "fc", "heads"], "seed": int(model.seed or 0), "shard": [0, 1],
-                "env": {"backend": "stable-baselines3", "rollout": index},
-                "advantage_norm": "none"}
-    attrs = capture_attributes(converted, layers, rule["algorithm"], coefficients, rule["gamma"],
-                               rule["lam"], "none", settings, ["stable-baselines3"],
-                               f"stable-baselines3 rollout {index}")
-    theta0 = {k: v.detach().numpy() for k, v in converted.state_dict().items()}
-    columns = step_columns(converted.config.frame_size, converted.config.num_actions)
-    writer = CaptureWriter(out, attrs, columns, attrs["gradient_dim"], theta0, overwrite=True,
-                           gradient_dtype="float32")
-    try:
-        for episode, (env, start, stop) in enumerate(segments(buffer.episode_starts)):
-            rows = slice(start, stop)
-            step = StepBatch(torch.from_numpy(images[rows, env]),
-                             torch.from_numpy(buffer.actions[rows, env, 0].astype(np.int64)),
-                             torch.from_numpy(buffer.advantages[rows, env].astype(np.float32)),
-                             torch.from_numpy(buffer.returns[rows, env].astype(np.float32)),
-                             torch.from_numpy(buffer.log_probs[rows, env].astype(np.float32)))
-            gradients = per_step_gradients(converted, step, coefficients, layers,
-                                           ppo=rule["algorithm"] == "ppo")
-            writer.append_episode(_rows(buffer, images, probs, rows, env, episode),
-                                  gradients.numpy())
-    finally:
-        writer.close()
-    writer.finish()
+    pieces = segments(buffer.episode_starts)
+    order = np.concatenate([np.arange(a, b) * buffer.n_envs + env for env, a, b in pieces])
+    ids = np.concatenate([np.full(b - a, i) for i, (_, a, b) in enumerate(pieces)])
 
+    def rows(values: np.ndarray) -> np.ndarray:  # (T, N, ...) → the chosen order
+        return values.reshape(-1, *values.shape[2:])[order]
 
-def _rows(buffer: Any, images: np.ndarray, probs: np.ndarray, rows: slice, env: int,
-          episode: int) -> dict[str, np.ndarray]:
-    n = rows.stop - rows.start
-    dones = np.zeros(n, bool)
-    dones[-1] = True
-    advantages = buffer.advantages[rows, env].astype(np.float32)
-    return {"images": images[rows, env], "goals": np.zeros((n, 3), np.float32),
-            "actions": buffer.actions[rows, env, 0].astype(np.int64),
-            "rewards": buffer.rewards[rows, env].astype(np.float32),
-            "values": buffer.values[rows, env].astype(np.float32),
-            "log_probs": buffer.log_probs[rows, env].astype(np.float32),
-            "probs": probs[rows, env].astype(np.float32), "advantages": advantages,
-            "advantages_raw": advantages, "returns": buffer.returns[rows, env].astype(np.float32),
-            "dones": dones, "terminated": np.zeros(n, bool),
-            "episode_ids": np.full(n, episode, np.int64), "scene_ids": np.zeros(n, np.int32),
-            "step_in_episode": np.arange(n, dtype=np.int32)}
+    record(victim(model), out, images=rows(buffer.observations.transpose(0, 1, 3, 4, 2)),
+           actions=rows(buffer.actions)[:, 0].astype(np.int64),
+           advantages=rows(buffer.advantages), returns=rows(buffer.returns),
+           episode_ids=ids, loss=rule, algorithm=rule["algorithm"], advantage_norm="none",
+           old_log_probs=rows(buffer.log_probs), rewards=rows(buffer.rewards), split=split,
+           source=f"stable-baselines3 rollout {index}", overwrite=True)

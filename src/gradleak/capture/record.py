@@ -1,0 +1,147 @@
+"""`gradleak.capture.record`: a standard capture from rollouts the user already has.
+
+    from gradleak.capture.record import record
+    record(victim, "runs/mine/train.h5", images=frames, actions=actions, advantages=adv,
+           returns=ret, episode_ids=episodes, loss={"value": 0.5, "entropy": 0.01, "clip": 0.2,
+           "gamma": 0.99, "lam": 0.95})
+
+Each row's gradient is the victim's loss on that step alone at its current θ (θ0), with the
+advantages as given: they are what the client's loss used, and `advantage_norm` says how they
+were normalised (stored, never assumed). Rows must come grouped by episode, in step order.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from gradleak.capture.grads import StepBatch, per_step_gradients
+from gradleak.capture.run import ADVANTAGE_TEXT, capture_attributes
+from gradleak.capture.schema import step_columns
+from gradleak.capture.writer import CaptureWriter
+from gradleak.errors import ConfigError
+from gradleak.io import check_output, created_directories, theta_sha256
+from gradleak.rl.losses import LOSS_KEYS, LossCoefficients
+from gradleak.victims.base import Victim, layer_table
+
+
+def record(victim: Victim, out: str | os.PathLike[str], *, images: np.ndarray,
+           actions: np.ndarray, advantages: np.ndarray, returns: np.ndarray,
+           episode_ids: np.ndarray, loss: dict[str, float], algorithm: str = "ppo",
+           advantage_norm: str = "none", old_log_probs: np.ndarray | None = None,
+           rewards: np.ndarray | None = None, goals: np.ndarray | None = None,
+           hidden: np.ndarray | None = None, split: str = "train",
+           source: str = "gradleak.capture.record", overwrite: bool = False) -> dict[str, Any]:
+    """Write the capture; returns its path, rows and episodes. Everything is checked first."""
+    out = check_output(Path(out), "record out")
+    steps = _checked(victim, images, actions, advantages, returns, episode_ids, loss, algorithm,
+                     advantage_norm, goals, hidden)
+    victim.eval()
+    coefficients = LossCoefficients(value=loss["value"], entropy=loss["entropy"],
+                                    clip=loss["clip"])
+    batch = StepBatch(torch.from_numpy(np.ascontiguousarray(images)),
+                      torch.as_tensor(actions, dtype=torch.int64),
+                      torch.as_tensor(advantages, dtype=torch.float32),
+                      torch.as_tensor(returns, dtype=torch.float32), torch.zeros(steps),
+                      None if goals is None else torch.as_tensor(goals, dtype=torch.float32),
+                      None if hidden is None else torch.as_tensor(hidden, dtype=torch.float32))
+    with torch.no_grad():
+        logits, values = victim(batch.images, batch.goals, batch.hidden)
+    log_pi = logits.log_softmax(-1)
+    batch.old_log_probs = (log_pi.gather(-1, batch.actions[:, None])[:, 0]
+                           if old_log_probs is None
+                           else torch.as_tensor(old_log_probs, dtype=torch.float32))
+    layers = layer_table(victim)
+    gradients = per_step_gradients(victim, batch, coefficients, layers, ppo=algorithm == "ppo")
+    columns = {"images": np.asarray(images), "actions": np.asarray(actions, np.int64),
+               "advantages": np.asarray(advantages, np.float32),
+               "advantages_raw": np.asarray(advantages, np.float32),
+               "returns": np.asarray(returns, np.float32), "values": values.numpy(),
+               "log_probs": batch.old_log_probs.numpy(), "probs": log_pi.exp().numpy(),
+               "rewards": np.zeros(steps, np.float32) if rewards is None
+               else np.asarray(rewards, np.float32),
+               "goals": np.zeros((steps, 3), np.float32) if goals is None
+               else np.asarray(goals, np.float32)}
+    if hidden is not None:
+        columns["hidden_states"] = np.asarray(hidden, np.float32)
+    settings = {"theta0_sha256": theta_sha256(victim), "victim_config": victim.config.to_dict(),
+                "algorithm": algorithm, "loss": coefficients.to_dict(), "gamma": loss["gamma"],
+                "lam": loss["lam"], "split": split, "scenes": [source],
+                "components": ["cnn", "fc", "heads"], "seed": 0, "shard": [0, 1],
+                "env": {"backend": "record", "source": source},
+                "advantage_norm": advantage_norm}
+    attrs = capture_attributes(victim, layers, algorithm, coefficients, loss["gamma"],
+                               loss["lam"], advantage_norm, settings, [source], source)
+    theta0 = {k: v.detach().numpy() for k, v in victim.state_dict().items()}
+    schema = step_columns(victim.config.frame_size, victim.config.num_actions,
+                          victim.hidden_size)
+    episodes = _episode_bounds(np.asarray(episode_ids))
+    with created_directories(out.parent):
+        writer = CaptureWriter(out, attrs, schema, attrs["gradient_dim"], theta0,
+                               overwrite=overwrite, gradient_dtype="float32")
+        try:
+            for number, (start, stop) in enumerate(episodes):
+                writer.append_episode(_episode_rows(columns, start, stop, number),
+                                      gradients[start:stop].numpy())
+        finally:
+            writer.close()
+        writer.finish()
+    return {"out": str(out), "rows": steps, "episodes": len(episodes)}
+
+
+def _checked(victim: Victim, images: np.ndarray, actions: np.ndarray, advantages: np.ndarray,
+             returns: np.ndarray, episode_ids: np.ndarray, loss: dict[str, float],
+             algorithm: str, advantage_norm: str, goals: np.ndarray | None,
+             hidden: np.ndarray | None) -> int:
+    """The number of steps, once every input has the shape, type and range it must."""
+    size, count = victim.config.frame_size, victim.config.num_actions
+    images = np.asarray(images)
+    if images.dtype != np.uint8 or images.shape[1:] != (size, size, 3):
+        raise ConfigError(f"images: {images.dtype} {images.shape}, expected uint8 (N, {size}, "
+                          f"{size}, 3) for victim {victim.config.name}")
+    steps = len(images)
+    for name, values in (("actions", actions), ("advantages", advantages),
+                         ("returns", returns), ("episode_ids", episode_ids)):
+        if np.shape(values) != (steps,):
+            raise ConfigError(f"{name}: shape {np.shape(values)}, expected ({steps},)")
+        if not np.isfinite(np.asarray(values, np.float64)).all():
+            raise ConfigError(f"{name}: holds NaN/Inf")
+    if steps == 0 or not ((np.asarray(actions) >= 0) & (np.asarray(actions) < count)).all():
+        raise ConfigError(f"actions: expected at least one step, each in 0..{count - 1}")
+    missing = [key for key in LOSS_KEYS if key not in loss]
+    if missing or not all(math.isfinite(float(loss[k])) for k in LOSS_KEYS if k in loss):
+        raise ConfigError(f"loss: declare the client's {', '.join(LOSS_KEYS)} (missing "
+                          f"{', '.join(missing) or 'none'}; all finite)")
+    if algorithm not in ("ppo", "a2c") or advantage_norm not in ADVANTAGE_TEXT:
+        raise ConfigError(f"algorithm {algorithm!r} / advantage_norm {advantage_norm!r}: "
+                          f"expected ppo or a2c / one of {', '.join(ADVANTAGE_TEXT)}")
+    if "goal" in victim.extra_inputs and goals is None:
+        raise ConfigError(f"victim {victim.config.name} reads goals: pass goals (N, 3)")
+    if victim.recurrent and (hidden is None or np.shape(hidden) != (steps, victim.hidden_size)):
+        raise ConfigError(f"victim {victim.config.name} is recurrent: pass each step's "
+                          f"pre-step state as hidden ({steps}, {victim.hidden_size})")
+    _episode_bounds(np.asarray(episode_ids))
+    return steps
+
+
+def _episode_bounds(episode_ids: np.ndarray) -> list[tuple[int, int]]:
+    starts = np.flatnonzero(np.r_[True, episode_ids[1:] != episode_ids[:-1]])
+    if len(np.unique(episode_ids)) != len(starts):
+        raise ConfigError("episode_ids: each episode's steps must be contiguous, in step order")
+    stops = np.r_[starts[1:], len(episode_ids)]
+    return [(int(a), int(b)) for a, b in zip(starts, stops, strict=True)]
+
+
+def _episode_rows(columns: dict[str, np.ndarray], start: int, stop: int, number: int
+                  ) -> dict[str, np.ndarray]:
+    n = stop - start
+    dones = np.zeros(n, bool)
+    dones[-1] = True
+    return {**{name: values[start:stop] for name, values in columns.items()}, "dones": dones,
+            "terminated": np.zeros(n, bool), "episode_ids": np.full(n, number, np.int64),
+            "scene_ids": np.zeros(n, np.int32), "step_in_episode": np.arange(n, dtype=np.int32)}

@@ -1,0 +1,66 @@
+"""`gradleak.capture.record`: a user's own rollouts become a standard capture, every input
+checked before anything is written."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from gradleak.capture.reader import CaptureFile
+from gradleak.capture.record import record
+from gradleak.cli import main
+from gradleak.errors import ConfigError
+from gradleak.victims import create_victim
+
+LOSS = {"value": 0.5, "entropy": 0.0, "clip": 0.2, "gamma": 0.99, "lam": 0.95}
+
+
+def rollouts(steps: int = 12, size: int = 32) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return {"images": rng.integers(0, 256, (steps, size, size, 3), dtype=np.uint8),
+            "actions": np.arange(steps) % 5, "advantages": rng.normal(size=steps) + 0.1,
+            "returns": rng.normal(size=steps), "episode_ids": np.repeat([4, 9, 2], steps // 3)}
+
+
+def test_a_users_rollouts_become_a_capture_the_attacks_read(capsys, tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    victim = create_victim("cnn-small", frame_size=32)
+    data = rollouts()
+    out = tmp_path / "mine.h5"
+    result = record(victim, out, loss=LOSS, **data)
+    assert result == {"out": str(out), "rows": 12, "episodes": 3}
+    with CaptureFile(out) as capture:
+        capture.validate()  # episodes contiguous and closed, every chunk decoded
+        assert capture.column("step_in_episode").tolist() == [0, 1, 2, 3] * 3
+        assert np.array_equal(capture.target().advantages, data["advantages"].astype(np.float32))
+        assert json.loads(capture.attrs["loss"])["advantage_normalisation"] == "none (raw GAE)"
+    assert main(["analytic", str(out), "--json"]) == 0
+    scores = json.loads(capsys.readouterr().out)[str(out)]
+    assert scores["action_accuracy"] == 1.0 and scores["advantage_max_abs_error"] < 1e-3
+
+
+@pytest.mark.parametrize("change, fragment", [
+    ({"images": np.zeros((12, 16, 16, 3), np.uint8)}, "expected uint8 (N, 32, 32, 3)"),
+    ({"actions": np.full(12, 7)}, "each in 0..4"),
+    ({"advantages": np.r_[np.nan, np.zeros(11)]}, "advantages: holds NaN/Inf"),
+    ({"episode_ids": np.array([0, 1, 0] * 4)}, "must be contiguous"),
+    ({"returns": np.zeros(5)}, "returns: shape (5,)"),
+    ({"loss": {"value": 0.5}}, "missing entropy, clip, gamma, lam"),
+])
+def test_bad_rollouts_are_refused_and_nothing_written(tmp_path: Path, change,
+                                                      fragment: str) -> None:
+    arguments = {**rollouts(), "loss": LOSS, **change}
+    with pytest.raises(ConfigError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
+        record(create_victim("cnn-small", frame_size=32), tmp_path / "out" / "x.h5",
+               **arguments)
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_recurrent_victim_needs_its_states(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="pass each step's pre-step state"):
+        record(create_victim("cnn-gru-small", frame_size=32), tmp_path / "x.h5", loss=LOSS,
+               **rollouts())
