@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from gradleak.attacks.action_rules import POLICY_HEAD_WEIGHT, recover_actions
+from gradleak.attacks.action_rules import policy_weight, recover_actions
 from gradleak.capture.reader import CaptureFile
 from gradleak.capture.run import CaptureJob, run_capture
 from gradleak.envs.actions import action_set
@@ -111,7 +111,8 @@ def _action_picture(path: Path, preset: Preset, picture: Path, steps: int = 10) 
     """First steps of the first held-out episode: private frames, true and recovered actions."""
     with CaptureFile(path) as capture:
         rows = slice(0, min(steps, capture.num_rows))
-        observation = capture.observation(rows, layers=[POLICY_HEAD_WEIGHT], with_theta0=False)
+        observation = capture.observation(rows, layers=[policy_weight(capture.roles)],
+                                          with_theta0=False)
         target = capture.target(rows)
         scene = capture.scenes[int(capture.column("scene_ids", 0))]
     recovered = recover_actions(observation, "odd-sign").actions

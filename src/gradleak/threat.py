@@ -14,7 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from gradleak.victims.base import LayerInfo, VictimConfig
+from gradleak.errors import ConfigError
+from gradleak.victims.base import VICTIMS, LayerInfo, VictimConfig, create_victim
+from gradleak.victims.roles import Roles
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,16 @@ class Observation:
     episode_ids: np.ndarray  # (N,): which episode (client upload) each gradient belongs to
     step_in_episode: np.ndarray  # (N,): its position in that episode
     theta0: dict[str, np.ndarray] = field(default_factory=dict)  # broadcast checkpoint
+    # what each layer does (gradleak.victims.roles): from the capture; None → the registered
+    # victim's own
+    roles: Roles = None  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if self.roles is None:
+            if self.victim.name not in VICTIMS:
+                raise ConfigError(f"observation of victim {self.victim.name!r}: pass its roles "
+                                  "(it is not a registered victim to derive them from)")
+            object.__setattr__(self, "roles", create_victim(self.victim).roles())
 
     def __len__(self) -> int:
         return len(self.gradients)

@@ -85,7 +85,8 @@ def test_feature_inversion_through_a_linear_first_layer_is_exact() -> None:
 
     observation, images = mlp_observation(frames=2)
     features = recover_analytically(observation).extras["layer_inputs"]["fc"]
-    recovered = invert_features(observation, features, iterations=300, lr=0.02, tv=0.0)
+    recovered = invert_features(observation, features, "fc", iterations=300, lr=0.02,
+                                tv=0.0)
     assert float(psnr(to_unit_tensor(recovered), to_unit_tensor(images.numpy())).min()) > 35
 
 

@@ -236,7 +236,7 @@ def test_victims_without_the_structure_are_named() -> None:
         FeatureDecoder(DecoderConfig(layer_table=layers_to_json(list(observation.layers)),
                                      feature_shape=[32, 4, 4]))
     with pytest.raises(ConfigError, match="no convolutional feature map"):
-        feature_map_shape(create_victim("mlp", frame_size=12, options={"hidden": 32}), "fc", 12)
+        feature_map_shape(create_victim("mlp", frame_size=12, options={"hidden": 32}), "fc")
 
 
 def test_under_aggregation_the_recovered_input_is_an_affine_mix_of_the_steps() -> None:

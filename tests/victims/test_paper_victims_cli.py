@@ -47,8 +47,8 @@ def test_every_action_and_advantage_comes_back_from_a_captured_stream(
 
 
 @pytest.mark.parametrize("victim, command, fragment", [
-    ("impala-small", ["analytic", "--conv", "2"], "encoder.0 is a Sequential"),
-    ("vit-tiny-small", ["analytic", "--invert", "2"], "has no `fc` Linear layer"),
+    ("impala-small", ["analytic", "--conv", "2"], "encoder.0.1 is a groupnorm"),
+    ("vit-tiny-small", ["analytic", "--invert", "2"], "has no Linear layer reading its conv"),
     ("multimodal-small", ["attack", "ig", "--index", "0", "--data"], "also reads goal"),
 ])
 def test_an_attack_the_structure_does_not_allow_is_refused_up_front(
@@ -102,5 +102,5 @@ def test_the_analytic_decoder_refuses_a_victim_without_conv_features(
     shutil.copyfile(captures["vit-tiny-small"], train)
     assert main(["train-decoder", "--data", str(train), "--out", str(tmp_path / "dec"),
                  "--extra-frames", "0", "--quiet"]) == 2
-    assert "no `fc` Linear layer" in capsys.readouterr().err
+    assert "no Linear layer reading conv features" in capsys.readouterr().err
     assert not (tmp_path / "dec").exists()

@@ -14,22 +14,26 @@ import numpy as np
 from gradleak.errors import ConfigError
 from gradleak.registry import Registry
 from gradleak.threat import Observation, Reconstruction
-
-POLICY_HEAD_WEIGHT = "policy_head.weight"
+from gradleak.victims.roles import Roles
 
 Rule = Callable[[np.ndarray, np.ndarray | None], np.ndarray]
 RULES: Registry[Rule] = Registry("action rule")
 NEEDS_ADVANTAGE_SIGN = {"sign-aware"}
 
 
+def policy_weight(roles: Roles) -> str:
+    """The parameter the action rules read: the policy head's weight."""
+    return f"{roles.policy_head}.weight"
+
+
 def column_sums(observation: Observation) -> np.ndarray:
     """σ: (N, K) sums over the feature axis of the policy head's weight gradient."""
+    weight = policy_weight(observation.roles)
     try:
-        block = observation.block(POLICY_HEAD_WEIGHT)  # (N, K, d_h)
+        block = observation.block(weight)  # (N, K, d_h)
     except KeyError:
-        raise ConfigError("the capture holds no policy-head gradient "
-                          f"({POLICY_HEAD_WEIGHT}); capture with --components including "
-                          "'heads'") from None
+        raise ConfigError(f"the capture holds no policy-head gradient ({weight}); capture "
+                          "with --components including 'heads'") from None
     return block.astype(np.float64).sum(axis=2)
 
 

@@ -18,9 +18,7 @@ import torch
 
 from gradleak.errors import ConfigError
 from gradleak.threat import Observation, Reconstruction
-from gradleak.victims.base import VICTIMS, victim_at_theta0
-
-POLICY, VALUE = "policy_head", "value_head"
+from gradleak.victims.base import victim_at_theta0
 
 
 @dataclass(frozen=True)
@@ -31,18 +29,11 @@ class LinearLayer:
 
 
 def linear_layers(observation: Observation) -> list[str]:
-    """Modules with both a 2-D weight and a bias gradient in the observation, that the victim
-    applies once per sample (its `closed_form_linears`; all of them unless it says otherwise)."""
-    names = {layer.name: layer for layer in observation.layers}
-    declared = VICTIMS.get(observation.victim.name).closed_form_linears \
-        if observation.victim.name in VICTIMS else None
-    found = []
-    for name, layer in names.items():
-        module = name.removesuffix(".weight")
-        if name.endswith(".weight") and len(layer.shape) == 2 and f"{module}.bias" in names \
-                and (declared is None or module in declared):
-            found.append(module)
-    return found
+    """The victim's closed-form Linear layers (its roles: biased, applied once per sample)
+    whose weight and bias gradients the observation holds."""
+    names = {layer.name for layer in observation.layers}
+    return [module for module in observation.roles.linears
+            if f"{module}.weight" in names and f"{module}.bias" in names]
 
 
 def layer_input(observation: Observation, module: str) -> np.ndarray:
@@ -65,7 +56,7 @@ def _head(observation: Observation, module: str) -> LinearLayer:
 
 def check_supported(observation: Observation) -> None:
     layers = set(linear_layers(observation))
-    missing = {POLICY, VALUE} - layers
+    missing = {observation.roles.policy_head, observation.roles.value_head} - layers
     if missing:
         raise ConfigError(f"victim {observation.victim.name}: analytic recovery needs Linear "
                           f"heads with a bias, and the gradients of {', '.join(sorted(missing))}"
@@ -114,22 +105,25 @@ def actions_from_policy_bias(policy_bias: np.ndarray, probs: np.ndarray, entropy
 def recover_analytically(observation: Observation) -> Reconstruction:
     """Actions, and in extras: every Linear layer's input, h, π, V, A, R, the fit residual."""
     check_supported(observation)
+    roles = observation.roles
     inputs = {module: layer_input(observation, module) for module in linear_layers(observation)}
-    policy, value = _head(observation, POLICY), _head(observation, VALUE)
-    features = inputs[POLICY]
-    # A step whose policy-bias gradient is exactly zero still has the value head's
-    fallback = ~np.isfinite(features).all(1)
-    features[fallback] = inputs[VALUE][fallback]
+    policy, value = _head(observation, roles.policy_head), _head(observation, roles.value_head)
+    features, value_features = inputs[roles.policy_head], inputs[roles.value_head]
+    if roles.shared_features:  # a step whose policy-bias gradient is exactly zero still has
+        fallback = ~np.isfinite(features).all(1)  # the value head's, and vice versa
+        features[fallback] = value_features[fallback]
+        value_features = features
     probs = softmax(features @ policy.weight.T + policy.bias)
-    values = (features @ value.weight.T + value.bias)[:, 0]
+    values = (value_features @ value.weight.T + value.bias)[:, 0]
     value_coef = float(observation.hyperparameters["value"])
     actions, advantages, misfit = actions_from_policy_bias(
-        observation.block(f"{POLICY}.bias").astype(np.float64), probs,
+        observation.block(f"{roles.policy_head}.bias").astype(np.float64), probs,
         float(observation.hyperparameters["entropy"]))
-    returns = values - observation.block(f"{VALUE}.bias").astype(np.float64)[:, 0] / (
-        2.0 * value_coef)
+    returns = values - observation.block(f"{roles.value_head}.bias").astype(np.float64)[:, 0] \
+        / (2.0 * value_coef)
     return Reconstruction(actions=actions, extras={
-        "layer_inputs": inputs, "features": features, "probs": probs, "values": values,
+        "layer_inputs": inputs, "features": features, "value_features": value_features,
+        "probs": probs, "values": values,
         "advantages": advantages, "returns": returns, "misfit": misfit})
 
 
@@ -160,7 +154,7 @@ def module_input(victim: torch.nn.Module, module: str, images: torch.Tensor) -> 
     return captured[0]
 
 
-def invert_features(observation: Observation, features: np.ndarray, module: str = "fc",
+def invert_features(observation: Observation, features: np.ndarray, module: str,
                     iterations: int = 600, lr: float = 0.01, tv: float = 0.3,
                     seed: int = 0) -> np.ndarray:
     """Frames whose `module` input matches the recovered one: Adam on the pixels, relative
@@ -174,10 +168,9 @@ def invert_features(observation: Observation, features: np.ndarray, module: str 
     for parameter in victim.parameters():
         parameter.requires_grad_(False)
     target = torch.from_numpy(features).float()
-    size = observation.victim.frame_size
+    shape = (len(target), *observation.roles.transform.frame_shape)
     generator = torch.Generator().manual_seed(seed)
-    images = torch.full((len(target), size, size, 3), 0.5).add_(
-        0.05 * torch.randn(len(target), size, size, 3, generator=generator))
+    images = torch.full(shape, 0.5).add_(0.05 * torch.randn(shape, generator=generator))
     images.requires_grad_(True)
     optimiser = torch.optim.Adam([images], lr=lr)
     scale = target.pow(2).sum(1).clamp_min(1e-12)

@@ -37,7 +37,7 @@ from torch import nn
 
 from gradleak.errors import ConfigError
 from gradleak.threat import Observation
-from gradleak.victims.base import victim_at_theta0
+from gradleak.victims.base import Victim, victim_at_theta0
 
 GradientOf = Callable[[str], torch.Tensor]  # parameter name → (N, *shape) per-step gradients
 
@@ -82,33 +82,48 @@ class ConvInputs:
                           torch.tensor(thresholds, dtype=torch.float64)[best])
 
 
-def conv_blocks(victim: nn.Module, frame_size: int) -> list[ConvBlock]:
-    """The victim's Conv → ReLU [→ BatchNorm] blocks in order, then an `fc` Linear layer. A
-    block without BatchNorm (NatureCNN, SB3's CnnPolicy) gets the identity as its affine map."""
-    encoder, fc = getattr(victim, "encoder", None), getattr(victim, "fc", None)
-    layers = [m for m in encoder if not isinstance(m, nn.Flatten)] \
-        if isinstance(encoder, nn.Sequential) else []
-    blocks, size, i = [], frame_size, 0
-    while i < len(layers) and isinstance(fc, nn.Linear):
-        conv = layers[i]
-        if not (isinstance(conv, nn.Conv2d) and i + 1 < len(layers)
-                and isinstance(layers[i + 1], nn.ReLU)):
-            break
-        normed = i + 2 < len(layers) and isinstance(layers[i + 2], nn.BatchNorm2d)
-        if conv.groups != 1 or conv.dilation != (1, 1) or conv.bias is None:
-            raise ConfigError(f"encoder.{i}: only plain biased convolutions are supported")
-        norm = layers[i + 2] if normed else identity_norm(conv.out_channels)
-        blocks.append(ConvBlock(f"encoder.{i}", conv, norm, size))
-        kernel, stride, padding = conv.kernel_size[0], conv.stride[0], conv.padding[0]
-        size = (size + 2 * padding - kernel) // stride + 1
+def conv_blocks(victim: Victim) -> list[ConvBlock]:
+    """The victim's conv stack (its roles) as Conv → ReLU [→ BatchNorm] blocks in order, read
+    by a Linear layer (its `feature_linear`). A block without BatchNorm (NatureCNN, SB3's
+    CnnPolicy) gets the identity as its affine map. Anything else is refused here, before any
+    work, naming the first module the recursion cannot pass and why."""
+    roles = victim.roles()
+    name = victim.config.name
+    if not roles.conv_stack or roles.feature_linear is None:
+        raise ConfigError(f"victim {name}: recovery through the conv stack needs conv layers "
+                          "read by a biased Linear layer applied once per sample; this victim "
+                          f"has {'no conv stack' if not roles.conv_stack else 'none after it'}")
+    steps = [step for step in roles.conv_stack if step.kind != "flatten"]
+    blocks, i = [], 0
+    while i < len(steps):
+        conv, after = steps[i], [s.kind for s in steps[i + 1:i + 3]]
+        if conv.kind != "conv" or after[:1] != ["relu"]:
+            what = conv if conv.kind != "conv" else steps[i + 1] if i + 1 < len(steps) else conv
+            raise ConfigError(f"victim {name}: the recursion through the conv stack passes "
+                              "Conv → ReLU [→ BatchNorm] blocks only; "
+                              f"{what.module} is a {what.kind}" + REASONS.get(what.kind, ""))
+        module = victim.get_submodule(conv.module)
+        if module.groups != 1 or module.dilation != (1, 1) or module.bias is None \
+                or conv.input_shape[1] != conv.input_shape[2] \
+                or len(set(module.kernel_size)) != 1 or len(set(module.stride)) != 1:
+            raise ConfigError(f"victim {name}: {conv.module}: the recursion passes plain biased "
+                              "convolutions with square kernels and strides on square maps")
+        normed = after[1:] == ["batchnorm"]
+        norm = victim.get_submodule(steps[i + 2].module) if normed \
+            else identity_norm(module.out_channels)
+        blocks.append(ConvBlock(conv.module, module, norm, conv.input_shape[1]))
         i += 3 if normed else 2
-    if not blocks or i != len(layers):
-        raise ConfigError(f"victim {type(victim).__name__}: recovery through the conv stack "
-                          "needs an `encoder` of Conv2d → ReLU [→ BatchNorm2d] blocks and an "
-                          "`fc` Linear layer (cnn, cnn-small, nature-cnn and the victims built "
-                          "on them)" + (f"; encoder.{i} is a {type(layers[i]).__name__}"
-                                       if i < len(layers) else ""))
+    if not roles.conv_chain:
+        raise ConfigError(f"victim {name}: composing its conv modules in call order does not "
+                          f"give what {roles.feature_linear} reads (a residual addition or a "
+                          "function between them): the recursion cannot pass it")
     return blocks
+
+
+# why the recursion stops at a module of this kind
+REASONS = {"maxpool": " (max-pooling: the gradient gives the argmax switches, not yet used)",
+           "groupnorm": " (GroupNorm: per-sample statistics, two unknowns per group)",
+           "conv": " not followed by a ReLU"}
 
 
 def identity_norm(channels: int) -> nn.BatchNorm2d:
@@ -125,10 +140,10 @@ def solvable(block: ConvBlock) -> bool:
     return out_channels * kernel * kernel >= 2 * block.input_size ** 2
 
 
-def deepest_inputs(victim: nn.Module, frame_size: int) -> list[str]:
+def deepest_inputs(victim: Victim) -> list[str]:
     """The conv modules whose input the recursion reaches, from the top down."""
     names = []
-    for block in reversed(conv_blocks(victim, frame_size)):
+    for block in reversed(conv_blocks(victim)):
         if not solvable(block):
             break
         names.append(block.name)
@@ -136,8 +151,7 @@ def deepest_inputs(victim: nn.Module, frame_size: int) -> list[str]:
 
 
 @torch.no_grad()
-def recover_conv_inputs(gradient_of: GradientOf, victim: nn.Module, frame_size: int,
-                        down_to: str | None = None,
+def recover_conv_inputs(gradient_of: GradientOf, victim: Victim, down_to: str | None = None,
                         thresholds: tuple[float, ...] = (10.0, 20.0, 40.0), rounds: int = 3
                         ) -> ConvInputs:
     """Walk down from the FC layer to the input of conv `down_to` (default: as far as the
@@ -155,17 +169,17 @@ def recover_conv_inputs(gradient_of: GradientOf, victim: nn.Module, frame_size: 
             read[name] = gradient_of(name).double()
         return read[name]
 
-    runs = [walk_down(once, victim, frame_size, down_to, threshold, rounds)
+    runs = [walk_down(once, victim, down_to, threshold, rounds)
             for threshold in thresholds]
     deepest = list(runs[0].inputs)[-1]
     return runs[0].pick(runs[1:], deepest, list(thresholds))
 
 
-def walk_down(gradient_of: GradientOf, victim: nn.Module, frame_size: int,
-              down_to: str | None, threshold: float, rounds: int) -> ConvInputs:
+def walk_down(gradient_of: GradientOf, victim: Victim, down_to: str | None, threshold: float,
+              rounds: int) -> ConvInputs:
     """One pass of the recursion with a fixed on/off margin of `threshold` deviations."""
-    blocks = conv_blocks(victim, frame_size)
-    reachable = deepest_inputs(victim, frame_size)
+    blocks = conv_blocks(victim)
+    reachable = deepest_inputs(victim)
     target = down_to or reachable[-1]
     if target not in reachable:
         known = [block.name for block in blocks]
@@ -174,13 +188,15 @@ def walk_down(gradient_of: GradientOf, victim: nn.Module, frame_size: int,
                               " only (below, a conv's weight gradient has fewer equations than "
                               "its input has pixels: that layer needs a prior)"
                               if target in known else f"; the convs are {', '.join(known)}"))
-    fc_weight, fc_bias = gradient_of("fc.weight"), gradient_of("fc.bias")
+    feature_linear = victim.roles().feature_linear
+    fc_weight, fc_bias = gradient_of(f"{feature_linear}.weight"), gradient_of(
+        f"{feature_linear}.bias")
     count = len(fc_bias)
     last = blocks[-1].conv.out_channels
     side = int(round((fc_weight.shape[-1] / last) ** 0.5))
     y, noise = linear_input_with_noise(fc_weight, fc_bias)
     y, noise = y.view(count, last, side, side), noise.view(count, last, side, side)
-    upstream = (fc_bias @ victim.fc.weight.double()).view_as(y)
+    upstream = (fc_bias @ victim.get_submodule(feature_linear).weight.double()).view_as(y)
     found = ConvInputs({}, {}, {})
     for block in reversed(blocks):
         weight_gradient = gradient_of(f"{block.name}.weight")
@@ -254,14 +270,19 @@ def unit_states(block: ConvBlock, y: torch.Tensor, noise: torch.Tensor, threshol
     return relu, relu > margin, relu.abs() <= margin, gain
 
 
-def frames_from_first_block(victim: nn.Module, frame_size: int, output: torch.Tensor,
-                            noise: torch.Tensor, threshold: float = 20.0, tv: float = 1e-3,
-                            rounds: int = 3, iterations: int = 300) -> torch.Tensor:
+def frames_from_first_block(victim: Victim, output: torch.Tensor, noise: torch.Tensor,
+                            threshold: float = 20.0, tv: float = 1e-3, rounds: int = 3,
+                            iterations: int = 300) -> torch.Tensor:
     """The frame under the first block, which its gradient leaves under-determined: frames
-    (N, 3, H, W) in [0, 1] whose first conv reproduces the recovered on-units and keeps the
-    off-units off, with a quadratic smoothness prior; L-BFGS, clamped between rounds.
+    (N, H, W, C) in frame units (0..255) whose first conv reproduces the recovered on-units and
+    keeps the off-units off, with a quadratic smoothness prior; L-BFGS, clamped to the valid
+    range of the victim's input transform between rounds.
     Measured on 16 cpu-bench held-out frames: tv 1e-3 gives 29.0 dB from the true map."""
-    first = conv_blocks(victim, frame_size)[0]
+    first = conv_blocks(victim)[0]
+    transform = victim.roles().transform
+    height, width, channels = transform.frame_shape
+    low = transform.apply(torch.zeros(1, height, width, channels, dtype=torch.float64))
+    high = transform.apply(torch.full((1, height, width, channels), 255.0, dtype=torch.float64))
     with torch.no_grad():  # an undecided unit is near 0 either way: hold it off
         relu, on, _, _ = unit_states(first, output, noise, threshold)
     known = torch.isfinite(noise)  # a pixel no conv above reads says nothing of the frame
@@ -269,8 +290,7 @@ def frames_from_first_block(victim: nn.Module, frame_size: int, output: torch.Te
     conv = first.conv
     weight, bias = conv.weight.detach().double(), conv.bias.detach().double()
     scale = (relu * on).pow(2).flatten(1).sum(1).clamp_min(1e-12)
-    images = torch.full((len(output), 3, frame_size, frame_size), 0.5, dtype=torch.float64,
-                        requires_grad=True)
+    images = ((low + high) / 2).repeat(len(output), 1, 1, 1).requires_grad_(True)
     optimiser = torch.optim.LBFGS([images], lr=1, max_iter=iterations, history_size=20,
                                   line_search_fn="strong_wolfe")
 
@@ -287,8 +307,8 @@ def frames_from_first_block(victim: nn.Module, frame_size: int, output: torch.Te
     for _ in range(rounds):
         optimiser.step(objective)
         with torch.no_grad():
-            images.clamp_(0.0, 1.0)
-    return images.detach()
+            images.copy_(torch.maximum(torch.minimum(images, high), low))
+    return transform.invert(images.detach())
 
 
 def settle_masks(block: ConvBlock, full: torch.Tensor, sure: torch.Tensor,
@@ -368,5 +388,4 @@ def observed_conv_inputs(observation: Observation, down_to: str | None = None,
             raise ConfigError(f"recovery through the conv stack needs the gradient of {name}: "
                               "capture with --components including 'cnn' and 'fc'") from None
 
-    return recover_conv_inputs(gradient_of, victim, observation.victim.frame_size, down_to,
-                               thresholds, rounds)
+    return recover_conv_inputs(gradient_of, victim, down_to, thresholds, rounds)

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from gradleak.attacks.analytic import POLICY, VALUE, actions_from_policy_bias
+from gradleak.attacks.analytic import actions_from_policy_bias
 from gradleak.attacks.encoders import (
     ResidualConv,
     WindowAttacker,
@@ -33,7 +33,8 @@ from gradleak.attacks.encoders import (
 )
 from gradleak.envs.actions import action_set
 from gradleak.errors import ConfigError
-from gradleak.victims.base import layers_from_json
+from gradleak.victims.base import VictimConfig, layers_from_json
+from gradleak.victims.roles import Roles
 
 # The closed-form action is certain on clean streams; a large finite logit keeps softmax sane.
 CERTAIN = 20.0
@@ -56,6 +57,8 @@ class DecoderConfig:
     # conv module (e.g. "encoder.3"), reached by the recursion through the conv stack
     feature_module: str = "fc"
     victim: str = "cnn-small"  # the architecture θ0 belongs to (a conv feature_module needs it)
+    victim_options: dict[str, Any] = field(default_factory=dict)
+    roles: str = ""  # the capture's roles (JSON); set from the training capture
     feature_shape: list[int] = field(default_factory=list)  # (C, h, w); set from the victim
     entropy_coef: float = 0.01  # the victim's declared loss coefficient (closed-form action)
     channels: int = 128  # widest decoder stage; halves with each ×2 upsampling, floor 16
@@ -66,6 +69,20 @@ class DecoderConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def decoder_victim(config: DecoderConfig) -> VictimConfig:
+    return VictimConfig(config.victim, config.frame_size, config.num_actions,
+                        dict(config.victim_options))
+
+
+def decoder_roles(config: DecoderConfig) -> Roles:
+    """The capture's roles; a decoder saved before they were stored gets its victim's."""
+    if config.roles:
+        return Roles.from_json(config.roles, "decoder config field 'roles'")
+    from gradleak.victims import create_victim
+
+    return create_victim(decoder_victim(config)).roles()
 
 
 def stage_widths(channels: int, stages: int) -> list[int]:
@@ -83,15 +100,17 @@ class FeatureDecoder(WindowAttacker):
                  for weight, bias in linear_pairs(list(layers.values()))}
         self.through_convs = config.feature_module not in pairs and len(
             getattr(layers.get(f"{config.feature_module}.weight"), "shape", ())) == 4
-        needed = ("fc" if self.through_convs else config.feature_module, POLICY, VALUE)
+        roles = self.roles = decoder_roles(config)
+        needed = (roles.feature_linear if self.through_convs else config.feature_module,
+                  roles.policy_head, roles.value_head)
         for module in needed:
             if module not in pairs:
                 raise ConfigError(f"the analytic decoder needs the gradients of Linear layer "
                                   f"{module!r} with its bias; this capture has "
                                   f"{', '.join(sorted(pairs)) or 'none'}")
         self.layers = layers
-        self.feature_layer, self.policy_layer = pairs[needed[0]], pairs[POLICY]
-        self.value_layer = pairs[VALUE]
+        self.feature_layer, self.policy_layer = pairs[needed[0]], pairs[roles.policy_head]
+        self.value_layer = pairs[roles.value_head]
         if self.through_convs:
             self.theta0 = self._conv_stack(config)
             width = int(np.prod(config.feature_shape or [0]))
@@ -127,9 +146,8 @@ class FeatureDecoder(WindowAttacker):
         from gradleak.attacks.conv_recovery import deepest_inputs
         from gradleak.victims import create_victim
 
-        victim = create_victim(config.victim, frame_size=config.frame_size,
-                               num_actions=config.num_actions).eval()
-        reachable = deepest_inputs(victim, config.frame_size)
+        victim = create_victim(decoder_victim(config)).eval()
+        reachable = deepest_inputs(victim)
         if config.feature_module not in reachable:
             raise ConfigError(f"feature_module {config.feature_module!r}: the gradients of "
                               f"{config.victim} determine the inputs of "
@@ -226,7 +244,7 @@ class FeatureDecoder(WindowAttacker):
             found = recover_conv_inputs(
                 lambda name, rows=rows: block(rows, self.layers[name]).unflatten(
                     -1, self.layers[name].shape).double(),
-                self.theta0, self.config.frame_size, down_to=module)
+                self.theta0, down_to=module)
             parts.append(found.inputs[module].flatten(1).float())
         return torch.cat(parts).to(self.feature_mean.device)
 
@@ -235,7 +253,8 @@ class FeatureDecoder(WindowAttacker):
         policy_input = linear_input(gradients, *self.policy_layer).double()
         value_input = linear_input(gradients, *self.value_layer).double()
         # a zero policy-bias gradient (A = 0, no entropy term) leaves the value head's input
-        silent = block(gradients, self.policy_layer[1]).abs().sum(-1) == 0
+        silent = (block(gradients, self.policy_layer[1]).abs().sum(-1) == 0) \
+            & self.roles.shared_features
         hidden = torch.where(silent[:, None], value_input, policy_input)
         probs = torch.softmax(hidden @ self.policy_weight.double().T + self.policy_bias.double(),
                               -1)

@@ -29,9 +29,10 @@ from gradleak.capture.schema import (
     layers_from_json,
     step_columns,
 )
-from gradleak.errors import CaptureFileError
+from gradleak.errors import CaptureFileError, ConfigError
 from gradleak.threat import Observation, Target
-from gradleak.victims.base import LayerInfo, VictimConfig
+from gradleak.victims.base import VICTIMS, LayerInfo, VictimConfig, create_victim
+from gradleak.victims.roles import Roles
 
 SCAN_ROWS = 256
 _SCANNED: dict[tuple[str, int, int], np.ndarray] = {}  # (file, size, mtime) → non-finite rows
@@ -99,6 +100,26 @@ class CaptureFile:
             if not all(isinstance(v, str) for v in values):
                 raise CaptureFileError(f"{self.path}: attribute '{name}' is not a list of names")
         self._json_attr("loss", dict)
+        self.roles = self._read_roles()
+
+    def _read_roles(self) -> Roles:
+        """The attribute `roles`, checked against the layer table; a capture written before
+        roles were stored gets its registered victim's."""
+        source = f"{self.path} attribute 'roles'"
+        try:
+            if "roles" in self._h5.attrs:
+                roles = Roles.from_json(self._h5.attrs["roles"], source)
+            elif self.victim.name in VICTIMS:
+                roles = create_victim(self.victim).roles()
+            else:
+                raise CaptureFileError(f"{self.path}: attribute 'roles' is missing, and victim "
+                                       f"{self.victim.name!r} is not registered here to derive "
+                                       "it")
+            roles.check_layers({layer.name: layer.shape for layer in self.layers},
+                               self.victim.num_actions, source)
+        except ConfigError as error:
+            raise CaptureFileError(str(error)) from None
+        return roles
 
     def _int_attr(self, name: str) -> int:
         value = self._h5.attrs.get(name, -1)
@@ -140,7 +161,7 @@ class CaptureFile:
             raise CaptureFileError(f"{self.path}: dataset 'gradients' has {width} columns but the "
                                    f"layer_table describes {offset} (gradient_dim "
                                    f"{int(self._h5.attrs['gradient_dim'])})")
-        for column in step_columns(self.victim.frame_size, self.victim.num_actions,
+        for column in step_columns(self.roles.transform.frame_shape, self.victim.num_actions,
                                    self.hidden_size) + (None,):
             name = GRADIENTS if column is None else column.name
             if name not in self._h5:
@@ -210,7 +231,7 @@ class CaptureFile:
                            hyperparameters=self.hyperparameters,
                            episode_ids=self.column("episode_ids", rows),
                            step_in_episode=self.column("step_in_episode", rows),
-                           theta0=self.theta0() if with_theta0 else {})
+                           theta0=self.theta0() if with_theta0 else {}, roles=self.roles)
 
     def target(self, rows: Any = slice(None), images: bool = True) -> Target:
         """Private ground truth: auxiliary training targets and scoring only."""
@@ -268,7 +289,7 @@ class CaptureFile:
     def validate(self, progress: bool = False) -> dict[str, Any]:
         """Full scan: every chunk of every dataset decodes, gradients are finite, episodes are
         contiguous and closed by a done flag."""
-        names = [column.name for column in step_columns(self.victim.frame_size,
+        names = [column.name for column in step_columns(self.roles.transform.frame_shape,
                                                         self.victim.num_actions,
                                                         self.hidden_size)]
         blocks = [(name, start) for name in names for start in range(0, self.num_rows,
@@ -361,8 +382,8 @@ def open_captures(paths: Sequence[str | os.PathLike[str]]) -> list[CaptureFile]:
     files = [CaptureFile(p) for p in paths]
     first = files[0]
     for other in files[1:]:
-        for key in ("theta0_sha256", "layer_table", "victim_config", "algorithm"):
-            if other.attrs[key] != first.attrs[key]:
+        for key in ("theta0_sha256", "layer_table", "victim_config", "algorithm", "roles"):
+            if other.attrs.get(key) != first.attrs.get(key):
                 for handle in files:
                     handle.close()
                 raise CaptureFileError(f"{other.path} and {first.path} differ in '{key}': shards "

@@ -78,7 +78,7 @@ def record(victim: Victim, out: str | os.PathLike[str], *, images: np.ndarray,
     attrs = capture_attributes(victim, layers, algorithm, coefficients, loss["gamma"],
                                loss["lam"], advantage_norm, settings, [source], source)
     theta0 = {k: v.detach().numpy() for k, v in victim.state_dict().items()}
-    schema = step_columns(victim.config.frame_size, victim.config.num_actions,
+    schema = step_columns(victim.input_transform.frame_shape, victim.config.num_actions,
                           victim.hidden_size)
     episodes = _episode_bounds(np.asarray(episode_ids))
     with created_directories(out.parent):

@@ -256,7 +256,7 @@ def capture_attributes(victim: Victim, layers: list[Any], algorithm: str,
             "theta0_sha256": settings["theta0_sha256"], "algorithm": algorithm,
             "loss": json.dumps({**coefficients.to_dict(), "gamma": gamma, "lam": lam,
                                 "advantage_normalisation": ADVANTAGE_TEXT[advantage_norm]}),
-            "layer_table": layers_to_json(layers),
+            "layer_table": layers_to_json(layers), "roles": victim.roles().to_json(),
             "components": json.dumps(settings["components"]),
             "scenes": json.dumps(settings["scenes"]), "all_scenes": json.dumps(all_scenes),
             "split": settings["split"], "shard": f"{index}/{count}",
@@ -285,8 +285,9 @@ def _run_locked(plan: _Plan, job: CaptureJob) -> dict[str, Any]:
         # the file's descriptor and lock, and outlive a killed capture holding both.
         env.reset(seed=plan.seed)
         theta0 = {k: v.detach().numpy() for k, v in plan.victim.state_dict().items()}
-        columns = step_columns(plan.victim.config.frame_size, plan.victim.config.num_actions,
-                               plan.victim.hidden_size)
+        victim = plan.victim
+        columns = step_columns(victim.input_transform.frame_shape, victim.config.num_actions,
+                               victim.hidden_size)
         writer = CaptureWriter(plan.out, plan.attrs, columns, plan.attrs["gradient_dim"],
                                theta0, job.resume, job.overwrite,
                                gradient_dtype=job.preset.capture.gradient_dtype,

@@ -21,12 +21,14 @@ class Column:
     private: bool = True  # ground truth: read for training on auxiliary data and scoring only
 
 
-def step_columns(frame_size: int, num_actions: int, hidden_size: int = 0
+def step_columns(frame_shape: tuple[int, int, int], num_actions: int, hidden_size: int = 0
                  ) -> tuple[Column, ...]:
-    """The per-step datasets; a recurrent victim's pre-step states too (`hidden_size` > 0)."""
+    """The per-step datasets; frames stored as the client had them, (H, W, C) uint8 (the
+    input transform in attribute `roles` maps them to the network input); a recurrent victim's
+    pre-step states too (`hidden_size` > 0)."""
     recurrent = (Column("hidden_states", "float32", (hidden_size,)),) if hidden_size else ()
     return recurrent + (
-        Column("images", "uint8", (frame_size, frame_size, 3)),
+        Column("images", "uint8", tuple(frame_shape)),
         Column("goals", "float32", (3,)),
         Column("actions", "int64"),
         Column("rewards", "float32"),

@@ -10,8 +10,8 @@ import numpy as np
 
 from gradleak.attacks.action_rules import (
     NEEDS_ADVANTAGE_SIGN,
-    POLICY_HEAD_WEIGHT,
     RULES,
+    policy_weight,
     recover_actions,
 )
 from gradleak.capture.reader import open_captures
@@ -42,7 +42,7 @@ def evaluate_action_rules(paths: Sequence[str | os.PathLike[str]], rules: Sequen
                     rows = np.flatnonzero(usable[rows]) + start
                     if not len(rows):
                         continue
-                observation = capture.observation(rows, layers=[POLICY_HEAD_WEIGHT],
+                observation = capture.observation(rows, layers=[policy_weight(capture.roles)],
                                                   with_theta0=False)
                 target = capture.target(rows, images=False)
                 for rule in rules:

@@ -53,8 +53,9 @@ def row_scores(observation: Observation, target: Target) -> dict[str, np.ndarray
     truth_inputs = true_layer_inputs(observation, target, list(extras["layer_inputs"]))
     rows = {f"layer:{name}": relative_errors(estimate, truth_inputs[name])
             for name, estimate in extras["layer_inputs"].items()}
-    if GOAL_INPUT in extras["layer_inputs"] and target.goals is not None:
-        rows.update(goal_errors(extras["layer_inputs"][GOAL_INPUT], target.goals))
+    goal_input = observation.roles.goal_input
+    if goal_input in extras["layer_inputs"] and target.goals is not None:
+        rows.update(goal_errors(extras["layer_inputs"][goal_input], target.goals))
     advantage_error = np.abs(extras["advantages"] - target.advantages)
     return {**rows, "correct": result.actions == target.actions,
             "probs": np.abs(extras["probs"] - target.probs).max(1),
@@ -62,9 +63,6 @@ def row_scores(observation: Observation, target: Target) -> dict[str, np.ndarray
             "advantage": advantage_error,
             "advantage_relative": advantage_error / np.maximum(np.abs(target.advantages), 1e-8),
             "returns": np.abs(extras["returns"] - target.returns), "misfit": extras["misfit"]}
-
-
-GOAL_INPUT = "goal_encoder.0"  # the multimodal victim's first goal layer reads the goal itself
 
 
 def goal_errors(estimate: np.ndarray, truth: np.ndarray) -> dict[str, np.ndarray]:
@@ -107,9 +105,10 @@ def score_inversion(observation: Observation, target: Target, count: int) -> dic
     from gradleak.metrics.images import psnr, ssim, to_unit_tensor
 
     rows = np.linspace(0, len(observation) - 1, count).astype(int)
-    features = recover_analytically(observation).extras["layer_inputs"]["fc"][rows]
+    module = observation.roles.feature_linear
+    features = recover_analytically(observation).extras["layer_inputs"][module][rows]
     start = time.perf_counter()
-    frames = invert_features(observation, features)
+    frames = invert_features(observation, features, module)
     seconds = (time.perf_counter() - start) / count
     truth, guess = to_unit_tensor(target.images[rows]), to_unit_tensor(frames)
     mean = truth.mean(0, keepdim=True).expand_as(truth)
@@ -151,13 +150,13 @@ def score_conv_stack(observation: Observation, target: Target, count: int,
                         "unread_fraction": float(1 - known.double().mean())}
     deepest = list(found.inputs)[-1]
     double = victim_at_theta0(observation).double()
-    size = observation.victim.frame_size
     start = time.perf_counter()
-    frames = frames_from_first_block(double, size, found.inputs[deepest], found.noise[deepest],
-                                     frame_threshold).float()
+    frames = to_unit_tensor(frames_from_first_block(double, found.inputs[deepest],
+                                                    found.noise[deepest], frame_threshold) / 255)
     frame_seconds = (time.perf_counter() - start) / count
-    ideal = frames_from_first_block(double, size, truth[deepest],
-                                    torch.zeros_like(truth[deepest]), frame_threshold).float()
+    ideal = to_unit_tensor(frames_from_first_block(double, truth[deepest],
+                                                   torch.zeros_like(truth[deepest]),
+                                                   frame_threshold) / 255)
     real = to_unit_tensor(images)
     mean = real.mean(0, keepdim=True).expand_as(real)
     return {"frames": count, "layers": layers, "recovery_seconds_per_frame": recovery_seconds,
@@ -174,11 +173,11 @@ def check_attacks_apply(config: VictimConfig, invert: int, conv: int) -> None:
     from gradleak.attacks.conv_recovery import conv_blocks
 
     victim = create_victim(config)
-    if invert and not isinstance(getattr(victim, "fc", None), torch.nn.Linear):
-        raise ConfigError(f"--invert: victim {config.name} has no `fc` Linear layer whose input "
-                          "(the conv features) the closed form recovers")
+    if invert and victim.roles().feature_linear is None:
+        raise ConfigError(f"--invert: victim {config.name} has no Linear layer reading its conv "
+                          "features, whose input the closed form recovers")
     if conv:
-        conv_blocks(victim, config.frame_size)
+        conv_blocks(victim)
 
 
 def evaluate_analytic(paths: Sequence[str | os.PathLike[str]], max_rows: int | None = None,

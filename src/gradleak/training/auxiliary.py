@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from gradleak.attacks.analytic import POLICY, module_input
+from gradleak.attacks.analytic import module_input
 from gradleak.attacks.feature_decoder import DecoderConfig, FeatureDecoder
 from gradleak.capture.reader import CaptureFile
 from gradleak.defenses import Chain, parse_defense
@@ -57,7 +57,8 @@ from gradleak.training.checkpoint import (
 )
 from gradleak.training.data import WindowDataset
 from gradleak.training.fit import Budget, warmup_cosine
-from gradleak.victims.base import create_victim, victim_at_theta0
+from gradleak.victims.base import Victim, create_victim, victim_at_theta0
+from gradleak.victims.roles import Roles
 
 RENDERED = "rendered.safetensors"  # the random-walk frames of an unfinished run
 
@@ -99,14 +100,14 @@ class DecoderFitConfig:
         return chain
 
 
-def feature_map_shape(victim: nn.Module, module: str, frame_size: int) -> list[int]:
+def feature_map_shape(victim: Victim, module: str) -> list[int]:
     """(C, h, w) of the last 4-D activation before `module` flattens it."""
     maps: list[torch.Size] = []
     handles = [m.register_forward_hook(lambda _m, _a, out: maps.append(out.shape))
                for m in victim.modules() if not list(m.children())]
     try:
         with torch.no_grad():
-            module_input(victim, module, torch.zeros(1, frame_size, frame_size, 3))
+            module_input(victim, module, victim.example_inputs(1)[0])
     finally:
         for handle in handles:
             handle.remove()
@@ -261,16 +262,16 @@ class DecoderFit:
         if (self.out / META).exists() and not resume:
             raise ConfigError(f"{self.out} already holds an attacker: pass --resume to continue "
                               "it or choose another --out")
-        _check_feature_module(paths[0], model_config.feature_module)
+        roles = _check_feature_module(paths[0], model_config.feature_module)
         self.data = AuxiliaryFrames([str(p) for p in paths], config, progress,
                                     self.out / RENDERED)
         victim = self.data.fingerprint.victim
-        shape = feature_map_shape(self.data.victim, model_config.feature_module,
-                                  victim.frame_size)
+        shape = feature_map_shape(self.data.victim, model_config.feature_module)
         self.model_config = replace(
             model_config, layer_table=self.data.fingerprint.layer_table,
             gradient_dim=_gradient_dim(paths[0]), frame_size=victim.frame_size,
             num_actions=victim.num_actions, feature_shape=shape, victim=victim.name,
+            victim_options=dict(victim.options), roles=roles.to_json(),
             entropy_coef=float(self.data.hyperparameters.get("entropy", 0.0)))
         torch.manual_seed(config.seed)
         self.model = FeatureDecoder(self.model_config)
@@ -298,8 +299,9 @@ class DecoderFit:
                                          torch.from_numpy(self.frames.images[rows]),
                                          self.model_config.feature_module)
         self.model.fit_normaliser(features)
-        self.model.set_policy_head(self.data.theta0[f"{POLICY}.weight"],
-                                   self.data.theta0[f"{POLICY}.bias"])
+        policy = self.model.roles.policy_head
+        self.model.set_policy_head(self.data.theta0[f"{policy}.weight"],
+                                   self.data.theta0[f"{policy}.bias"])
         self.model.set_theta0(self.data.theta0)
         mean = self.data.train.images.mean(axis=0, dtype=np.float64) / 255.0  # no float copy
         self.mean_image = torch.from_numpy(mean).permute(2, 0, 1).float()
@@ -441,17 +443,18 @@ class DecoderFit:
             self.data.fingerprint, asdict(self.model_config))
 
 
-def _check_feature_module(path: str, module: str) -> None:
+def _check_feature_module(path: str, module: str) -> Roles:
     """Before any frame is read: the victim must have the module whose input is decoded, and
-    the `fc` Linear layer whose closed-form input starts every feature recovery."""
+    a Linear layer reading its conv features, whose closed-form input starts every feature
+    recovery. Returns the capture's roles."""
     with CaptureFile(path) as capture:
-        victim = create_victim(capture.victim)
-    modules = dict(victim.named_modules())
-    if module not in modules or not isinstance(modules.get("fc"), nn.Linear):
+        victim, roles = create_victim(capture.victim), capture.roles
+    if module not in dict(victim.named_modules()) or roles.feature_linear is None:
         raise ConfigError(f"attack.decoder.feature_module={module!r}: victim "
-                          f"{capture.victim.name} has no such module or no `fc` Linear layer, so "
-                          "no conv features to decode (the analytic decoder needs a conv encoder "
-                          "and an `fc`)")
+                          f"{capture.victim.name} has no such module or no Linear layer reading "
+                          "conv features, so no conv features to decode (the analytic decoder "
+                          "needs a conv encoder and a Linear layer after it)")
+    return roles
 
 
 def _gradient_dim(path: str) -> int:

@@ -12,6 +12,7 @@ from torch import nn
 
 from gradleak.errors import ConfigError
 from gradleak.registry import Registry
+from gradleak.victims.roles import InputTransform, Roles, discover
 
 COMPONENTS = ("cnn", "fc", "heads")
 
@@ -83,19 +84,19 @@ def layers_from_json(text: str) -> list[LayerInfo]:
 
 
 class Victim(nn.Module):
-    """obs → (logits, value).
+    """frames (and a goal, a pre-step state) → (logits, value).
 
-    Contract every attack relies on: `policy_head` is an nn.Linear on ReLU features, the policy
-    and value heads share no parameters, and `component_of` tags every parameter.
+    A victim names its two Linear heads (and the layers reading a recurrent state or a goal);
+    `roles()` finds the rest with one forward pass (gradleak.victims.roles), and attacks read
+    only those roles. `component_of` tags every parameter.
     """
 
     config: VictimConfig
-    policy_head: nn.Linear
-    value_head: nn.Linear
+    policy_head_role = "policy_head"
+    value_head_role = "value_head"
+    recurrent_state_role: str | None = None
+    goal_input_role: str | None = None
     component_prefixes: dict[str, str] = {}
-    # The Linear modules applied once per sample, whose input the closed form recovers; None:
-    # every biased Linear layer (a ViT's token-wise layers are not, see victims/vit.py).
-    closed_form_linears: tuple[str, ...] | None = None
     recurrent = False  # carries a hidden state through the episode (victims/recurrent.py)
     extra_inputs: tuple[str, ...] = ()  # private inputs beside the frame, e.g. ("goal",)
 
@@ -128,13 +129,54 @@ class Victim(nn.Module):
         for prefix, component in self.component_prefixes.items():
             if parameter_name.startswith(prefix):
                 return component
+        if not self.component_prefixes:
+            return self.roles().component_of(parameter_name)
         raise ConfigError(f"parameter {parameter_name} of victim {self.config.name} has no "
                           "component tag")
 
-    @staticmethod
-    def prepare_image(image: torch.Tensor) -> torch.Tensor:
-        """(B, H, W, 3) uint8 or float in [0, 255] → (B, 3, H, W) float in [0, 1]."""
-        return image.permute(0, 3, 1, 2).to(torch.float32) / 255.0
+    @property
+    def input_transform(self) -> InputTransform:
+        """Stored frames → network input: square RGB frames divided by 255 unless a victim
+        says otherwise."""
+        return InputTransform(self.config.frame_size, self.config.frame_size)
+
+    def prepare_image(self, image: torch.Tensor) -> torch.Tensor:
+        """(B, H, W, C) uint8 or float in frame units → (B, C, H, W) network input."""
+        return self.input_transform.apply(image)
+
+    def example_inputs(self, batch: int = 4, seed: int = 0
+                       ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Random frames (and goals, states) of the right shape: the input of `roles()`."""
+        generator = torch.Generator().manual_seed(seed)
+        frames = torch.randint(0, 256, (batch, *self.input_transform.frame_shape),
+                               generator=generator, dtype=torch.uint8)
+        goals = torch.rand(batch, 3, generator=generator) if "goal" in self.extra_inputs \
+            else None
+        hidden = torch.rand(batch, self.hidden_size, generator=generator) - 0.5 \
+            if self.recurrent else None
+        return frames, goals, hidden
+
+    def roles(self) -> Roles:
+        """The roles every attack reads (found once, on example inputs, in eval mode)."""
+        cached = self.__dict__.get("_roles")
+        if cached is None:
+            frames, goals, hidden = self.example_inputs()
+            if next(self.parameters()).dtype == torch.float64:  # e.g. the recursion's copy
+                frames, goals, hidden = (None if x is None else x.double()
+                                         for x in (frames, goals, hidden))
+            mode = self.training
+            self.eval()
+            try:
+                cached = discover(self, lambda: self(frames, goals, hidden), frames,
+                                  self.input_transform, policy_head=self.policy_head_role,
+                                  value_head=self.value_head_role,
+                                  recurrent_state=self.recurrent_state_role,
+                                  goal_input=self.goal_input_role,
+                                  extra_inputs=tuple(self.extra_inputs))
+            finally:
+                self.train(mode)
+            self.__dict__["_roles"] = cached
+        return cached
 
 
 VICTIMS: Registry[type[Victim]] = Registry("victim")

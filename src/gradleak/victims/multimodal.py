@@ -21,6 +21,7 @@ GOAL_DIM = 3  # DoomNav's (distance / 10 m, sin bearing, cos bearing)
 
 class MultiModal(Victim):
     extra_inputs = ("goal",)
+    goal_input_role = "goal_encoder.0"
     component_prefixes = {"encoder.": "cnn", "fc.": "fc", "goal_encoder.": "fc",
                           "fusion.": "fc", "policy_head.": "heads", "value_head.": "heads"}
     visual: type[SharedCNN] = SharedCNN

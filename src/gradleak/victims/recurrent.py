@@ -40,6 +40,7 @@ class RecurrentCNN(Victim):
     # training as in capture. That state is private: gradient matching refuses the victim.
     recurrent = True
     extra_inputs = ("the hidden state",)
+    recurrent_state_role = "gru.state"
     component_prefixes = {"encoder.": "cnn", "fc.": "fc", "gru.": "fc", "policy_head.": "heads",
                           "value_head.": "heads"}
     visual: type[SharedCNN] = SharedCNN

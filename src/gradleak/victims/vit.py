@@ -40,7 +40,6 @@ class Block(nn.Module):
 class TinyViT(Victim):
     # The block's Linear layers act on every token: their gradient sums over tokens, so the
     # closed form x = ∇Wᵀ∇b/‖∇b‖² does not give an input. Only the heads read one vector.
-    closed_form_linears = ("policy_head", "value_head")
     component_prefixes = {"patch_embed.": "cnn", "cls_token": "cnn", "pos_embed": "cnn",
                           "blocks.": "cnn", "norm.": "cnn", "policy_head.": "heads",
                           "value_head.": "heads"}

@@ -1,0 +1,318 @@
+"""What each part of a victim does for the attacks: its roles, found by one forward pass.
+
+An attack never looks a parameter up by a fixed name. It reads a `Roles`: which Linear is the
+policy head and which the value head (and whether they read the same features h), which biased
+Linear layers are applied once per sample (their input comes out of the gradient in closed
+form), which of them reads the flattened frame or the conv stack's output, the conv stack as
+the modules it calls in order (and whether composing them really gives that output), the layer
+that reads a recurrent state or a goal vector, and the input transform from stored frames to
+what the first layer reads. The victim names its two heads (and the recurrent and goal layers);
+everything else is discovered here by hooking every leaf module during one forward pass on
+example inputs, then checked against that pass. The capture stores the result (attribute
+`roles`), and readers check it against the layer table.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from gradleak.errors import ConfigError
+
+# conv-stack module kinds the recursion through the conv stack knows how to pass (or refuse)
+KINDS = {nn.Conv2d: "conv", nn.ReLU: "relu", nn.BatchNorm2d: "batchnorm",
+         nn.MaxPool2d: "maxpool", nn.GroupNorm: "groupnorm", nn.Flatten: "flatten"}
+STOCHASTIC = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.AlphaDropout)
+
+
+@dataclass(frozen=True)
+class InputTransform:
+    """Stored frames (N, H, W, C) uint8 → what the network reads: (N, C, H, W) float,
+    x = (frame · scale − mean) / std per channel. C = stack × (3 for RGB, 1 for grayscale)."""
+
+    height: int
+    width: int
+    channels: int = 3
+    stack: int = 1  # frames stacked along the channel axis, oldest first
+    scale: float = 1.0 / 255.0
+    mean: tuple[float, ...] = ()  # per channel; () = 0
+    std: tuple[float, ...] = ()  # per channel; () = 1
+
+    def __post_init__(self) -> None:
+        for name in ("height", "width", "channels", "stack"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"input transform: {name} is {value!r}, expected a positive "
+                                  "integer")
+        if self.channels % self.stack or self.channels // self.stack not in (1, 3):
+            raise ConfigError(f"input transform: {self.channels} channels in a stack of "
+                              f"{self.stack} frames: expected 1 (grayscale) or 3 (RGB) per frame")
+        for name in ("mean", "std"):
+            values = getattr(self, name)
+            if values and len(values) != self.channels:
+                raise ConfigError(f"input transform: {name} has {len(values)} values, expected "
+                                  f"one per channel ({self.channels})")
+        if not self.scale > 0 or any(s <= 0 for s in self.std):
+            raise ConfigError("input transform: scale and std must be positive")
+
+    @property
+    def frame_shape(self) -> tuple[int, int, int]:
+        return (self.height, self.width, self.channels)
+
+    @property
+    def rgb(self) -> bool:
+        """Square RGB single frames: what the learned attackers and image metrics expect."""
+        return self.channels == 3 and self.stack == 1 and self.height == self.width
+
+    def _per_channel(self, values: tuple[float, ...], default: float, like: torch.Tensor
+                     ) -> torch.Tensor:
+        data = values or (default,) * self.channels
+        return torch.tensor(data, dtype=like.dtype, device=like.device).view(1, -1, 1, 1)
+
+    def apply(self, frames: torch.Tensor) -> torch.Tensor:
+        """(N, H, W, C) uint8 or float in frame units → (N, C, H, W) network input (float32
+        unless given float64)."""
+        dtype = frames.dtype if frames.dtype == torch.float64 else torch.float32
+        x = frames.permute(0, 3, 1, 2).to(dtype) * self.scale
+        if self.mean:
+            x = x - self._per_channel(self.mean, 0.0, x)
+        if self.std:
+            x = x / self._per_channel(self.std, 1.0, x)
+        return x
+
+    def invert(self, x: torch.Tensor) -> torch.Tensor:
+        """(N, C, H, W) network input → (N, H, W, C) float frames (0..255 for valid input)."""
+        if self.std:
+            x = x * self._per_channel(self.std, 1.0, x)
+        if self.mean:
+            x = x + self._per_channel(self.mean, 0.0, x)
+        return (x / self.scale).permute(0, 2, 3, 1)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str) -> InputTransform:
+        if not isinstance(data, dict) or not {"height", "width"} <= set(data):
+            raise ConfigError(f"{source}: expected an object with height and width, found "
+                              f"{data!r}")
+        unknown = set(data) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ConfigError(f"{source}: unknown field(s) {', '.join(sorted(unknown))}")
+        try:
+            return cls(**{**data, "mean": tuple(float(v) for v in data.get("mean", ())),
+                          "std": tuple(float(v) for v in data.get("std", ())),
+                          "scale": float(data.get("scale", 1 / 255))})
+        except (TypeError, ValueError) as error:
+            raise ConfigError(f"{source}: {error}") from None
+
+
+@dataclass(frozen=True)
+class ConvStep:
+    """One module the conv stack calls, in call order, with the shape it reads."""
+
+    module: str
+    kind: str  # a KINDS value, or the module's class name in lower case
+    input_shape: tuple[int, ...]  # per sample, e.g. (C, H, W)
+
+
+@dataclass(frozen=True)
+class Roles:
+    policy_head: str
+    value_head: str
+    shared_features: bool  # both heads read the same h (one network), or not (actor ≠ critic)
+    linears: tuple[str, ...]  # biased Linear layers applied once per sample, in call order
+    transform: InputTransform
+    conv_stack: tuple[ConvStep, ...] = ()
+    conv_chain: bool = False  # composing conv_stack in order gives feature_linear's input
+    feature_linear: str | None = None  # the Linear reading the flattened conv-stack output
+    frame_linear: str | None = None  # a Linear reading the flattened (transformed) frame
+    recurrent_state: str | None = None  # the Linear reading the pre-step hidden state
+    goal_input: str | None = None  # the Linear reading the goal vector
+    extra_inputs: tuple[str, ...] = ()
+    nonnegative_features: bool = True  # h ≥ 0 on the example pass (after a ReLU)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: Any, source: str) -> Roles:
+        try:
+            data = json.loads(text)
+            steps = tuple(ConvStep(str(s["module"]), str(s["kind"]),
+                                   tuple(int(n) for n in s["input_shape"]))
+                          for s in data.get("conv_stack", ()))
+            transform = InputTransform.from_dict(data["transform"], f"{source}: transform")
+            roles = cls(**{**data, "conv_stack": steps, "transform": transform,
+                           "linears": tuple(data["linears"]),
+                           "extra_inputs": tuple(data.get("extra_inputs", ()))})
+        except (TypeError, ValueError, KeyError) as error:
+            raise ConfigError(f"{source}: not a roles table ({type(error).__name__}: {error})"
+                              ) from None
+        if not isinstance(roles.policy_head, str) or roles.policy_head not in roles.linears:
+            raise ConfigError(f"{source}: the policy head {roles.policy_head!r} is not one of "
+                              "its closed-form Linear layers")
+        return roles
+
+    def conv_modules(self) -> list[str]:
+        return [step.module for step in self.conv_stack]
+
+    def component_of(self, parameter: str) -> str:
+        """'cnn' for the conv stack, 'heads' for the two heads, 'fc' for everything else."""
+        module = parameter.rsplit(".", 1)[0]
+        if module in (self.policy_head, self.value_head):
+            return "heads"
+        return "cnn" if module in self.conv_modules() else "fc"
+
+    def check_layers(self, shapes: dict[str, tuple[int, ...]], num_actions: int, source: str
+                     ) -> None:
+        """Every role layer present in a layer table (name → shape) has the shape it must."""
+        for module in (*self.linears, self.feature_linear, self.frame_linear,
+                       self.recurrent_state, self.goal_input):
+            shape = shapes.get(f"{module}.weight")
+            if module is not None and shape is not None and len(shape) != 2:
+                raise ConfigError(f"{source}: role layer {module} has a weight of shape "
+                                  f"{shape}, expected a Linear layer's (out, in)")
+        policy = shapes.get(f"{self.policy_head}.weight")
+        if policy is not None and policy[0] != num_actions:
+            raise ConfigError(f"{source}: policy head {self.policy_head} has {policy[0]} outputs"
+                              f", expected the {num_actions} actions")
+
+
+@dataclass
+class _Call:
+    name: str
+    module: nn.Module
+    input: torch.Tensor | None
+    output: torch.Tensor | None
+
+
+def _record_calls(model: nn.Module, run: Callable[[], Any]) -> tuple[list[_Call], Any]:
+    """Every leaf module call (and the heads, leaf or not) in order, with its first tensor
+    input and its tensor output."""
+    calls: list[_Call] = []
+    handles = []
+    for name, module in model.named_modules():
+        if name and not any(True for _ in module.children()):
+            def hook(mod: nn.Module, args: tuple, output: Any, name: str = name) -> None:
+                first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+                calls.append(_Call(name, mod, None if first is None else first.detach(),
+                                   output.detach() if isinstance(output, torch.Tensor)
+                                   else None))
+            handles.append(module.register_forward_hook(hook))
+    try:
+        with torch.no_grad():
+            result = run()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return calls, result
+
+
+def _linear(model: nn.Module, name: str, role: str, needs_bias: bool = True) -> nn.Linear:
+    try:
+        module = model.get_submodule(name)
+    except AttributeError:
+        linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+        raise ConfigError(f"{role} {name!r}: no such module (its Linear layers are "
+                          f"{', '.join(linears) or 'none'})") from None
+    if not isinstance(module, nn.Linear):
+        raise ConfigError(f"{role} {name!r} is a {type(module).__name__}: the closed form needs "
+                          "an nn.Linear layer there")
+    if needs_bias and module.bias is None:
+        raise ConfigError(f"{role} {name!r} has no bias: its input cannot be recovered from "
+                          "its gradient (x = ∇Wᵀ∇b / ‖∇b‖² needs ∇b)")
+    return module
+
+
+def _check_deterministic(first: list[_Call], second: list[_Call]) -> None:
+    for a, b in zip(first, second, strict=False):
+        if isinstance(a.module, STOCHASTIC) and a.module.p > 0 and a.module.training:
+            raise ConfigError(f"module {a.name} ({type(a.module).__name__}) is stochastic at "
+                              "capture time: put the model in eval mode (model.eval())")
+        if a.output is not None and b.output is not None and not torch.equal(a.output,
+                                                                              b.output):
+            raise ConfigError(f"module {a.name} ({type(a.module).__name__}) gives different "
+                              "outputs for the same input: a stochastic layer cannot be audited "
+                              "(evaluate it deterministically at capture time)")
+
+
+def _conv_stack(calls: list[_Call]) -> tuple[list[_Call], int]:
+    """The calls from the first Conv2d up to the first Linear after it, and that index."""
+    first = next((i for i, c in enumerate(calls) if isinstance(c.module, nn.Conv2d)), None)
+    if first is None:
+        return [], -1
+    end = next((i for i in range(first, len(calls)) if isinstance(calls[i].module, nn.Linear)),
+               len(calls))
+    return calls[first:end], end
+
+
+def _composes(stack: list[_Call], target: torch.Tensor) -> bool:
+    """Does running the stack's modules one after another give `target` (flattened)?"""
+    x = stack[0].input
+    with torch.no_grad():
+        for call in stack:
+            x = call.module(x)
+    return x is not None and x.flatten(1).shape == target.shape and torch.allclose(
+        x.flatten(1), target, rtol=1e-5, atol=1e-6)
+
+
+def discover(model: nn.Module, run: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+             frames: torch.Tensor, transform: InputTransform, *, policy_head: str,
+             value_head: str, recurrent_state: str | None = None,
+             goal_input: str | None = None, extra_inputs: tuple[str, ...] = ()) -> Roles:
+    """Roles of `model`, from a forward pass `run()` → (logits, value) on example `frames`
+    (N ≥ 2, stored format). Raises ConfigError naming the module that cannot be audited."""
+    policy = _linear(model, policy_head, "policy head")
+    value = _linear(model, value_head, "value head")
+    for name, role in ((recurrent_state, "recurrent state layer"), (goal_input, "goal layer")):
+        if name is not None:
+            _linear(model, name, role)
+    calls, (logits, values) = _record_calls(model, run)
+    again, _ = _record_calls(model, run)
+    _check_deterministic(calls, again)
+    by_module: dict[str, list[_Call]] = {}
+    for call in calls:
+        by_module.setdefault(call.name, []).append(call)
+    for name, head, width in ((policy_head, policy, logits.shape[-1]), (value_head, value, 1)):
+        if len(by_module.get(name, ())) != 1:
+            raise ConfigError(f"{name} is called {len(by_module.get(name, ()))} times in one "
+                              "forward pass: a head is applied once per sample")
+        if head.out_features != width:
+            raise ConfigError(f"{name} has {head.out_features} outputs, but the model's "
+                              f"{'logits' if head is policy else 'value'} have {width}")
+    policy_call, value_call = by_module[policy_head][0], by_module[value_head][0]
+    if not torch.equal(policy_call.output, logits.detach()):
+        raise ConfigError(f"{policy_head}'s output is not the model's logits: the policy head "
+                          "must be the last layer (no transform after it)")
+    linears = tuple(dict.fromkeys(
+        c.name for c in calls if isinstance(c.module, nn.Linear) and c.module.bias is not None
+        and len(by_module[c.name]) == 1 and c.input is not None and c.input.dim() == 2))
+    stack, end = _conv_stack(calls)
+    network_input = transform.apply(frames)
+    if stack and not torch.allclose(stack[0].input, network_input, rtol=1e-5, atol=1e-6):
+        raise ConfigError(f"the declared input transform ({transform}) does not give what "
+                          f"{stack[0].name} reads: declare the model's own preprocessing")
+    feature_linear = calls[end].name if stack and end < len(calls) and \
+        calls[end].name in linears else None
+    chain = feature_linear is not None and _composes(stack, calls[end].input)
+    flat = network_input.flatten(1)
+    frame_linear = next((c.name for c in calls if c.name in linears and c.input.shape ==
+                         flat.shape and torch.allclose(c.input, flat, rtol=1e-5, atol=1e-6)),
+                        None)
+    return Roles(policy_head=policy_head, value_head=value_head,
+                 shared_features=torch.equal(policy_call.input, value_call.input),
+                 linears=linears, transform=transform,
+                 conv_stack=tuple(ConvStep(c.name, KINDS.get(type(c.module),
+                                                             type(c.module).__name__.lower()),
+                                           tuple(c.input.shape[1:])) for c in stack),
+                 conv_chain=chain, feature_linear=feature_linear, frame_linear=frame_linear,
+                 recurrent_state=recurrent_state, goal_input=goal_input,
+                 extra_inputs=extra_inputs,
+                 nonnegative_features=not bool((policy_call.input < 0).any()))
+
