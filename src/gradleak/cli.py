@@ -115,6 +115,17 @@ def _capture_preset(args: argparse.Namespace) -> Any:
     return preset
 
 
+def _declared_norm(args: argparse.Namespace) -> str:
+    """The checkpoint's declared advantage normalisation (an SB3 agent's), else per episode."""
+    from gradleak.io import read_json, victim_directory
+
+    if args.random_init:
+        return "episode"
+    path = victim_directory(args.victim) / "victim.json"
+    return str(read_json(path, "victim config").get("advantage_norm", "episode")) \
+        if path.is_file() else "episode"
+
+
 def cmd_capture(args: argparse.Namespace) -> None:
     from gradleak.capture.run import CaptureJob, parse_shard, run_capture, shard_output
     from gradleak.rl.losses import parse_loss
@@ -125,7 +136,7 @@ def cmd_capture(args: argparse.Namespace) -> None:
                      shard=parse_shard(args.shard), resume=args.resume,
                      overwrite=args.overwrite, progress=not (args.quiet or args.json),
                      seed=args.seed, loss=parse_loss(args.loss) if args.loss is not None
-                     else None, advantage_norm=args.advantage_norm)
+                     else None, advantage_norm=args.advantage_norm or _declared_norm(args))
     start = time.perf_counter()
     result = run_capture(job)
     result["seconds"] = round(time.perf_counter() - start, 2)
@@ -486,8 +497,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--loss", default=None, metavar="K=V,...",
                    help="the loss the client used: value=,entropy=,clip=,gamma=,lam= (required "
                    "for a checkpoint that declares none; overrides the declared keys)")
-    p.add_argument("--advantage-norm", default="episode", choices=["episode", "none"],
-                   help="per-episode (A − mean)/std, the capture protocol (default), or raw GAE")
+    p.add_argument("--advantage-norm", default=None, metavar="episode|none|minibatch:M",
+                   help="per-episode (A − mean)/std, the capture protocol (default unless the "
+                   "checkpoint declares its own), raw GAE, or per minibatch of M steps")
     p.add_argument("--resume", action="store_true")
     p.add_argument("--overwrite", action="store_true")
     p.set_defaults(func=cmd_capture)

@@ -88,6 +88,40 @@ def test_raw_advantages_are_declared_and_used(tmp_path: Path, bare_checkpoint: P
         assert np.array_equal(handle["advantages"][:], handle["advantages_raw"][:])
 
 
+def test_minibatch_normalised_advantages_are_what_the_gradient_used(
+        capsys, tmp_path: Path, bare_checkpoint: Path) -> None:
+    from gradleak.rl.advantages import normalise_minibatches
+
+    out = tmp_path / "c.h5"
+    assert capture(bare_checkpoint, out, "--loss", SB3, "--advantage-norm", "minibatch:4",
+                   "--set", "capture.gradient_dtype=float32") == 0
+    assert loss_of(out)["advantage_normalisation"] == \
+        "per minibatch of 4 consecutive steps, sample std"
+    with h5py.File(out, "r") as handle:
+        used, raw = handle["advantages"][:], handle["advantages_raw"][:]
+        episodes = handle["episode_ids"][:]
+    for episode in np.unique(episodes):  # each episode's runs of 4, normalised on their own
+        rows = episodes == episode
+        assert np.allclose(used[rows], normalise_minibatches(raw[rows], 4), atol=1e-6)
+    assert not np.allclose(used, raw)
+    assert main(["analytic", str(out), "--json"]) == 0  # and the closed form recovers them
+    result = json.loads(capsys.readouterr().out)[str(out)]
+    assert result["advantage_median_relative_error"] < 1e-3
+
+
+@pytest.mark.parametrize("norm, fragment", [
+    ("rollout", "has no rollout to normalise over"),
+    ("minibatch:0", "expected one of episode, none, minibatch:M, rollout"),
+    ("batch", "expected one of"),
+])
+def test_an_advantage_normalisation_a_capture_cannot_replay_is_refused(
+        capsys, tmp_path: Path, bare_checkpoint: Path, norm: str, fragment: str) -> None:
+    assert capture(bare_checkpoint, tmp_path / "c.h5", "--loss", SB3, "--advantage-norm",
+                   norm) == 2
+    assert fragment in capsys.readouterr().err
+    assert not (tmp_path / "c.h5").exists()
+
+
 @pytest.mark.parametrize("text, fragment", [
     ("value=0.25,value=0.3", "'value' is given twice"),
     ("gamma", "is not KEY=VALUE"),

@@ -1,4 +1,5 @@
-"""Stable-Baselines3, as a user of it calls gradleak: the converted victim is SB3's network, the
+"""Stable-Baselines3, as a user of it calls gradleak: the victim is SB3's network under SB3's own
+parameter names (CnnPolicy, MlpPolicy on frames, MultiInputPolicy on frame + goal), the
 captured per-step gradient is SB3's own PPO or A2C loss gradient for a minibatch of one, and a
 saved agent is captured and attacked from the plain CLI with SB3's coefficients."""
 
@@ -38,22 +39,50 @@ class Frames(gym.Env):
         return frame, float(action == 1), self._t >= 16, False, {}
 
 
-def model_of(kind: str):
+class FramesAndGoal(Frames):
+    """The same frames beside a goal vector: SB3's MultiInputPolicy."""
+
+    observation_space = gym.spaces.Dict({
+        "image": gym.spaces.Box(0, 255, (64, 64, 3), np.uint8),
+        "goal": gym.spaces.Box(-1.0, 1.0, (3,), np.float32)})
+
+    def _with_goal(self, frame):
+        return {"image": frame, "goal": self.np_random.uniform(-1, 1, 3).astype(np.float32)}
+
+    def reset(self, *, seed=None, options=None):
+        frame, info = super().reset(seed=seed)
+        return self._with_goal(frame), info
+
+    def step(self, action):
+        frame, *rest = super().step(action)
+        return self._with_goal(frame), *rest
+
+
+POLICIES = {"CnnPolicy": Frames, "MlpPolicy": Frames, "MultiInputPolicy": FramesAndGoal}
+
+
+def model_of(kind: str, policy: str = "CnnPolicy"):
     algorithm = {"ppo": sb3.PPO, "a2c": sb3.A2C}[kind]
     extra = {"n_steps": 16, "batch_size": 16} if kind == "ppo" else {"n_steps": 8}
-    model = algorithm("CnnPolicy", Frames(), seed=0, device="cpu", vf_coef=0.25, ent_coef=0.02,
-                      gamma=0.98, gae_lambda=0.9, **({"clip_range": 0.1} if kind == "ppo"
-                                                     else {}), **extra)
+    model = algorithm(policy, POLICIES[policy](), seed=0, device="cpu", vf_coef=0.25,
+                      ent_coef=0.02, gamma=0.98, gae_lambda=0.9,
+                      **({"clip_range": 0.1} if kind == "ppo" else {}), **extra)
     model.learn(32)  # θ away from its initialisation
     return model
 
 
+def as_sb3_obs(images: np.ndarray, goals: np.ndarray | None = None):
+    """What SB3's policy reads: channel-first frames (VecTransposeImage), beside the goal."""
+    frames = torch.as_tensor(images.transpose(0, 3, 1, 2))
+    return frames if goals is None else {"image": frames, "goal": torch.as_tensor(goals)}
+
+
 def sb3_gradient(model, image: np.ndarray, action: int, advantage: float, ret: float,
-                 kind: str) -> dict[str, torch.Tensor]:
+                 kind: str, goal: np.ndarray | None = None) -> dict[str, torch.Tensor]:
     """SB3's own loss (ppo.py / a2c.py train()) on a minibatch of one, at the policy's θ."""
     policy = model.policy
     policy.set_training_mode(False)
-    obs = torch.as_tensor(image.transpose(2, 0, 1)[None])  # VecTransposeImage's layout
+    obs = as_sb3_obs(image[None], None if goal is None else goal[None])
     actions = torch.tensor([action])
     values, log_prob, entropy = policy.evaluate_actions(obs, actions)
     advantages, returns = torch.tensor([advantage]), torch.tensor([ret])
@@ -71,16 +100,21 @@ def sb3_gradient(model, image: np.ndarray, action: int, advantage: float, ret: f
     return dict(zip(named, grads, strict=True))
 
 
-@pytest.mark.parametrize("kind", ["ppo", "a2c"])
-def test_the_captured_gradient_is_sb3s_own_loss_gradient(kind: str) -> None:
-    model = model_of(kind)
+@pytest.mark.parametrize("kind, policy", [("ppo", "CnnPolicy"), ("a2c", "CnnPolicy"),
+                                          ("ppo", "MlpPolicy"), ("a2c", "MultiInputPolicy")])
+def test_the_captured_gradient_is_sb3s_own_loss_gradient(kind: str, policy: str) -> None:
+    model = model_of(kind, policy)
     victim = integration.victim(model)
     rule = integration.learning_rule(model)
     assert rule["algorithm"] == kind and rule["value"] == 0.25 and rule["entropy"] == 0.02
-    images = np.random.default_rng(1).integers(0, 256, (4, 64, 64, 3), dtype=np.uint8)
+    rng = np.random.default_rng(1)
+    images = rng.integers(0, 256, (4, 64, 64, 3), dtype=np.uint8)
+    goals = rng.uniform(-1, 1, (4, 3)).astype(np.float32) if policy == "MultiInputPolicy" \
+        else None
     with torch.no_grad():  # the same network: SB3's logits and values
-        logits, values = victim(torch.from_numpy(images))
-        obs = torch.as_tensor(images.transpose(0, 3, 1, 2))
+        logits, values = victim(torch.from_numpy(images),
+                                None if goals is None else torch.from_numpy(goals))
+        obs = as_sb3_obs(images, goals)
         theirs = model.policy.get_distribution(obs).distribution.logits
         assert torch.allclose(logits.log_softmax(-1), theirs, atol=1e-5)
         assert torch.allclose(values, model.policy.predict_values(obs).flatten(), atol=1e-5)
@@ -88,18 +122,30 @@ def test_the_captured_gradient_is_sb3s_own_loss_gradient(kind: str) -> None:
     returns = torch.tensor([0.5, -0.2, 1.1, 0.0])
     old = logits.log_softmax(-1).gather(-1, actions[:, None])[:, 0]
     layers = layer_table(victim)
-    ours = per_step_gradients(victim, StepBatch(torch.from_numpy(images), actions, advantages,
-                                                returns, old), LossCoefficients(
+    ours = per_step_gradients(victim, StepBatch(
+        torch.from_numpy(images), actions, advantages, returns, old,
+        None if goals is None else torch.from_numpy(goals)), LossCoefficients(
         value=rule["value"], entropy=rule["entropy"], clip=rule["clip"]), layers,
         ppo=kind == "ppo")
+    assert {layer.name for layer in layers} == {n for n, _ in model.policy.named_parameters()}
     for i in range(4):
         reference = sb3_gradient(model, images[i], int(actions[i]), float(advantages[i]),
-                                 float(returns[i]), kind)
-        flat = torch.cat([reference[f"{integration.PARAMETERS[layer.name.rsplit('.', 1)[0]]}."
-                                    f"{layer.name.rsplit('.', 1)[1]}"].flatten()
-                          for layer in layers])
+                                 float(returns[i]), kind, None if goals is None else goals[i])
+        flat = torch.cat([reference[layer.name].flatten() for layer in layers])
         error = float((ours[i] - flat).norm() / flat.norm())
         assert error <= 1e-5, (i, error)
+
+
+def test_the_roles_are_sb3s_layers() -> None:
+    cnn = integration.victim(model_of("ppo")).roles()
+    assert cnn.policy_head == "action_net" and cnn.feature_linear == "features_extractor.linear.0"
+    assert cnn.conv_chain and cnn.shared_features and cnn.transform.scale == 1 / 255
+    mlp = integration.victim(model_of("ppo", "MlpPolicy")).roles()
+    assert not mlp.shared_features  # SB3's MlpPolicy: separate pi and vf networks
+    assert mlp.frame_linear == "mlp_extractor.policy_net.0"  # it reads the frame itself
+    multi = integration.victim(model_of("a2c", "MultiInputPolicy")).roles()
+    assert multi.feature_linear == "features_extractor.extractors.image.linear.0"
+    assert multi.extra_inputs == ("goal",)
 
 
 def test_a_saved_agent_is_captured_with_sb3s_coefficients(capsys, tmp_path: Path) -> None:
@@ -117,27 +163,40 @@ def test_a_saved_agent_is_captured_with_sb3s_coefficients(capsys, tmp_path: Path
     with h5py.File(out, "r") as handle:
         loss = json.loads(handle.attrs["loss"])
     assert (loss["value"], loss["entropy"], loss["clip"]) == (0.25, 0.02, 0.1)
+    # SB3's PPO normalises per minibatch of batch_size: the checkpoint says so, the capture does
+    assert loss["advantage_normalisation"] == "per minibatch of 16 consecutive steps, sample std"
     assert main(["analytic", str(out), "--json"]) == 0
     result = json.loads(capsys.readouterr().out)[str(out)]
     assert result["action_accuracy"] == 1.0
 
 
-def test_a_policy_gradleak_cannot_model_is_named() -> None:
+def test_a_policy_gradleak_cannot_audit_is_named() -> None:
+    from stable_baselines3.common.torch_layers import BaseFeaturesExtractor
+
+    class Custom(BaseFeaturesExtractor):
+        def __init__(self, space):
+            super().__init__(space, 8)
+            self.linear = torch.nn.Linear(3 * 64 * 64, 8)
+
+        def forward(self, obs):
+            return self.linear(obs.flatten(1))
+
     model = sb3.PPO("CnnPolicy", Frames(), seed=0, device="cpu", n_steps=16, batch_size=16,
-                    policy_kwargs={"net_arch": [32]})
-    with pytest.raises(ConfigError, match="hidden layers after the CNN"):
+                    policy_kwargs={"features_extractor_class": Custom})
+    with pytest.raises(ConfigError, match="features extractor Custom"):
         integration.victim(model)
 
 
-@pytest.mark.parametrize("kind", ["ppo", "a2c"])
+@pytest.mark.parametrize("kind, policy", [("ppo", "CnnPolicy"), ("a2c", "CnnPolicy"),
+                                          ("ppo", "MultiInputPolicy")])
 def test_a_callback_records_what_the_client_sends_during_learn(capsys, tmp_path: Path,
-                                                                kind: str) -> None:
+                                                                kind: str, policy: str) -> None:
     import h5py
 
     from gradleak.cli import main
     from gradleak.integrations.sb3_capture import GradleakCapture
 
-    model = model_of(kind)
+    model = model_of(kind, policy)
     callback = GradleakCapture(tmp_path / "train-{rollout}.h5", every=2)
     model.learn(4 * model.n_steps, callback=callback, reset_num_timesteps=False)
     assert [Path(p).name for p in callback.written] == ["train-0.h5", "train-2.h5"]
@@ -147,18 +206,16 @@ def test_a_callback_records_what_the_client_sends_during_learn(capsys, tmp_path:
     # the rollout after the last recorded one changed θ, so check the file against its own θ0
     with h5py.File(last, "r") as handle:
         image, action = handle["images"][3], int(handle["actions"][3])
+        goal = handle["goals"][3] if policy == "MultiInputPolicy" else None
         advantage, ret = float(handle["advantages"][3]), float(handle["returns"][3])
         row = torch.from_numpy(handle["gradients"][3])
         theta0 = {k: torch.as_tensor(np.asarray(v[()])) for k, v in handle["theta0"].items()}
         loss = json.loads(handle.attrs["loss"])
     assert loss["advantage_normalisation"] == "none (raw GAE)" and loss["value"] == 0.25
-    policy_state = model.policy.state_dict()
-    for ours, source in integration.PARAMETERS.items():
-        for part in ("weight", "bias"):
-            policy_state[f"{source}.{part}"] = theta0[f"{ours}.{part}"]
-    model.policy.load_state_dict(policy_state)
-    reference = sb3_gradient(model, image, action, advantage, ret, kind)
+    # SB3's own names: θ0 loads as it is (the shared extractor's aliases are the same tensors)
+    missing, unexpected = model.policy.load_state_dict(theta0, strict=False)
+    assert not unexpected and all(key.startswith(("pi_", "vf_")) for key in missing)
+    reference = sb3_gradient(model, image, action, advantage, ret, kind, goal)
     layers = layer_table(integration.victim(model))
-    flat = torch.cat([reference[f"{integration.PARAMETERS[layer.name.rsplit('.', 1)[0]]}."
-                                f"{layer.name.rsplit('.', 1)[1]}"].flatten() for layer in layers])
+    flat = torch.cat([reference[layer.name].flatten() for layer in layers])
     assert float((row - flat).norm() / flat.norm()) <= 1e-5

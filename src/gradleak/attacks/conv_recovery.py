@@ -147,6 +147,10 @@ def deepest_inputs(victim: Victim) -> list[str]:
         if not solvable(block):
             break
         names.append(block.name)
+    if not names:
+        raise ConfigError(f"victim {victim.config.name}: no conv input is determined by its "
+                          "gradient (each conv's weight gradient has fewer equations than its "
+                          "input has pixels)")
     return names
 
 

@@ -16,7 +16,7 @@ one, in training and in the attack alike, so frame t depends on steps t−1 and 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -53,9 +53,10 @@ class DecoderConfig:
     frame_size: int = 64
     num_actions: int = 5
     layer_table: str = ""  # set from the training capture
-    # whose input the decoder reads: "fc" (the Linear layer's input, the conv feature map) or a
-    # conv module (e.g. "encoder.3"), reached by the recursion through the conv stack
-    feature_module: str = "fc"
+    # whose input the decoder reads: "" (the input of the Linear layer reading the conv stack,
+    # the victim's `feature_linear` role) or a conv module (e.g. "encoder.3" of cnn-small),
+    # reached by the recursion through the conv stack
+    feature_module: str = ""
     victim: str = "cnn-small"  # the architecture θ0 belongs to (a conv feature_module needs it)
     victim_options: dict[str, Any] = field(default_factory=dict)
     roles: str = ""  # the capture's roles (JSON); set from the training capture
@@ -94,13 +95,15 @@ class FeatureDecoder(WindowAttacker):
 
     def __init__(self, config: DecoderConfig) -> None:
         super().__init__()
+        roles = self.roles = decoder_roles(config)
+        if not config.feature_module:
+            config = replace(config, feature_module=roles.feature_linear or "")
         self.config = config
         layers = {layer.name: layer for layer in layers_from_json(config.layer_table or "[]")}
         pairs = {weight.name.removesuffix(".weight"): (weight, bias)
                  for weight, bias in linear_pairs(list(layers.values()))}
         self.through_convs = config.feature_module not in pairs and len(
             getattr(layers.get(f"{config.feature_module}.weight"), "shape", ())) == 4
-        roles = self.roles = decoder_roles(config)
         needed = (roles.feature_linear if self.through_convs else config.feature_module,
                   roles.policy_head, roles.value_head)
         for module in needed:

@@ -12,7 +12,8 @@ import gymnasium as gym
 import numpy as np
 import torch
 
-from gradleak.rl.advantages import episode_advantages, normalise
+from gradleak.rl.advantages import episode_advantages, normalise, normalise_minibatches
+from gradleak.rl.losses import parse_advantage_norm
 from gradleak.rl.rollout import act, initial_state, single_threaded_torch, value_of
 from gradleak.victims.base import Victim
 
@@ -75,7 +76,9 @@ def _run_episode(env: gym.Env, victim: Victim, seed: int, scene: str, max_steps:
 def episode_targets(episode: Episode, bootstrap: float, gamma: float, lam: float,
                     advantage_norm: str = "episode") -> dict[str, np.ndarray]:
     raw = episode_advantages(episode.rewards, episode.values, bootstrap, gamma, lam)
-    used = normalise(raw) if advantage_norm == "episode" else raw
+    kind, size = parse_advantage_norm(advantage_norm)
+    used = normalise(raw) if kind == "episode" else normalise_minibatches(raw, size) \
+        if kind == "minibatch" else raw
     return {"advantages_raw": raw.astype(np.float32),
             "advantages": used.astype(np.float32),
             "returns": (raw + episode.values).astype(np.float32)}

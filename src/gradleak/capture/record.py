@@ -21,12 +21,12 @@ import numpy as np
 import torch
 
 from gradleak.capture.grads import StepBatch, per_step_gradients
-from gradleak.capture.run import ADVANTAGE_TEXT, capture_attributes
+from gradleak.capture.run import capture_attributes
 from gradleak.capture.schema import step_columns
 from gradleak.capture.writer import CaptureWriter
 from gradleak.errors import ConfigError
 from gradleak.io import check_output, created_directories, theta_sha256
-from gradleak.rl.losses import LOSS_KEYS, LossCoefficients
+from gradleak.rl.losses import LOSS_KEYS, LossCoefficients, parse_advantage_norm
 from gradleak.victims.base import Victim, layer_table
 
 
@@ -99,11 +99,12 @@ def _checked(victim: Victim, images: np.ndarray, actions: np.ndarray, advantages
              algorithm: str, advantage_norm: str, goals: np.ndarray | None,
              hidden: np.ndarray | None) -> int:
     """The number of steps, once every input has the shape, type and range it must."""
-    size, count = victim.config.frame_size, victim.config.num_actions
+    count, shape = victim.config.num_actions, victim.input_transform.frame_shape
     images = np.asarray(images)
-    if images.dtype != np.uint8 or images.shape[1:] != (size, size, 3):
-        raise ConfigError(f"images: {images.dtype} {images.shape}, expected uint8 (N, {size}, "
-                          f"{size}, 3) for victim {victim.config.name}")
+    if images.dtype != np.uint8 or images.shape[1:] != shape:
+        raise ConfigError(f"images: {images.dtype} {images.shape}, expected uint8 (N, "
+                          f"{', '.join(map(str, shape))}) frames as stored (height, width, "
+                          f"channels) for victim {victim.config.name}")
     steps = len(images)
     for name, values in (("actions", actions), ("advantages", advantages),
                          ("returns", returns), ("episode_ids", episode_ids)):
@@ -117,9 +118,9 @@ def _checked(victim: Victim, images: np.ndarray, actions: np.ndarray, advantages
     if missing or not all(math.isfinite(float(loss[k])) for k in LOSS_KEYS if k in loss):
         raise ConfigError(f"loss: declare the client's {', '.join(LOSS_KEYS)} (missing "
                           f"{', '.join(missing) or 'none'}; all finite)")
-    if algorithm not in ("ppo", "a2c") or advantage_norm not in ADVANTAGE_TEXT:
-        raise ConfigError(f"algorithm {algorithm!r} / advantage_norm {advantage_norm!r}: "
-                          f"expected ppo or a2c / one of {', '.join(ADVANTAGE_TEXT)}")
+    if algorithm not in ("ppo", "a2c"):
+        raise ConfigError(f"algorithm {algorithm!r}: expected ppo or a2c")
+    parse_advantage_norm(advantage_norm)
     if "goal" in victim.extra_inputs and goals is None:
         raise ConfigError(f"victim {victim.config.name} reads goals: pass goals (N, 3)")
     if victim.recurrent and (hidden is None or np.shape(hidden) != (steps, victim.hidden_size)):

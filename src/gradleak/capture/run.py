@@ -30,7 +30,7 @@ from gradleak.io import (
     write_json,
 )
 from gradleak.presets import CaptureConfig, Preset, validate_preset
-from gradleak.rl.losses import ADVANTAGE_NORMS, LOSS_KEYS, LossCoefficients
+from gradleak.rl.losses import LOSS_KEYS, LossCoefficients, advantage_text, parse_advantage_norm
 from gradleak.rl.trainer import ALGORITHMS
 from gradleak.victims.base import (
     COMPONENTS,
@@ -42,7 +42,6 @@ from gradleak.victims.base import (
 )
 
 SPLITS = ("train", "heldout")
-ADVANTAGE_TEXT = {"episode": "per-episode, population std", "none": "none (raw GAE)"}
 GRADIENT_METHODS = ("vmap", "loop")
 GRADIENT_DTYPES = ("float16", "float32")
 FLOAT16_MAX = 65504.0
@@ -84,9 +83,10 @@ def shard_output(out: Path, shard: tuple[int, int]) -> Path:
 
 def _victim_and_rule(job: CaptureJob) -> tuple[Victim, str, LossCoefficients, float, float]:
     preset = job.preset
-    if job.advantage_norm not in ADVANTAGE_NORMS:
-        raise ConfigError(f"--advantage-norm {job.advantage_norm!r}: expected one of "
-                          f"{', '.join(ADVANTAGE_NORMS)}")
+    if parse_advantage_norm(job.advantage_norm)[0] == "rollout":
+        raise ConfigError("--advantage-norm rollout: a capture records episode by episode and "
+                          "has no rollout to normalise over; record the client's own rollouts "
+                          "with gradleak.capture.record(..., advantage_norm='rollout')")
     if job.random_init:
         if job.victim not in VICTIMS:
             raise ConfigError(f"--random-init needs a victim name ({', '.join(VICTIMS.names())}), "
@@ -255,7 +255,7 @@ def capture_attributes(victim: Victim, layers: list[Any], algorithm: str,
             "victim_config": json.dumps(victim.config.to_dict()),
             "theta0_sha256": settings["theta0_sha256"], "algorithm": algorithm,
             "loss": json.dumps({**coefficients.to_dict(), "gamma": gamma, "lam": lam,
-                                "advantage_normalisation": ADVANTAGE_TEXT[advantage_norm]}),
+                                "advantage_normalisation": advantage_text(advantage_norm)}),
             "layer_table": layers_to_json(layers), "roles": victim.roles().to_json(),
             "components": json.dumps(settings["components"]),
             "scenes": json.dumps(settings["scenes"]), "all_scenes": json.dumps(all_scenes),

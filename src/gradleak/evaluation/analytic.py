@@ -14,7 +14,7 @@ from gradleak.attacks.analytic import invert_features, module_input, recover_ana
 from gradleak.capture.reader import CaptureFile
 from gradleak.errors import ConfigError
 from gradleak.threat import Observation, Target
-from gradleak.victims.base import VictimConfig, create_victim, victim_at_theta0
+from gradleak.victims.base import VictimConfig, create_victim, rebuildable, victim_at_theta0
 
 CHUNK_ROWS = 128  # rows of gradients held at once
 
@@ -50,9 +50,11 @@ def row_scores(observation: Observation, target: Target) -> dict[str, np.ndarray
     while the gradients themselves are dropped."""
     result = recover_analytically(observation)
     extras = result.extras
-    truth_inputs = true_layer_inputs(observation, target, list(extras["layer_inputs"]))
-    rows = {f"layer:{name}": relative_errors(estimate, truth_inputs[name])
-            for name, estimate in extras["layer_inputs"].items()}
+    rows = {}
+    if rebuildable(observation.victim):  # the truth needs the model (a wrapped one: its factory)
+        truth_inputs = true_layer_inputs(observation, target, list(extras["layer_inputs"]))
+        rows = {f"layer:{name}": relative_errors(estimate, truth_inputs[name])
+                for name, estimate in extras["layer_inputs"].items()}
     goal_input = observation.roles.goal_input
     if goal_input in extras["layer_inputs"] and target.goals is not None:
         rows.update(goal_errors(extras["layer_inputs"][goal_input], target.goals))
@@ -170,14 +172,16 @@ def score_conv_stack(observation: Observation, target: Target, count: int,
 
 def check_attacks_apply(config: VictimConfig, invert: int, conv: int) -> None:
     """Refuse, naming the reason, an attack the victim's structure does not allow."""
-    from gradleak.attacks.conv_recovery import conv_blocks
+    from gradleak.attacks.conv_recovery import deepest_inputs
 
+    if not invert and not conv:  # the closed form needs only the gradients and θ0
+        return
     victim = create_victim(config)
     if invert and victim.roles().feature_linear is None:
         raise ConfigError(f"--invert: victim {config.name} has no Linear layer reading its conv "
                           "features, whose input the closed form recovers")
     if conv:
-        conv_blocks(victim)
+        deepest_inputs(victim)
 
 
 def evaluate_analytic(paths: Sequence[str | os.PathLike[str]], max_rows: int | None = None,

@@ -1,17 +1,18 @@
-"""Stable-Baselines3 (`pip install gradleak[sb3]`): audit a PPO or A2C `CnnPolicy` agent as it is.
+"""Stable-Baselines3 (`pip install gradleak[sb3]`): audit a PPO or A2C agent as it is.
 
     from stable_baselines3 import PPO
     from gradleak.integrations import sb3
 
-    model = PPO("CnnPolicy", env)          # trained on 64×64 RGB frames, Discrete(K) actions
+    model = PPO("CnnPolicy", env)          # or MlpPolicy on image frames, or MultiInputPolicy
+    victim = sb3.victim(model)              # SB3's own network, parameters under SB3's names
     sb3.save(model, "runs/sb3-victim")      # then: gradleak capture --victim runs/sb3-victim ...
 
-`victim(model)` is gradleak's `nature-cnn` holding the policy's θ (SB3's NatureCNN, its
-`action_net` and `value_net`), and `learning_rule(model)` reads the loss SB3 optimises (vf_coef,
-ent_coef, the initial clip_range, gamma, gae_lambda), which `save` declares in the checkpoint, so
-a capture computes each step's gradient with SB3's own coefficients. SB3 normalises advantages
-per optimiser minibatch of its shuffled rollout buffer; a capture of single steps declares its
-own normalisation (per episode by default) instead, and says so in the file.
+`victim(model)` is `gradleak.wrap` of a copy of the policy (heads `action_net` and
+`value_net`), fed frames the way SB3 feeds them (channel-first, divided by 255 inside the
+policy when it normalises images). It is rebuilt from a JSON description of the policy (its
+class, spaces and constructor arguments): SB3's own zip files hold cloudpickled objects, which
+gradleak never loads. `learning_rule(model)` reads the loss SB3 optimises (vf_coef, ent_coef,
+the initial clip_range, gamma, gae_lambda, normalize_advantage).
 """
 
 from __future__ import annotations
@@ -19,90 +20,177 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import numpy as np
 import torch
+from torch import nn
 
 from gradleak.errors import ConfigError
 from gradleak.io import save_victim
-from gradleak.victims.base import Victim, VictimConfig, create_victim
+from gradleak.victims.base import Victim
+from gradleak.victims.roles import InputTransform
+from gradleak.victims.wrapped import wrap
 
-# gradleak's nature-cnn parameter ← SB3 ActorCriticCnnPolicy parameter (shared extractor)
-PARAMETERS = {"encoder.0": "features_extractor.cnn.0", "encoder.2": "features_extractor.cnn.2",
-              "encoder.4": "features_extractor.cnn.4", "fc": "features_extractor.linear.0",
-              "policy_head": "action_net", "value_head": "value_net"}
+POLICIES = ("ActorCriticPolicy", "ActorCriticCnnPolicy", "MultiInputActorCriticPolicy")
+EXTRACTORS = ("NatureCNN", "FlattenExtractor", "CombinedExtractor")
+KWARGS = ("net_arch", "share_features_extractor", "normalize_images", "ortho_init")
+
+
+def actor_critic_outputs(policy: nn.Module, obs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits, value) of an SB3 ActorCriticPolicy, as its evaluate_actions computes them."""
+    features = policy.extract_features(obs)
+    if policy.share_features_extractor:
+        latent_pi, latent_vf = policy.mlp_extractor(features)
+    else:
+        latent_pi = policy.mlp_extractor.forward_actor(features[0])
+        latent_vf = policy.mlp_extractor.forward_critic(features[1])
+    return policy.action_net(latent_pi), policy.value_net(latent_vf)
+
+
+def _space_to_dict(space: Any) -> dict[str, Any]:
+    import gymnasium as gym
+
+    if isinstance(space, gym.spaces.Dict):
+        return {"type": "dict", "spaces": {k: _space_to_dict(v) for k, v in space.spaces.items()}}
+    if isinstance(space, gym.spaces.Discrete):
+        return {"type": "discrete", "n": int(space.n)}
+    if isinstance(space, gym.spaces.Box):
+        return {"type": "box", "shape": list(space.shape), "dtype": str(space.dtype),
+                "low": float(np.min(space.low)), "high": float(np.max(space.high))}
+    raise ConfigError(f"observation or action space {space}: gradleak audits Box, Dict of Box "
+                      "observations and Discrete actions")
+
+
+def _space_from_dict(data: dict[str, Any]) -> Any:
+    import gymnasium as gym
+
+    kind = data.get("type")
+    if kind == "dict":
+        return gym.spaces.Dict({k: _space_from_dict(v) for k, v in data["spaces"].items()})
+    if kind == "discrete":
+        return gym.spaces.Discrete(int(data["n"]))
+    if kind == "box":
+        return gym.spaces.Box(data["low"], data["high"], tuple(data["shape"]),
+                              np.dtype(data["dtype"]))
+    raise ConfigError(f"SB3 policy description: space {data!r} is not box, dict or discrete")
+
+
+def describe(policy: Any) -> dict[str, Any]:
+    """The JSON a policy is rebuilt from: class, spaces, constructor arguments."""
+    name = type(policy).__name__
+    parameters = policy._get_constructor_parameters()
+    extractor = parameters["features_extractor_class"].__name__
+    activation = parameters["activation_fn"].__name__
+    if name not in POLICIES or extractor not in EXTRACTORS:
+        raise ConfigError(f"SB3 policy {name} with features extractor {extractor}: gradleak "
+                          f"rebuilds {', '.join(POLICIES)} with {', '.join(EXTRACTORS)}")
+    if not hasattr(nn, activation):
+        raise ConfigError(f"SB3 policy activation {activation}: expected a torch.nn activation")
+    extractor_kwargs = dict(parameters.get("features_extractor_kwargs") or {})
+    for key, value in extractor_kwargs.items():
+        if not isinstance(value, (int, float, bool, str)):
+            raise ConfigError(f"SB3 features_extractor_kwargs[{key!r}] = {value!r}: only plain "
+                              "numbers and strings can be described")
+    return {"policy": name, "observation_space": _space_to_dict(policy.observation_space),
+            "action_space": _space_to_dict(policy.action_space), "extractor": extractor,
+            "extractor_kwargs": extractor_kwargs, "activation": activation,
+            **{key: parameters[key] for key in KWARGS if key in parameters},
+            "share_features_extractor": bool(policy.share_features_extractor)}
+
+
+def rebuild(**description: Any) -> nn.Module:
+    """An SB3 policy from `describe`'s JSON (the factory a wrapped SB3 victim names)."""
+    from stable_baselines3.common import policies, torch_layers
+
+    if description.get("policy") not in POLICIES or description.get("extractor") not in \
+            EXTRACTORS or not hasattr(nn, str(description.get("activation"))):
+        raise ConfigError(f"SB3 policy description {description!r}: unknown policy, extractor "
+                          "or activation")
+    return getattr(policies, description["policy"])(
+        _space_from_dict(description["observation_space"]),
+        _space_from_dict(description["action_space"]), lambda _: 0.0,
+        net_arch=description.get("net_arch"), activation_fn=getattr(nn, description["activation"]),
+        features_extractor_class=getattr(torch_layers, description["extractor"]),
+        features_extractor_kwargs=description.get("extractor_kwargs") or None,
+        share_features_extractor=description.get("share_features_extractor", True),
+        normalize_images=description.get("normalize_images", True),
+        ortho_init=description.get("ortho_init", True))
 
 
 def _policy(model: Any) -> Any:
-    from stable_baselines3.common.torch_layers import NatureCNN
-
-    policy = getattr(model, "policy", None)
-    extractor = getattr(policy, "features_extractor", None)
-    if not isinstance(extractor, NatureCNN):
-        raise ConfigError(f"{type(model).__name__}: gradleak audits SB3's CnnPolicy (a NatureCNN "
-                          f"features extractor), found {type(extractor).__name__}")
-    if not getattr(policy, "share_features_extractor", True):
-        raise ConfigError("the policy keeps separate actor and critic extractors "
-                          "(share_features_extractor=False), which nature-cnn does not model")
-    if policy.mlp_extractor.latent_dim_pi != extractor.features_dim or \
-            any(True for _ in policy.mlp_extractor.parameters()):
-        raise ConfigError("the policy has hidden layers after the CNN (net_arch): only the "
-                          "default CnnPolicy, heads directly on the 512 features, is supported")
-    if extractor.features_dim != 512:
-        raise ConfigError(f"NatureCNN features_dim {extractor.features_dim}: nature-cnn has 512")
-    return policy
-
-
-def frame_shape(model: Any) -> tuple[int, int]:
-    """(frame size, actions) from the policy's spaces: square RGB frames, discrete actions."""
-    policy = _policy(model)
-    shape = tuple(policy.observation_space.shape)
-    channels_first = shape[0] == 3  # SB3 transposes image observations to (C, H, W)
-    height, width, channels = (shape[1], shape[2], shape[0]) if channels_first else shape
-    if channels != 3 or height != width:
-        raise ConfigError(f"observation shape {shape}: nature-cnn reads square RGB frames")
-    actions = getattr(policy.action_space, "n", None)
-    if actions is None:
-        raise ConfigError(f"action space {policy.action_space}: expected Discrete(K)")
-    if not policy.normalize_images:
-        raise ConfigError("the policy does not divide images by 255 (normalize_images=False)")
-    return int(height), int(actions)
-
-
-def victim(model: Any) -> Victim:
-    """gradleak's nature-cnn with the SB3 policy's weights, in eval mode."""
-    size, actions = frame_shape(model)
-    converted = create_victim(VictimConfig("nature-cnn", size, actions))
-    theirs = dict(_policy(model).state_dict())
-    state = {}
-    for ours, source in PARAMETERS.items():
-        for kind in ("weight", "bias"):
-            state[f"{ours}.{kind}"] = theirs[f"{source}.{kind}"].detach().to(torch.float32).cpu()
-    converted.load_state_dict(state)
-    return converted.eval()
-
-
-def learning_rule(model: Any) -> dict[str, Any]:
-    """The loss SB3 optimises, in gradleak's keys, and the algorithm."""
     from stable_baselines3 import A2C, PPO
 
     if not isinstance(model, (PPO, A2C)):
         raise ConfigError(f"{type(model).__name__}: expected a stable_baselines3 PPO or A2C model")
+    if getattr(model.policy, "use_sde", False):
+        raise ConfigError("the policy uses gSDE exploration (use_sde=True): its noise is "
+                          "stochastic at capture time")
+    return model.policy
+
+
+def _image_key(space: dict[str, Any]) -> tuple[str | None, dict[str, Any], str | None]:
+    """(image key, the image space, goal key) of a Box or Dict observation space."""
+    if space["type"] == "box":
+        return None, space, None
+    images = [k for k, v in space["spaces"].items() if len(v["shape"]) == 3]
+    others = [k for k, v in space["spaces"].items() if len(v["shape"]) != 3]
+    if len(images) != 1 or len(others) > 1 or (others and space["spaces"][others[0]]["shape"]
+                                                != [3]):
+        raise ConfigError(f"dict observation space with keys {sorted(space['spaces'])}: "
+                          "gradleak audits one image and at most one goal vector of 3")
+    return images[0], space["spaces"][images[0]], (others[0] if others else None)
+
+
+def victim(model: Any) -> Victim:
+    """The SB3 policy's network as a gradleak victim, in eval mode: a copy rebuilt from its
+    description holding the policy's current θ."""
+    policy = _policy(model)
+    description = describe(policy)
+    image_key, image_space, goal_key = _image_key(description["observation_space"])
+    channels, height, width = image_space["shape"]  # SB3 feeds images channel-first
+    if image_space["dtype"] != "uint8" or channels not in (1, 3, 4, 12):
+        raise ConfigError(f"observation {image_space}: expected uint8 image frames, channel-first "
+                          "as SB3 transposes them")
+    stack = 1 if channels in (1, 3) else (4 if channels in (4, 12) else 1)
+    transform = InputTransform(height, width, channels, stack,
+                               scale=1 / 255 if description.get("normalize_images", True)
+                               else 1.0)
+    copy = rebuild(**description)
+    copy.load_state_dict({k: v.detach().cpu() for k, v in policy.state_dict().items()})
+    return wrap(copy, policy_head="action_net", value_head="value_net", transform=transform,
+                forward=actor_critic_outputs, feed="frames-chw", image_key=image_key,
+                goal_key=goal_key, factory="gradleak.integrations.sb3:rebuild",
+                factory_kwargs=description, label=f"sb3-{description['policy']}")
+
+
+def learning_rule(model: Any) -> dict[str, Any]:
+    """The loss SB3 optimises, in gradleak's keys, the algorithm and its advantage
+    normalisation (PPO: per minibatch of batch_size, when normalize_advantage; A2C: none
+    unless normalize_advantage, then per rollout)."""
+    from stable_baselines3 import PPO
+
+    _policy(model)
     ppo = isinstance(model, PPO)
+    normalise = bool(getattr(model, "normalize_advantage", False))
+    norm = (f"minibatch:{model.batch_size}" if ppo else "rollout") if normalise else "none"
     return {"algorithm": "ppo" if ppo else "a2c", "value": float(model.vf_coef),
             "entropy": float(model.ent_coef),
             "clip": float(model.clip_range(1.0)) if ppo else 0.0,
-            "gamma": float(model.gamma), "lam": float(model.gae_lambda)}
+            "gamma": float(model.gamma), "lam": float(model.gae_lambda),
+            "advantage_norm": norm}
 
 
 def save(model: Any, directory: str | os.PathLike[str]) -> None:
     """A gradleak victim checkpoint that declares SB3's learning rule and frame format."""
     rule = learning_rule(model)
     converted = victim(model)
-    size, actions = converted.config.frame_size, converted.config.num_actions
+    transform = converted.input_transform
     save_victim(directory, converted, {
         "algorithm": rule["algorithm"], "source": "stable-baselines3",
         "preset": {"name": "stable-baselines3",
-                   "env": {"doomnav": {"frame_size": size, "num_actions": actions}},
-                   "train": {"victim": "nature-cnn", "algo": rule["algorithm"],
+                   "env": {"doomnav": {"frame_size": transform.height,
+                                       "num_actions": converted.config.num_actions}},
+                   "train": {"victim": "wrapped", "algo": rule["algorithm"],
                              "value_coef": rule["value"], "entropy_coef": rule["entropy"],
                              "clip": rule["clip"], "gamma": rule["gamma"],
-                             "lam": rule["lam"]}}})
+                             "lam": rule["lam"]}},
+        "advantage_norm": rule["advantage_norm"]})

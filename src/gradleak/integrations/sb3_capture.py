@@ -5,7 +5,8 @@ At the end of each chosen rollout (SB3 has computed its advantages and returns, 
 updated θ), every step of the rollout buffer becomes one row: the frame as SB3 preprocessed it,
 the action, SB3's own advantage and return, the old log-probability and value, and the gradient
 of SB3's loss on that step alone at the rollout's θ0 (a minibatch of one, where SB3 applies no
-advantage normalisation: the file declares raw advantages). One file per recorded rollout, since
+advantage normalisation: the file declares raw advantages). CnnPolicy, MlpPolicy on frames and
+MultiInputPolicy (frame + goal) rollouts are recorded alike. One file per recorded rollout, since
 each has its own θ0; the rows of each environment are contiguous, split into segments where SB3
 marks an episode start (a segment cut by the rollout's end is not closed by success).
 """
@@ -72,8 +73,12 @@ def write_rollout(model: Any, out: Path, split: str, index: int) -> None:
     def rows(values: np.ndarray) -> np.ndarray:  # (T, N, ...) → the chosen order
         return values.reshape(-1, *values.shape[2:])[order]
 
-    record(victim(model), out, images=rows(buffer.observations.transpose(0, 1, 3, 4, 2)),
-           actions=rows(buffer.actions)[:, 0].astype(np.int64),
+    audited = victim(model)
+    key, goal_key = (audited.config.options.get(k) for k in ("image_key", "goal_key"))
+    frames = buffer.observations[key] if key else buffer.observations  # (T, N, C, H, W)
+    goals = rows(buffer.observations[goal_key]).astype(np.float32) if goal_key else None
+    record(audited, out, images=rows(frames.transpose(0, 1, 3, 4, 2)).astype(np.uint8),
+           goals=goals, actions=rows(buffer.actions)[:, 0].astype(np.int64),
            advantages=rows(buffer.advantages), returns=rows(buffer.returns),
            episode_ids=ids, loss=rule, algorithm=rule["algorithm"], advantage_norm="none",
            old_log_probs=rows(buffer.log_probs), rewards=rows(buffer.rewards), split=split,

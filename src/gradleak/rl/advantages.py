@@ -37,3 +37,15 @@ def normalise(advantages: np.ndarray) -> np.ndarray:
     """(A − mean) / (std + 1e-8), population std: a one-step episode gets A = 0, not NaN."""
     advantages = np.asarray(advantages, np.float64)
     return (advantages - advantages.mean()) / (advantages.std() + 1e-8)
+
+
+def normalise_minibatches(advantages: np.ndarray, size: int) -> np.ndarray:
+    """SB3's per-minibatch normalisation on consecutive runs of `size` steps: (A − mean) /
+    (sample std + 1e-8); a run of one step is left as it is, as SB3 leaves a minibatch of one."""
+    advantages = np.asarray(advantages, np.float64)
+    out = advantages.copy()
+    for start in range(0, len(advantages), size):
+        part = advantages[start:start + size]
+        if len(part) > 1:
+            out[start:start + size] = (part - part.mean()) / (part.std(ddof=1) + 1e-8)
+    return out

@@ -33,9 +33,30 @@ class LossCoefficients:
 # The keys of `--loss`: the coefficients, and the discounting behind the advantages.
 LOSS_KEYS = ("value", "entropy", "clip", "gamma", "lam")
 # How a client normalises its advantages before the loss. "episode": (A − mean) / std over the
-# episode (the TRACE protocol); "none": raw GAE. An optimiser-minibatch normalisation (SB3's)
-# depends on the shuffled rollout buffer, which a capture of single steps does not replay.
-ADVANTAGE_NORMS = ("episode", "none")
+# episode (the TRACE protocol); "none": raw GAE; "minibatch:M": over each optimiser minibatch of
+# M steps (SB3's PPO, sample std); "rollout": over the whole rollout (SB3's A2C with
+# normalize_advantage). A capture replays minibatches as consecutive runs of M steps of each
+# episode: SB3 draws them from a shuffled buffer, which no single-step capture replays.
+ADVANTAGE_NORMS = ("episode", "none", "minibatch:M", "rollout")
+
+
+def parse_advantage_norm(text: str) -> tuple[str, int]:
+    """'episode' | 'none' | 'rollout' | 'minibatch:M' → (kind, M; 0 unless a minibatch)."""
+    kind, _, size = str(text).partition(":")
+    if kind in ("episode", "none", "rollout") and not size:
+        return kind, 0
+    if kind == "minibatch" and size.isdigit() and int(size) >= 1:
+        return kind, int(size)
+    raise ConfigError(f"advantage normalisation {text!r}: expected one of "
+                      f"{', '.join(ADVANTAGE_NORMS)} (M a positive integer)")
+
+
+def advantage_text(text: str) -> str:
+    """How the file's `loss` attribute describes the normalisation."""
+    kind, size = parse_advantage_norm(text)
+    return {"episode": "per-episode, population std", "none": "none (raw GAE)",
+            "rollout": "per rollout, sample std",
+            "minibatch": f"per minibatch of {size} consecutive steps, sample std"}[kind]
 
 
 def parse_loss(text: str) -> dict[str, float]:

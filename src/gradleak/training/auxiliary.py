@@ -263,6 +263,8 @@ class DecoderFit:
             raise ConfigError(f"{self.out} already holds an attacker: pass --resume to continue "
                               "it or choose another --out")
         roles = _check_feature_module(paths[0], model_config.feature_module)
+        model_config = replace(model_config,
+                               feature_module=model_config.feature_module or roles.feature_linear)
         self.data = AuxiliaryFrames([str(p) for p in paths], config, progress,
                                     self.out / RENDERED)
         victim = self.data.fingerprint.victim
@@ -449,7 +451,7 @@ def _check_feature_module(path: str, module: str) -> Roles:
     recovery. Returns the capture's roles."""
     with CaptureFile(path) as capture:
         victim, roles = create_victim(capture.victim), capture.roles
-    if module not in dict(victim.named_modules()) or roles.feature_linear is None:
+    if roles.feature_linear is None or module not in ("", *dict(victim.named_modules())):
         raise ConfigError(f"attack.decoder.feature_module={module!r}: victim "
                           f"{capture.victim.name} has no such module or no Linear layer reading "
                           "conv features, so no conv features to decode (the analytic decoder "

@@ -125,6 +125,11 @@ class Victim(nn.Module):
     def hidden_size(self) -> int:
         return 0
 
+    @classmethod
+    def rebuildable(cls, config: VictimConfig) -> bool:
+        """Can `create_victim(config)` rebuild it here (a wrapped model needs its factory)?"""
+        return True
+
     def component_of(self, parameter_name: str) -> str:
         for prefix, component in self.component_prefixes.items():
             if parameter_name.startswith(prefix):
@@ -201,6 +206,10 @@ def layer_table(victim: Victim, components: tuple[str, ...] = COMPONENTS) -> lis
             table.append(LayerInfo(name, tuple(parameter.shape), offset, component))
             offset += parameter.numel()
     return table
+
+
+def rebuildable(config: VictimConfig) -> bool:
+    return config.name in VICTIMS and VICTIMS.get(config.name).rebuildable(config)
 
 
 def victim_at_theta0(observation: Any) -> Victim:

@@ -214,7 +214,7 @@ def _record_calls(model: nn.Module, run: Callable[[], Any]) -> tuple[list[_Call]
     return calls, result
 
 
-def _linear(model: nn.Module, name: str, role: str, needs_bias: bool = True) -> nn.Linear:
+def checked_linear(model: nn.Module, name: str, role: str, needs_bias: bool = True) -> nn.Linear:
     try:
         module = model.get_submodule(name)
     except AttributeError:
@@ -231,15 +231,24 @@ def _linear(model: nn.Module, name: str, role: str, needs_bias: bool = True) -> 
 
 
 def _check_deterministic(first: list[_Call], second: list[_Call]) -> None:
+    """Two passes on the same input must agree, module by module: the first that does not
+    is named."""
     for a, b in zip(first, second, strict=False):
         if isinstance(a.module, STOCHASTIC) and a.module.p > 0 and a.module.training:
             raise ConfigError(f"module {a.name} ({type(a.module).__name__}) is stochastic at "
                               "capture time: put the model in eval mode (model.eval())")
-        if a.output is not None and b.output is not None and not torch.equal(a.output,
-                                                                              b.output):
+        if not _same(a.input, b.input):
+            raise ConfigError(f"module {a.name} reads different inputs on two passes over the "
+                              "same frames: something stochastic runs before it (in the "
+                              "model's forward code); a stochastic model cannot be audited")
+        if not _same(a.output, b.output):
             raise ConfigError(f"module {a.name} ({type(a.module).__name__}) gives different "
                               "outputs for the same input: a stochastic layer cannot be audited "
                               "(evaluate it deterministically at capture time)")
+
+
+def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    return a is None or b is None or torch.equal(a, b)
 
 
 def _conv_stack(calls: list[_Call]) -> tuple[list[_Call], int]:
@@ -268,11 +277,11 @@ def discover(model: nn.Module, run: Callable[[], tuple[torch.Tensor, torch.Tenso
              goal_input: str | None = None, extra_inputs: tuple[str, ...] = ()) -> Roles:
     """Roles of `model`, from a forward pass `run()` → (logits, value) on example `frames`
     (N ≥ 2, stored format). Raises ConfigError naming the module that cannot be audited."""
-    policy = _linear(model, policy_head, "policy head")
-    value = _linear(model, value_head, "value head")
+    policy = checked_linear(model, policy_head, "policy head")
+    value = checked_linear(model, value_head, "value head")
     for name, role in ((recurrent_state, "recurrent state layer"), (goal_input, "goal layer")):
         if name is not None:
-            _linear(model, name, role)
+            checked_linear(model, name, role)
     calls, (logits, values) = _record_calls(model, run)
     again, _ = _record_calls(model, run)
     _check_deterministic(calls, again)
