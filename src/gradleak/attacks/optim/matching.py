@@ -99,11 +99,9 @@ class DummyGradient:
         config.check()
         self.config = config
         self.victim = victim_at_theta0(observation)
-        if self.victim.extra_inputs:
-            raise ConfigError(f"victim {observation.victim.name} also reads "
-                              f"{', '.join(self.victim.extra_inputs)} beside the frame: gradient "
-                              "matching optimises frames only (the goal comes back in closed "
-                              "form: gradleak analytic)")
+        # what the victim reads beside the frame, unknown to the server: optimised jointly
+        self.extra_sizes = {"goal": 3 if "goal" in observation.roles.extra_inputs else 0,
+                            "hidden": self.victim.hidden_size if self.victim.recurrent else 0}
         self.layers = selected_layers(observation, config.components)
         wanted = {layer.name for layer in self.layers}
         named = {n: p.detach() for n, p in self.victim.named_parameters()}
@@ -114,13 +112,16 @@ class DummyGradient:
         self.weights = layer_weights(config.layer_weights, len(self.layers))
 
     def __call__(self, image: torch.Tensor, action: torch.Tensor, advantage: torch.Tensor,
-                 ret: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """image (H, W, 3) in [0, 1]; action () index or (K,) distribution; A, R scalars."""
+                 ret: torch.Tensor, goal: torch.Tensor | None = None,
+                 hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        """image (H, W, C) in [0, 1]; action () index or (K,) distribution; A, R scalars; the
+        goal (3,) and pre-step state (H,) of a victim that reads them."""
 
         def loss(parameters: dict[str, torch.Tensor]) -> torch.Tensor:
-            logits, values = functional_call(self.victim, ({**self.frozen, **parameters},
-                                                           self.buffers),
-                                             (image[None] * 255.0, None))
+            logits, values = functional_call(
+                self.victim, ({**self.frozen, **parameters}, self.buffers),
+                (image[None] * 255.0, None if goal is None else goal[None],
+                 None if hidden is None else hidden[None]))
             if self.config.loss == "probe":
                 return probe_loss(logits, values, action[None]).mean()
             return actor_critic_loss(logits, values, action[None], advantage[None], ret[None],

@@ -116,7 +116,8 @@ class Problems:
 
     frames: torch.Tensor  # (B,) which observed row each problem inverts
     restarts: torch.Tensor  # (B,)
-    x: torch.Tensor  # (B, n): image pixels, then A and R, then K soft-action logits
+    x: torch.Tensor  # (B, n): image pixels, A and R, K soft-action logits, then the goal and
+    # the pre-step state of a victim that reads them
     shape: tuple[int, int, int]
     num_actions: int
 
@@ -132,8 +133,7 @@ class GradientMatchingAttack:
         self.observation, self.config, self.progress = observation, config, progress
         self.dummy = DummyGradient(observation, config.matching)
         self.targets = torch.from_numpy(observed_columns(observation, self.dummy.layers))
-        size = observation.victim.frame_size
-        self.shape = (size, size, 3)
+        self.shape = observation.roles.transform.frame_shape
         self.num_actions = observation.victim.num_actions
         rule = recover_actions(observation, "odd-sign")
         self.rule_actions = torch.from_numpy(rule.actions)
@@ -153,9 +153,13 @@ class GradientMatchingAttack:
         n = int(np.prod(self.shape))
         image = self.image(x[:n])
         advantage, ret = x[n], x[n + 1]
+        k = n + 2 + self.num_actions
         if self.config.action == "soft":
-            action = torch.softmax(x[n + 2:], dim=0)
-        dummy = self.dummy(image, action, advantage, ret)
+            action = torch.softmax(x[n + 2:k], dim=0)
+        goal_size = self.dummy.extra_sizes["goal"]
+        goal = x[k:k + goal_size] if goal_size else None
+        hidden = x[k + goal_size:] if self.dummy.extra_sizes["hidden"] else None
+        dummy = self.dummy(image, action, advantage, ret, goal, hidden)
         loss = gradient_distance(dummy, self.dummy.split(target), self.dummy.weights,
                                  self.config.matching.distance)
         if self.config.matching.tv:
@@ -180,7 +184,8 @@ class GradientMatchingAttack:
                 pixels = torch.randn(int(np.prod(self.shape)), generator=generator)
                 unknowns = torch.stack([self.advantage_sign[frame], torch.tensor(0.0)])
                 logits = torch.randn(self.num_actions, generator=generator)
-                rows.append(torch.cat([pixels, unknowns, logits]))
+                extras = torch.zeros(sum(self.dummy.extra_sizes.values()))  # goal, state: 0
+                rows.append(torch.cat([pixels, unknowns, logits, extras]))
                 frame_ids.append(int(frame))
                 restart_ids.append(restart)
         return Problems(torch.tensor(frame_ids), torch.tensor(restart_ids), torch.stack(rows),
@@ -273,6 +278,7 @@ class GradientMatchingAttack:
                   ) -> Reconstruction:
         restarts, n = self.config.restarts, int(np.prod(self.shape))
         images, actions, advantages, returns, losses, chosen = [], [], [], [], [], []
+        goals: list[np.ndarray] = []
         seconds, iterations = 0.0, []
         for problems, solved in results:
             loss = solved["loss"].reshape(-1, restarts)
@@ -281,9 +287,11 @@ class GradientMatchingAttack:
             x = problems.x[rows]
             images.append(self._images(x))
             if self.config.action == "soft":
-                actions.append(x[:, n + 2:].argmax(1).numpy())
+                actions.append(x[:, n + 2:n + 2 + self.num_actions].argmax(1).numpy())
             else:
                 actions.append(self.rule_actions[problems.frames[rows]].numpy())
+            goal_start = n + 2 + self.num_actions
+            goals.append(x[:, goal_start:goal_start + self.dummy.extra_sizes["goal"]].numpy())
             advantages.append(x[:, n].numpy())
             returns.append(x[:, n + 1].numpy())
             losses.append(loss[np.arange(len(best)), best])
@@ -297,6 +305,7 @@ class GradientMatchingAttack:
             extras={"frames": frames, "matching_loss": np.concatenate(losses),
                     "restart": np.concatenate(chosen), "advantages": np.concatenate(advantages),
                     "returns": np.concatenate(returns), "seconds": seconds,
+                    "goals": np.concatenate(goals),  # (N, 0) for a victim without a goal
                     "seconds_per_frame": seconds / max(len(frames), 1),
                     "iterations": iterations, "history": history, "snapshots": snapshots})
 
