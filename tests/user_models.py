@@ -23,9 +23,9 @@ class ConvPolicy(nn.Module):
         return self.pi(h), self.v(h)
 
 
-def build_conv_policy() -> nn.Module:
+def build_conv_policy(actions: int = 4) -> nn.Module:
     """The factory the capture names: architecture only, θ0 comes from the capture."""
-    return ConvPolicy()
+    return ConvPolicy(actions=actions)
 
 
 class Actor(nn.Module):

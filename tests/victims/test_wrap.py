@@ -84,6 +84,9 @@ def test_the_factory_must_be_loaded_and_a_model_object_cannot_be_rebuilt(
     record(conv_victim(factory=False), plain, loss=LOSS, **rollouts((32, 32, 3)))
     assert main(["analytic", str(plain), "--json"]) == 0  # the closed form needs no model
     assert json.loads(capsys.readouterr().out)[str(plain)]["action_accuracy"] == 1.0
+    from gradleak.victims import wrapped
+
+    wrapped._SESSION.clear()  # as in another process: only this one kept the model's copy
     assert main(["analytic", str(plain), "--conv", "1"]) == 2
     assert "without factory=" in capsys.readouterr().err
 
@@ -158,3 +161,53 @@ def test_roles_that_do_not_fit_the_layer_table_are_refused_on_read(tmp_path: Pat
         handle.attrs["roles"] = json.dumps(roles)
     with pytest.raises(CaptureFileError, match="role layer body.0 has a weight of shape"):
         CaptureFile(out)
+
+
+def test_a_saved_wrapped_model_is_captured_in_doomnav_from_the_cli(capsys, tmp_path: Path
+                                                                   ) -> None:
+    """The user's checkpoint (their architecture by factory, θ as safetensors) plays DoomNav
+    and is captured and attacked with the plain CLI: no adapter, no gradleak subclass."""
+    from gradleak.io import save_victim
+
+    torch.manual_seed(0)
+    victim = gradleak.wrap(user_models.ConvPolicy(actions=5), policy_head="pi", value_head="v",
+                           frame_shape=(32, 32, 3), factory="user_models:build_conv_policy",
+                           factory_kwargs={"actions": 5})
+    save_victim(tmp_path / "victim", victim)
+    out = tmp_path / "c.h5"
+    assert main(["capture", "--victim", str(tmp_path / "victim"), "--plugin", "user_models",
+                 "--scenes", "heldout", "--steps", "12", "--out", str(out), "--seed", "1",
+                 "--quiet", "--loss", "value=0.5,entropy=0.01,clip=0.2,gamma=0.99,lam=0.95",
+                 "--set", "env.doomnav.frame_size=32",
+                 "--set", "env.doomnav.max_steps=6", "--set", "env.heldout_maps=MAP05",
+                 "--set", "env.max_regions_per_map=1"]) == 0
+    assert main(["analytic", str(out), "--plugin", "user_models", "--json"]) == 0
+    scores = json.loads(capsys.readouterr().out)[str(out)]
+    assert scores["action_accuracy"] == 1.0
+    assert scores["layer_inputs"]["proj"]["median_relative_error"] < 1e-2
+
+
+def test_gradient_matching_runs_on_a_users_model_and_learned_attackers_refuse_stacks(
+        capsys, tmp_path: Path) -> None:
+    from gradleak.attacks.optim.solve import GradientMatchingAttack, baseline_config
+
+    out = tmp_path / "rgb.h5"
+    record(conv_victim(), out, loss=LOSS, **rollouts((32, 32, 3)))
+    assert main(["attack", "ig", "--data", str(out), "--index", "0", "--iters", "2",
+                 "--out", str(tmp_path / "ig"), "--plugin", "user_models", "--quiet"]) == 0
+    torch.manual_seed(0)
+    stacked = user_models.ConvPolicy(channels=4)
+    victim = gradleak.wrap(stacked, policy_head="pi", value_head="v",
+                           transform=InputTransform(32, 32, 4, stack=4))
+    gray = tmp_path / "gray" / "train.h5"
+    record(victim, gray, loss=LOSS, **rollouts((32, 32, 4)))
+    with CaptureFile(gray) as capture:
+        observation = capture.observation(slice(0, 1))
+    config = baseline_config("ig")
+    config.iterations, config.restarts = 2, 1
+    assert GradientMatchingAttack(observation, config).reconstruct().images.shape == (
+        1, 32, 32, 4)  # frames in the stored format
+    assert main(["train-attacker", "--data", str(gray), "--out", str(tmp_path / "att"),
+                 "--quiet"]) == 2
+    assert "the learned attackers reconstruct square RGB frames" in capsys.readouterr().err
+    assert not (tmp_path / "att").exists()

@@ -55,7 +55,7 @@ from gradleak.training.checkpoint import (
     save_attacker,
     save_training_state,
 )
-from gradleak.training.data import WindowDataset
+from gradleak.training.data import WindowDataset, check_rgb_frames
 from gradleak.training.fit import Budget, warmup_cosine
 from gradleak.victims.base import Victim, create_victim, victim_at_theta0
 from gradleak.victims.roles import Roles
@@ -450,6 +450,7 @@ def _check_feature_module(path: str, module: str) -> Roles:
     a Linear layer reading its conv features, whose closed-form input starts every feature
     recovery. Returns the capture's roles."""
     with CaptureFile(path) as capture:
+        check_rgb_frames(capture)
         victim, roles = create_victim(capture.victim), capture.roles
     if roles.feature_linear is None or module not in ("", *dict(victim.named_modules())):
         raise ConfigError(f"attack.decoder.feature_module={module!r}: victim "

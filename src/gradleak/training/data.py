@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
-from gradleak.capture.reader import open_captures
+from gradleak.capture.reader import CaptureFile, open_captures
 from gradleak.capture.schema import GRADIENTS
 from gradleak.defenses.base import Chain, Stream, row_keys
 from gradleak.errors import CaptureFileError, ConfigError
@@ -50,6 +50,18 @@ class CaptureFingerprint:
             raise CaptureFileError(f"{where}: θ0 hash {other.theta0_sha256[:12]}… differs from "
                                    f"the attacker's {self.theta0_sha256[:12]}… (another "
                                    "checkpoint)")
+
+
+def check_rgb_frames(capture: CaptureFile) -> None:
+    """The learned attackers (TRACE, LtI, the analytic decoder) and the image metrics they are
+    scored with reconstruct square RGB frames; refuse other frames before any work."""
+    transform = capture.roles.transform
+    if not transform.rgb:
+        height, width, channels = transform.frame_shape
+        raise ConfigError(f"{capture.path}: frames of {height}×{width}×{channels} (a stack of "
+                          f"{transform.stack}): the learned attackers reconstruct square RGB "
+                          "frames; the closed form (gradleak analytic) and gradient matching "
+                          "(gradleak attack dlg|ig) apply to these")
 
 
 def _short_hash(text: str) -> str:
@@ -95,6 +107,7 @@ class WindowDataset(Dataset):
         files = open_captures(self.paths)
         try:
             first = files[0]
+            check_rgb_frames(first)
             self.fingerprint = CaptureFingerprint(first.attrs["theta0_sha256"],
                                                   first.attrs["layer_table"], first.victim)
             self.gradient_dim = int(first.attrs["gradient_dim"])

@@ -11,15 +11,18 @@ the attacks read) come from the two heads named here and one hooked forward pass
 be audited is refused, naming the module: a head that is not a biased nn.Linear, a head with a
 transform after it, a layer that is stochastic at capture time.
 
-To audit from the command line too, say how to rebuild it: `factory="my_package.models:build"`
+Attacks in the same Python process rebuild it from a copy kept by `wrap`. To audit from the
+command line too, say how to rebuild it: `factory="my_package.models:build"`
 (a function of no arguments returning the model, in a module loaded with `--plugin
 my_package.models`): the capture stores that reference, never code or pickles.
 """
 
 from __future__ import annotations
 
+import copy
 import importlib
 import sys
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -31,6 +34,8 @@ from gradleak.victims.base import Victim, VictimConfig, register_victim
 from gradleak.victims.roles import InputTransform
 
 Forward = Callable[[nn.Module, Any], tuple[torch.Tensor, torch.Tensor]]
+# models wrapped without a factory, by session key: attacks in the same process rebuild them
+_SESSION: dict[str, tuple[nn.Module, Forward | None]] = {}
 FEEDS = ("transformed", "frames-chw")  # what the model reads: the network input, or raw frames
 # permuted to (N, C, H, W) as float (the model scales them itself, as SB3's policies do)
 
@@ -79,6 +84,9 @@ class WrappedVictim(Victim):
                 raise ConfigError(f"victim 'wrapped': option {key!r} is missing (build it with "
                                   "gradleak.wrap)")
         self.config = config
+        if model is None and options.get("session") in _SESSION:  # wrapped in this process
+            template, forward = _SESSION[options["session"]]
+            model = copy.deepcopy(template)
         if model is None:
             if not options.get("factory"):
                 raise ConfigError("this victim was wrapped from a model object without "
@@ -116,7 +124,7 @@ class WrappedVictim(Victim):
 
     @classmethod
     def rebuildable(cls, config: VictimConfig) -> bool:
-        return bool(config.options.get("factory"))
+        return bool(config.options.get("factory")) or config.options.get("session") in _SESSION
 
     def train(self, mode: bool = True) -> WrappedVictim:
         super().train(mode)
@@ -191,6 +199,9 @@ def wrap(model: nn.Module | None = None, *, policy_head: str, value_head: str,
                type(model).__name__,
                "forward": f"{forward.__module__}:{forward.__qualname__}"
                if forward is not None and _importable(forward) else None}
+    if factory is None:  # rebuildable in this process only, from a copy of the architecture
+        options["session"] = uuid.uuid4().hex
+        _SESSION[options["session"]] = (copy.deepcopy(model), forward)
     config = VictimConfig("wrapped", transform.height, head.out_features, options)
     victim = WrappedVictim(config, model, forward).eval()
     try:
