@@ -12,6 +12,11 @@ victim has conv features), each given the same CPU budget, against the mean trai
         [--updates 6] [--train-steps 2048] [--heldout-steps 512] [--minutes 3] [--frames 32]
         [--work runs/bench-victims]
 
+The row `sb3-cnnpolicy` is a Stable-Baselines3 `PPO("CnnPolicy")` agent nobody here wrote,
+trained --sb3-steps on DoomNav's frames (the image alone) and audited through
+`gradleak.integrations.sb3` with no adapter: SB3's coefficients and its per-minibatch
+advantage normalisation, SB3's parameter names.
+
 Each victim's result is written to WORK/NAME/result.json as soon as it is done and reused on
 the next run (delete it to measure again); the merge goes to benchmarks/results/victims.{json,md}.
 """
@@ -26,6 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from gradleak.capture.run import CaptureJob, run_capture
@@ -43,12 +49,13 @@ from gradleak.victims import VictimConfig
 
 RESULTS = Path(__file__).parent / "results" / "victims.json"
 RULES = ("odd-sign", "sign-agnostic", "sign-aware")
+SB3 = "sb3-cnnpolicy"
 VICTIMS = ("cnn-small", "cnn-k10-small", "vit-tiny-small", "impala-small", "impala-wide-small",
-           "cnn-gru-small", "multimodal-small", "nature-cnn")
+           "cnn-gru-small", "multimodal-small", "nature-cnn", SB3)
 # The paper's Table 10 (AI2-THOR 84×84, TRACE after 50 GPU-epochs): PSNR in dB.
 PAPER_PSNR = {"cnn-small": None, "cnn-k10-small": 18.92, "vit-tiny-small": 13.99,
               "impala-small": 21.85, "impala-wide-small": 22.36, "cnn-gru-small": 18.62,
-              "multimodal-small": 19.78, "nature-cnn": None}
+              "multimodal-small": 19.78, "nature-cnn": None, SB3: None}
 
 
 def victim_preset(name: str, updates: int) -> Preset:
@@ -63,19 +70,51 @@ def cpu_minutes(start: float) -> float:
     return round((time.process_time() - start) / 60, 2)
 
 
+def train_sb3(preset: Preset, out: Path, steps: int) -> dict[str, Any]:
+    """SB3's PPO CnnPolicy (its defaults but n_steps 512, batch 64) on DoomNav's training maps,
+    reading the frame alone; saved as a gradleak checkpoint by the integration."""
+    import gymnasium as gym
+    from stable_baselines3 import PPO
+
+    from gradleak.envs.factory import make_env, scene_names
+    from gradleak.integrations import sb3
+
+    env = gym.wrappers.TransformObservation(
+        make_env(preset.env, scene_names(preset.env, "train"), preset.env.doomnav.max_steps),
+        lambda obs: obs["image"], gym.spaces.Box(0, 255, (64, 64, 3), np.uint8))
+    model = PPO("CnnPolicy", env, n_steps=512, batch_size=64, seed=0, device="cpu")
+    tick = time.process_time()
+    model.learn(steps)
+    env.close()
+    sb3.save(model, out)
+    rule = sb3.learning_rule(model)
+    loss = {key: rule[key] for key in ("value", "entropy", "clip", "gamma", "lam")}
+    return {"updates": steps // 512, "cpu_minutes": cpu_minutes(tick), "loss": loss,
+            "advantage_norm": rule["advantage_norm"]}
+
+
 def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
     work = Path(args.work) / name
-    preset = victim_preset(name, args.updates)
+    preset = victim_preset("nature-cnn" if name == SB3 else name, args.updates)
     tick = time.process_time()
-    training = train_victim(preset, work / "victim", resume=(work / "victim").exists(),
-                            progress=False)
+    loss, norm = None, "episode"
+    if name == SB3:
+        training = read_json(work / "sb3.json", "sb3 training") if (work / "sb3.json").is_file() \
+            else train_sb3(preset, work / "victim", args.sb3_steps)
+        write_json(work / "sb3.json", training)
+        loss, norm = training["loss"], training["advantage_norm"]
+    else:
+        training = train_victim(preset, work / "victim", resume=(work / "victim").exists(),
+                                progress=False)
     result: dict[str, Any] = {"victim": name, "train_updates": training["updates"],
-                              "train_cpu_minutes": cpu_minutes(tick)}
+                              "train_cpu_minutes": training.get("cpu_minutes",
+                                                                cpu_minutes(tick))}
     captures = {}
     for split, steps in (("train", args.train_steps), ("heldout", args.heldout_steps)):
         captures[split] = work / f"{split}.h5"
         run_capture(CaptureJob(victim=str(work / "victim"), split=split, steps=steps,
-                               out=captures[split], preset=preset, resume=True, progress=False))
+                               out=captures[split], preset=preset, resume=True, progress=False,
+                               loss=loss, advantage_norm=norm))
     heldout = captures["heldout"]
     meta = read_json(work / "victim" / "victim.json", "victim config")
     result["gradient_dim"] = int(_attr(heldout, "gradient_dim"))
@@ -189,7 +228,8 @@ def markdown(result: dict[str, Any]) -> str:
             + next(iter(result["victims"].values()))["learned"]["lpips"] + "\n")
 
 
-KEY_INPUTS = ("fc", "policy_head", "goal_encoder.0", "gru.state")
+KEY_INPUTS = ("fc", "policy_head", "goal_encoder.0", "gru.state", "features_extractor.linear.0",
+              "action_net")
 
 
 def closed_form_text(scores: dict[str, Any]) -> str:
@@ -205,6 +245,7 @@ def main() -> None:
     parser.add_argument("--heldout-steps", type=int, default=512)
     parser.add_argument("--minutes", type=float, default=3.0, help="CPU minutes per attacker")
     parser.add_argument("--frames", type=int, default=32, help="steps the conv recursion runs on")
+    parser.add_argument("--sb3-steps", type=int, default=40_960, help="SB3 agent's training")
     parser.add_argument("--work", default="runs/bench-victims")
     args = parser.parse_args()
     victims = {}
@@ -219,6 +260,9 @@ def main() -> None:
              f"(float32): {args.train_steps} training-scene steps, {args.heldout_steps} "
              f"held-out steps on unseen maps. LtI and the analytic decoder get "
              f"{args.minutes} CPU-minutes each on the training capture (captured frames only). "
+             f"{SB3}: SB3 PPO('CnnPolicy', n_steps=512, batch_size=64, its other defaults) "
+             f"trained {args.sb3_steps} steps on the same maps (frames only), captured with "
+             "SB3's own coefficients and per-minibatch advantage normalisation. "
              f"The conv recursion runs on {args.frames} held-out steps. Machine: "
              f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
              f"{torch.get_num_threads()} torch threads.")

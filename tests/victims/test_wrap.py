@@ -55,6 +55,8 @@ def test_a_wrapped_model_is_audited_from_python_and_from_the_cli(capsys, tmp_pat
     record(victim, out, loss=LOSS, **data)
     with CaptureFile(out) as capture:
         assert capture.roles == victim.roles()  # stored, and read back the same
+        assert capture.summary()["roles"] == (
+            "heads pi / v; closed form proj, pi, v; 2 convs into proj")
         observation = capture.observation(with_theta0=True)
     recovered = recover_analytically(observation)
     assert np.array_equal(recovered.actions, data["actions"])

@@ -334,6 +334,8 @@ class CaptureFile:
                 "theta0_sha256": attrs["theta0_sha256"],
                 "defenses": [chain["spec"] for chain in json.loads(attrs.get(DEFENSES_ATTR,
                                                                              "[]"))],
+                "frames": "×".join(map(str, self.roles.transform.frame_shape)),
+                "roles": roles_text(self.roles),
                 "size_mb": round(self.path.stat().st_size / 2**20, 2)}
 
     def close(self) -> None:
@@ -344,6 +346,21 @@ class CaptureFile:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def roles_text(roles: Roles) -> str:
+    """One line: what the attacks will read in this capture."""
+    parts = [f"heads {roles.policy_head} / {roles.value_head}"
+             + ("" if roles.shared_features else " (separate features)"),
+             f"closed form {', '.join(roles.linears)}"]
+    if roles.conv_stack:
+        convs = sum(step.kind == "conv" for step in roles.conv_stack)
+        parts.append(f"{convs} convs into {roles.feature_linear or 'no Linear layer'}"
+                     + ("" if roles.conv_chain else " (not a plain chain)"))
+    parts += [f"{label} {name}" for label, name in (("frame", roles.frame_linear),
+                                                    ("goal", roles.goal_input),
+                                                    ("state", roles.recurrent_state)) if name]
+    return "; ".join(parts)
 
 
 def nonfinite_message(path: Path, rows: np.ndarray) -> str:

@@ -225,4 +225,6 @@ def victim_at_theta0(observation: Any) -> Victim:
     if missing or unexpected:
         raise ConfigError(f"θ0 does not fit victim {observation.victim.name}: missing "
                           f"{missing[:3]}, unexpected {unexpected[:3]}")
+    if getattr(observation, "roles", None) is not None:  # the capture's roles are the ones read
+        victim.__dict__["_roles"] = observation.roles  # (kept through .double())
     return victim.eval()
