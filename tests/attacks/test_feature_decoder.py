@@ -299,7 +299,7 @@ def test_an_adaptive_decoder_trains_on_what_the_attack_recovers_under_the_defens
     """Under noise each captured frame is paired with the features recovered from its own
     defended gradient (keyed noise, the fit's defense seed), not with θ0's exact features; the
     run records its defense, so evaluation under that defense calls it adaptive."""
-    from gradleak.attacks.encoders import linear_input
+    from gradleak.attacks.encoders import flat_linear_input
     from gradleak.defenses import parse_defense
     from gradleak.defenses.base import row_keys
     from gradleak.evaluation.reconstructions import Evaluation
@@ -317,7 +317,7 @@ def test_an_adaptive_decoder_trains_on_what_the_attack_recovers_under_the_defens
         images = torch.from_numpy(capture.target().images[steps[picked]])
     keys = torch.cat([row_keys(attrs, int(s), int(s) + 1) for s in steps[picked]])
     defended = parse_defense("noise:0.01", 3).gradients(gradients, keys)
-    expected = linear_input(defended, *fit.model.feature_layer)
+    expected = flat_linear_input(defended, *fit.model.feature_layer)
     torch.testing.assert_close(torch.from_numpy(fit.frames.features[picked]), expected)
     exact = fit.data.features(images, "fc")
     assert float((expected - exact).norm() / exact.norm()) > 1e-2  # the noise is really there

@@ -1,12 +1,11 @@
 """Exact recovery from one per-step gradient and θ0, in closed form.
 
-A Linear layer y = W x + b on one sample has ∇W = δ xᵀ and ∇b = δ, so its input is
-x = ∇Wᵀ ∇b / ‖∇b‖² (least squares over the rows: exact without noise, the robust estimate with
-it). That gives the FC layer's input (the flattened conv features of the frame) and the heads'
-input h. With θ0, h gives the logits, π and V. The policy head's bias gradient is
-A (π − e_a) + c_e π ⊙ (log π + H): remove the known entropy term, then the taken action is the
-one whose (π − e_a) explains the rest with no residual, and A is the fitted scale. The value
-head's bias gradient 2 c_v (V − R) gives the return R.
+Every biased Linear layer applied once per sample gives its input (`closed_form.linear_input`):
+x = ∇Wᵀ ∇b / ‖∇b‖². That gives the conv features' Linear layer its input (the flattened conv
+features of the frame) and the heads' input h. With θ0, h gives the logits, π and V. The
+policy head's bias gradient is A (π − e_a) + c_e π ⊙ (log π + H): remove the known entropy
+term, then the taken action is the one whose (π − e_a) explains the rest with no residual, and
+A is the fitted scale. The value head's bias gradient 2 c_v (V − R) gives the return R.
 """
 
 from __future__ import annotations
@@ -16,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from gradleak.attacks.closed_form import head_features, linear_input
 from gradleak.errors import ConfigError
 from gradleak.threat import Observation, Reconstruction
 from gradleak.victims.base import victim_at_theta0
@@ -38,11 +38,9 @@ def linear_layers(observation: Observation) -> list[str]:
 
 def layer_input(observation: Observation, module: str) -> np.ndarray:
     """(N, in): x = ∇Wᵀ ∇b / ‖∇b‖² per step (NaN where ∇b is exactly zero)."""
-    weight = observation.block(f"{module}.weight").astype(np.float64)  # (N, out, in)
-    bias = observation.block(f"{module}.bias").astype(np.float64)  # (N, out)
-    norm = (bias ** 2).sum(1, keepdims=True)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return np.einsum("no,noi->ni", bias, weight) / norm
+    weight = torch.from_numpy(observation.block(f"{module}.weight").astype(np.float64))
+    bias = torch.from_numpy(observation.block(f"{module}.bias").astype(np.float64))
+    return linear_input(weight, bias).numpy()
 
 
 def _head(observation: Observation, module: str) -> LinearLayer:
@@ -108,11 +106,9 @@ def recover_analytically(observation: Observation) -> Reconstruction:
     roles = observation.roles
     inputs = {module: layer_input(observation, module) for module in linear_layers(observation)}
     policy, value = _head(observation, roles.policy_head), _head(observation, roles.value_head)
-    features, value_features = inputs[roles.policy_head], inputs[roles.value_head]
-    if roles.shared_features:  # a step whose policy-bias gradient is exactly zero still has
-        fallback = ~np.isfinite(features).all(1)  # the value head's, and vice versa
-        features[fallback] = value_features[fallback]
-        value_features = features
+    features, value_features = (h.numpy() for h in head_features(
+        torch.from_numpy(inputs[roles.policy_head]), torch.from_numpy(inputs[roles.value_head]),
+        roles.shared_features))
     probs = softmax(features @ policy.weight.T + policy.bias)
     values = (value_features @ value.weight.T + value.bias)[:, 0]
     value_coef = float(observation.hyperparameters["value"])

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gradleak.attacks.closed_form import linear_input
 from gradleak.errors import ConfigError
 from gradleak.threat import Observation
 from gradleak.victims.base import Victim, victim_at_theta0
@@ -222,7 +223,7 @@ def linear_input_with_noise(weight_gradient: torch.Tensor, bias_gradient: torch.
     Storage rounding alone makes a unit that is exactly off come back as ±1e-7 (float32) or
     ±1e-3 (float16) after BN⁻¹, so even the top layer needs this margin."""
     norm = (bias_gradient ** 2).sum(1, keepdim=True)
-    x = torch.nan_to_num(torch.einsum("no,noi->ni", bias_gradient, weight_gradient) / norm)
+    x = torch.nan_to_num(linear_input(weight_gradient, bias_gradient), nan=0.0)
     residual = weight_gradient - bias_gradient[:, :, None] * x[:, None, :]
     outputs, inputs = weight_gradient.shape[1:]
     dof = max(1, outputs * inputs - outputs - inputs)

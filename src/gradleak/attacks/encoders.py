@@ -14,6 +14,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from gradleak.attacks.closed_form import linear_input, linear_pairs
 from gradleak.errors import ConfigError
 from gradleak.threat import ObservedWindows, Reconstruction
 from gradleak.victims.base import LayerInfo, layers_from_json
@@ -30,25 +31,17 @@ def subsample_index(gradient_dim: int, fraction: float, seed: int) -> torch.Tens
     return torch.randperm(gradient_dim, generator=generator)[:count].sort().values
 
 
-def linear_pairs(layers: list[LayerInfo]) -> list[tuple[LayerInfo, LayerInfo]]:
-    """(weight, bias) of every Linear layer whose bias gradient was captured too."""
-    by_name = {layer.name: layer for layer in layers}
-    return [(layer, by_name[layer.name.removesuffix("weight") + "bias"]) for layer in layers
-            if layer.name.endswith(".weight") and len(layer.shape) == 2
-            and layer.name.removesuffix("weight") + "bias" in by_name]
-
-
 def block(gradients: torch.Tensor, layer: LayerInfo) -> torch.Tensor:
     return gradients[..., layer.offset:layer.offset + layer.size]
 
 
-def linear_input(gradients: torch.Tensor, weight: LayerInfo, bias: LayerInfo) -> torch.Tensor:
-    """(..., in): the layer's input x = ∇Wᵀ∇b/‖∇b‖², exact for one sample (∇W = δxᵀ, ∇b = δ);
-    zero where ∇b vanishes (nothing flowed back through the layer at that step)."""
-    delta = block(gradients, bias)
-    outer = block(gradients, weight).unflatten(-1, weight.shape)  # (..., out, in)
-    inputs = torch.einsum("...o,...oi->...i", delta, outer)
-    return inputs / delta.pow(2).sum(-1, keepdim=True).clamp_min(1e-30)
+def flat_linear_input(gradients: torch.Tensor, weight: LayerInfo, bias: LayerInfo
+                      ) -> torch.Tensor:
+    """(..., in): a Linear layer's input from flat gradient rows (`closed_form.linear_input`),
+    zero where ∇b vanishes (nothing flowed back through the layer at that step): a learned
+    attacker's feature must be finite."""
+    return torch.nan_to_num(linear_input(block(gradients, weight).unflatten(-1, weight.shape),
+                                         block(gradients, bias)), nan=0.0)
 
 
 class GradientInput(nn.Module):
@@ -140,7 +133,7 @@ class StructuredInput(GradientInput):
 
         parts = []
         for weight, bias in self.linear:
-            parts += [linear_input(gradients, weight, bias), block(gradients, bias)]
+            parts += [flat_linear_input(gradients, weight, bias), block(gradients, bias)]
         parts += [block(gradients, c).unflatten(-1, (c.shape[0], -1)).norm(dim=-1)
                   for c in self.convs]
         parts += [block(gradients, v) for v in self.vectors]

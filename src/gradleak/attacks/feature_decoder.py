@@ -24,16 +24,11 @@ import torch
 from torch import nn
 
 from gradleak.attacks.analytic import actions_from_policy_bias
-from gradleak.attacks.encoders import (
-    ResidualConv,
-    WindowAttacker,
-    block,
-    linear_input,
-    linear_pairs,
-)
+from gradleak.attacks.closed_form import head_features, linear_input, linear_pairs
+from gradleak.attacks.encoders import ResidualConv, WindowAttacker, block, flat_linear_input
 from gradleak.envs.actions import action_set
 from gradleak.errors import ConfigError
-from gradleak.victims.base import VictimConfig, layers_from_json
+from gradleak.victims.base import LayerInfo, VictimConfig, layers_from_json
 from gradleak.victims.roles import Roles
 
 # The closed-form action is certain on clean streams; a large finite logit keeps softmax sane.
@@ -238,7 +233,7 @@ class FeatureDecoder(WindowAttacker):
 
     def recovered_features(self, gradients: torch.Tensor, chunk: int = 256) -> torch.Tensor:
         if not self.through_convs:
-            return linear_input(gradients, *self.feature_layer)
+            return flat_linear_input(gradients, *self.feature_layer)
         from gradleak.attacks.conv_recovery import recover_conv_inputs
 
         module, parts = self.config.feature_module, []
@@ -253,12 +248,13 @@ class FeatureDecoder(WindowAttacker):
 
     def action_logits(self, gradients: torch.Tensor) -> torch.Tensor:
         """(N, d) → (N, K): the closed-form action as near-certain logits."""
-        policy_input = linear_input(gradients, *self.policy_layer).double()
-        value_input = linear_input(gradients, *self.value_layer).double()
-        # a zero policy-bias gradient (A = 0, no entropy term) leaves the value head's input
-        silent = (block(gradients, self.policy_layer[1]).abs().sum(-1) == 0) \
-            & self.roles.shared_features
-        hidden = torch.where(silent[:, None], value_input, policy_input)
+        def layer_input(weight: LayerInfo, bias: LayerInfo) -> torch.Tensor:
+            return linear_input(block(gradients, weight).unflatten(-1, weight.shape).double(),
+                                block(gradients, bias).double())
+
+        hidden, _ = head_features(layer_input(*self.policy_layer),
+                                  layer_input(*self.value_layer), self.roles.shared_features)
+        hidden = torch.nan_to_num(hidden, nan=0.0)  # no signal in either head: π of h = 0
         probs = torch.softmax(hidden @ self.policy_weight.double().T + self.policy_bias.double(),
                               -1)
         actions, _, _ = actions_from_policy_bias(
