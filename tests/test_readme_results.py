@@ -1,0 +1,27 @@
+"""README's results table is the one benchmarks/readme_results.py renders from the JSON."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "readme_results.py"
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("readme_results", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_readme_shows_exactly_what_the_results_json_holds() -> None:
+    module = _module()
+    assert module.readme_block(module.README.read_text()) == module.render(), (
+        "README's results table is stale: run python benchmarks/readme_results.py --write")
+
+
+def test_every_results_json_has_a_row() -> None:
+    module = _module()
+    files = {path.name for path in module.RESULTS.glob("*.json")}
+    assert files - set(module.ROWS) <= {"scene_survey.json"}  # a survey, not a result
