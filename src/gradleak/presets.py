@@ -10,6 +10,7 @@ import copy
 import dataclasses
 import json
 import math
+import types
 import typing
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -200,7 +201,11 @@ def apply_override(config: Any, assignment: str) -> None:
         example = dataclasses.fields(current)[0].name
         raise ConfigError(f"override {assignment!r}: {path.strip()} is a section, not a value; "
                           f"set one of its fields, e.g. {path.strip()}.{example}=...")
-    setattr(target, leaf, _parse_like(current, text.strip(), path))
+    try:
+        hint = typing.get_type_hints(type(target)).get(leaf)
+    except NameError:  # an annotation only a type checker resolves: parse by example
+        hint = None
+    setattr(target, leaf, _parse_like(current, text.strip(), path, hint))
 
 
 def _field(obj: Any, name: str, path: str) -> Any:
@@ -209,22 +214,37 @@ def _field(obj: Any, name: str, path: str) -> Any:
     return getattr(obj, name)
 
 
-def _parse_like(current: Any, text: str, path: str) -> Any:
+def _parse_like(current: Any, text: str, path: str, hint: Any = None) -> Any:
+    """The text as the field's declared type (`hint`, from the dataclass), else its current
+    value's: `feature_shape=16,8,8` is a list of ints, an optional int's `-1` is an int."""
+    options = [a for a in typing.get_args(hint) if a is not type(None)] \
+        if typing.get_origin(hint) in (typing.Union, types.UnionType) else []
     try:
+        if options and text.lower() == "none":
+            return None
+        if options:
+            return _parse_like(_example(options[0]), text, path, options[0])
         if isinstance(current, bool):
             if text.lower() not in ("true", "false", "1", "0"):
                 raise ValueError(text)
             return text.lower() in ("true", "1")
         if isinstance(current, list):
-            return [item for item in text.split(",") if item]
-        if current is None:  # an optional field: "none", a number, or a string
+            item = (typing.get_args(hint) or (str,))[0]
+            return [item(part.strip()) for part in text.split(",") if part.strip()]
+        if current is None:  # an optional field without a declared type
             if text.lower() == "none":
                 return None
-            return json.loads(text) if text[:1].isdigit() else text
+            return json.loads(text) if text[:1].isdigit() or text[:1] == "-" else text
         return type(current)(text)
     except ValueError:
         raise ConfigError(f"override {path}={text!r}: expected a value like "
                           f"{current!r}") from None
+
+
+def _example(kind: Any) -> Any:
+    """A value of a declared type, for parsing by example (list[int] → [])."""
+    origin = typing.get_origin(kind) or kind
+    return origin() if origin in (int, float, str, bool, list) else None
 
 
 def dataclass_from_dict(cls: type, data: dict[str, Any], source: str = "config") -> Any:

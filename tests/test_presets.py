@@ -1,0 +1,31 @@
+"""Named presets: what is saved beside every output reads back as the same preset, and a
+`--set` override gets the field's declared type."""
+
+from __future__ import annotations
+
+import pytest
+
+from gradleak.errors import ConfigError
+from gradleak.presets import PRESETS, load_preset, preset_from_dict
+
+
+@pytest.mark.parametrize("name", PRESETS.names())
+def test_every_named_preset_survives_its_own_json(name: str) -> None:
+    preset = load_preset(name)
+    assert preset_from_dict(preset.to_dict()) == preset
+
+
+def test_overrides_take_the_declared_type_of_the_field() -> None:
+    preset = load_preset("cpu-quick", ["attack.decoder.feature_shape=16,8,8",
+                                       "attack.trace_fit.max_train_windows=64",
+                                       "attack.trace_fit.time_limit_minutes=1.5",
+                                       "attack.trace_fit.lpips_weights=none"])
+    assert preset.attack.decoder.feature_shape == [16, 8, 8]  # ints, not strings
+    assert preset.attack.trace_fit.max_train_windows == 64
+    assert isinstance(preset.attack.trace_fit.max_train_windows, int)
+    assert preset.attack.trace_fit.time_limit_minutes == 1.5
+    assert preset.attack.trace_fit.lpips_weights is None
+    with pytest.raises(ConfigError, match="feature_shape='16,x'"):
+        load_preset("cpu-quick", ["attack.decoder.feature_shape=16,x"])
+    with pytest.raises(ConfigError, match="max_train_windows='many'"):
+        load_preset("cpu-quick", ["attack.trace_fit.max_train_windows=many"])
