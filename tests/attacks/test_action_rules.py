@@ -13,8 +13,9 @@ import gradleak.attacks
 from gradleak.attacks.action_rules import RULES, column_sums, recover_actions
 from gradleak.capture.grads import StepBatch, per_step_gradients
 from gradleak.errors import ConfigError
+from gradleak.evaluation.oracles import oracle_actions
 from gradleak.rl.losses import LossCoefficients
-from gradleak.threat import Observation
+from gradleak.threat import Observation, Target
 from gradleak.victims import create_victim, layer_table
 
 
@@ -51,9 +52,11 @@ def observed(num_actions: int, peaked: bool, advantage_sign: float, entropy: flo
 def test_exact_recovery_without_entropy(num_actions: int, peaked: bool, sign: float) -> None:
     observation, actions, probs = observed(num_actions, peaked, sign)
     assert (probs.max(axis=1) > 0.99).all() == peaked
-    for rule, advantage_sign in (("odd-sign", None), ("sign-aware", np.full(len(actions), sign))):
-        recovered = recover_actions(observation, rule, advantage_sign).actions
-        assert np.array_equal(recovered, actions), rule
+    assert np.array_equal(recover_actions(observation, "odd-sign").actions, actions)
+    truth = Target(images=None, actions=actions, advantages=np.full(len(actions), sign),
+                   returns=np.zeros(len(actions)), values=np.zeros(len(actions)), probs=probs,
+                   rewards=np.zeros(len(actions)))
+    assert np.array_equal(oracle_actions(observation, "sign-aware", truth).actions, actions)
 
 
 def test_odd_sign_survives_relative_errors_that_break_sign_agnostic() -> None:
@@ -66,9 +69,9 @@ def test_odd_sign_survives_relative_errors_that_break_sign_agnostic() -> None:
     observation, actions, _ = observed(5, peaked=True, advantage_sign=1.0)
     sigma = column_sums(observation)
     noisy = sigma * (1 + 0.01 * np.random.default_rng(0).standard_normal(sigma.shape))
-    assert np.array_equal(RULES.get("sign-agnostic")(sigma, None), actions)
-    assert np.array_equal(RULES.get("odd-sign")(noisy, None), actions)
-    assert (RULES.get("sign-agnostic")(noisy, None) != actions).mean() > 0.2
+    assert np.array_equal(RULES.get("sign-agnostic")(sigma), actions)
+    assert np.array_equal(RULES.get("odd-sign")(noisy), actions)
+    assert (RULES.get("sign-agnostic")(noisy) != actions).mean() > 0.2
 
 
 def test_column_sums_follow_theorem_4_2() -> None:
@@ -86,8 +89,8 @@ def test_entropy_bonus_costs_little_accuracy() -> None:
 
 def test_rules_refuse_what_they_cannot_do() -> None:
     observation, _, _ = observed(5, peaked=False, advantage_sign=1.0, n=3)
-    with pytest.raises(ConfigError, match="needs the sign"):
-        recover_actions(observation, "sign-aware")
+    with pytest.raises(ConfigError, match="unknown action rule 'sign-aware'"):
+        recover_actions(observation, "sign-aware")  # an oracle: attacks take no ground truth
     with pytest.raises(ConfigError, match="unknown action rule 'best'"):
         recover_actions(observation, "best")
     headless = Observation(gradients=observation.gradients[:, :0], layers=(),
@@ -108,3 +111,15 @@ def test_attacks_never_import_the_private_data_path() -> None:
             for name in names:
                 assert not name.startswith(("gradleak.capture", "gradleak.evaluation")), (
                     f"{path.name} imports {name}")
+
+
+def test_no_attack_function_accepts_ground_truth() -> None:
+    """Oracle rules live in gradleak.evaluation: nothing under attacks takes a Target, or the
+    true sign of the advantages."""
+    for path in Path(gradleak.attacks.__file__).parent.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for arg in node.args.args + node.args.kwonlyargs:
+                    annotation = ast.unparse(arg.annotation) if arg.annotation else ""
+                    assert "Target" not in annotation and arg.arg not in (
+                        "advantage_sign", "target", "truth"), f"{path.name}:{node.name}({arg.arg})"

@@ -16,9 +16,8 @@ from gradleak.registry import Registry
 from gradleak.threat import Observation, Reconstruction
 from gradleak.victims.roles import Roles
 
-Rule = Callable[[np.ndarray, np.ndarray | None], np.ndarray]
+Rule = Callable[[np.ndarray], np.ndarray]  # σ (N, K) → actions (N,): what the server sees only
 RULES: Registry[Rule] = Registry("action rule")
-NEEDS_ADVANTAGE_SIGN = {"sign-aware"}
 
 
 def policy_weight(roles: Roles) -> str:
@@ -37,17 +36,8 @@ def column_sums(observation: Observation) -> np.ndarray:
     return block.astype(np.float64).sum(axis=2)
 
 
-@RULES.register("sign-aware")
-def sign_aware(sigma: np.ndarray, advantage_sign: np.ndarray | None) -> np.ndarray:
-    """The paper's rule (10): argmin σ if A > 0, argmax σ if A < 0. Needs sign(A)."""
-    if advantage_sign is None:
-        raise ConfigError("rule 'sign-aware' needs the sign of each advantage, which the "
-                          "attacker does not observe; use 'odd-sign' or 'sign-agnostic'")
-    return np.where(np.asarray(advantage_sign) >= 0, sigma.argmin(axis=1), sigma.argmax(axis=1))
-
-
 @RULES.register("sign-agnostic")
-def sign_agnostic(sigma: np.ndarray, advantage_sign: np.ndarray | None = None) -> np.ndarray:
+def sign_agnostic(sigma: np.ndarray) -> np.ndarray:
     """argmax_k |σ_k − mean σ|: exact for K ≥ 3 when c_e = 0.
 
     Σ_k σ_k = 0, so this compares |σ_a| ∝ 1 − π_a with |σ_k| ∝ π_k: the margin vanishes when
@@ -57,7 +47,7 @@ def sign_agnostic(sigma: np.ndarray, advantage_sign: np.ndarray | None = None) -
 
 
 @RULES.register("odd-sign")
-def odd_sign(sigma: np.ndarray, advantage_sign: np.ndarray | None = None) -> np.ndarray:
+def odd_sign(sigma: np.ndarray) -> np.ndarray:
     """The one σ_k whose sign differs from all the others.
 
     It needs no knowledge of A and, for K ≥ 3 and c_e = 0, is exact however peaked π is, as
@@ -74,8 +64,9 @@ def odd_sign(sigma: np.ndarray, advantage_sign: np.ndarray | None = None) -> np.
     return recovered
 
 
-def recover_actions(observation: Observation, rule: str,
-                    advantage_sign: np.ndarray | None = None) -> Reconstruction:
+def recover_actions(observation: Observation, rule: str) -> Reconstruction:
+    """The rule's actions from the observation alone (the paper's sign-aware rule, which needs
+    the true sign of A, is an evaluation oracle: gradleak.evaluation.oracles)."""
     sigma = column_sums(observation)
-    actions = RULES.get(rule)(sigma, advantage_sign)
+    actions = RULES.get(rule)(sigma)
     return Reconstruction(actions=actions.astype(np.int64), extras={"sigma": sigma})

@@ -8,14 +8,10 @@ from typing import Any
 
 import numpy as np
 
-from gradleak.attacks.action_rules import (
-    NEEDS_ADVANTAGE_SIGN,
-    RULES,
-    policy_weight,
-    recover_actions,
-)
+from gradleak.attacks.action_rules import RULES, policy_weight, recover_actions
 from gradleak.capture.reader import open_captures
 from gradleak.errors import ConfigError
+from gradleak.evaluation.oracles import ORACLE_RULES, oracle_actions
 from gradleak.metrics.actions import action_accuracy
 
 CHUNK_ROWS = 4096
@@ -26,8 +22,9 @@ def evaluate_action_rules(paths: Sequence[str | os.PathLike[str]], rules: Sequen
     """Accuracy of each closed-form rule over one or more capture files."""
     if not rules:
         raise ConfigError("--rule: expected at least one rule, e.g. odd-sign")
-    for rule in rules:
-        RULES.get(rule)  # unknown names fail before any file is read
+    for rule in rules:  # unknown names fail before any file is read
+        if rule not in ORACLE_RULES:
+            RULES.get(rule)
     files = open_captures(paths)
     skipped = 0
     predicted: dict[str, list[np.ndarray]] = {rule: [] for rule in rules}
@@ -45,11 +42,10 @@ def evaluate_action_rules(paths: Sequence[str | os.PathLike[str]], rules: Sequen
                 observation = capture.observation(rows, layers=[policy_weight(capture.roles)],
                                                   with_theta0=False)
                 target = capture.target(rows, images=False)
-                for rule in rules:
-                    # The paper's sign-aware rule assumes sign(A) is known: give it the true
-                    # sign (an oracle) and say so in every report.
-                    sign = np.sign(target.advantages) if rule in NEEDS_ADVANTAGE_SIGN else None
-                    predicted[rule].append(recover_actions(observation, rule, sign).actions)
+                for rule in rules:  # an oracle rule is given the truth, and reports say so
+                    found = oracle_actions(observation, rule, target) if rule in ORACLE_RULES \
+                        else recover_actions(observation, rule)
+                    predicted[rule].append(found.actions)
                 actual.append(target.actions)
                 probs.append(target.probs)
                 advantages.append(target.advantages)
@@ -61,7 +57,7 @@ def evaluate_action_rules(paths: Sequence[str | os.PathLike[str]], rules: Sequen
     for rule in rules:
         scores = action_accuracy(np.concatenate(predicted[rule]), truth, pi, adv)
         scores["rule"] = rule
-        scores["oracle_advantage_sign"] = rule in NEEDS_ADVANTAGE_SIGN
+        scores["oracle_advantage_sign"] = rule in ORACLE_RULES
         scores["skipped_nonfinite_rows"] = skipped
         results[rule] = scores
     return results

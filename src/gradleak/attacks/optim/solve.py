@@ -148,7 +148,7 @@ class GradientMatchingAttack:
         image = flat_pixels.view(self.shape)
         return torch.sigmoid(image) if self.config.matching.box == "sigmoid" else image
 
-    def _objective(self, x: torch.Tensor, target: torch.Tensor, action: torch.Tensor
+    def _objective(self, x: torch.Tensor, observed: torch.Tensor, action: torch.Tensor
                    ) -> torch.Tensor:
         n = int(np.prod(self.shape))
         image = self.image(x[:n])
@@ -160,7 +160,7 @@ class GradientMatchingAttack:
         goal = x[k:k + goal_size] if goal_size else None
         hidden = x[k + goal_size:] if self.dummy.extra_sizes["hidden"] else None
         dummy = self.dummy(image, action, advantage, ret, goal, hidden)
-        loss = gradient_distance(dummy, self.dummy.split(target), self.dummy.weights,
+        loss = gradient_distance(dummy, self.dummy.split(observed), self.dummy.weights,
                                  self.config.matching.distance)
         if self.config.matching.tv:
             loss = loss + self.config.matching.tv * total_variation(image)
