@@ -1,4 +1,8 @@
-"""Typed configs and the named presets (`cpu-quick`, `cpu-bench`, `paper`).
+"""The named presets (`cpu-quick`, `cpu-bench`, `paper`): every stage's config assembled.
+
+Each stage owns its config (envs.config, rl.config, capture.config, the attacks' and fits'
+own); only this module, the CLI and the demo put them together. `EnvConfig`, `TrainConfig` and
+`CaptureConfig` are re-exported here for callers that build a preset.
 
 Every command writes the resolved config as JSON next to its output, so a run can be repeated
 from that file alone.
@@ -6,7 +10,6 @@ from that file alone.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import math
@@ -19,55 +22,17 @@ from gradleak.attacks.feature_decoder import DecoderConfig
 from gradleak.attacks.lti import LtiConfig
 from gradleak.attacks.optim.solve import OptimConfig, deep_leakage, inverting_gradients
 from gradleak.attacks.trace import TraceConfig
+from gradleak.capture.config import CaptureConfig
+from gradleak.config import dataclass_from_dict
+from gradleak.envs.config import EnvConfig
 from gradleak.envs.doomnav import DoomNavConfig
 from gradleak.errors import ConfigError
 from gradleak.registry import Registry
+from gradleak.rl.config import TrainConfig
 from gradleak.training.auxiliary import DecoderFitConfig
 from gradleak.training.fit import FitConfig
 from gradleak.training.objectives import LossWeights
 from gradleak.victims.base import COMPONENTS
-
-
-@dataclass
-class EnvConfig:
-    backend: str = "doomnav"  # "doomnav" or "gym" (any RGB Gymnasium env, through the adapter)
-    gym_id: str | None = None
-    doomnav: DoomNavConfig = field(default_factory=DoomNavConfig)
-    train_maps: list[str] = field(default_factory=list)  # a subset of the train split; [] = all
-    heldout_maps: list[str] = field(default_factory=list)
-    max_regions_per_map: int | None = None
-
-
-@dataclass
-class TrainConfig:
-    algo: str = "ppo"  # "ppo" or "a2c"
-    victim: str = "cnn-small"
-    num_envs: int = 8
-    rollout_steps: int = 128
-    updates: int = 100
-    epochs: int = 4  # PPO only; A2C takes one step per rollout
-    minibatch: int = 64
-    lr: float = 2.5e-4
-    gamma: float = 0.99
-    lam: float = 0.95
-    clip: float = 0.2
-    value_coef: float = 0.5
-    entropy_coef: float = 0.01
-    max_grad_norm: float = 0.5
-    max_episode_steps: int | None = None  # None: the environment's own limit
-    seed: int = 0
-
-
-@dataclass
-class CaptureConfig:
-    steps_train: int = 1024
-    steps_heldout: int = 512
-    components: list[str] = field(default_factory=lambda: list(COMPONENTS))
-    chunk: int = 32  # steps per vmap call: bounds memory
-    gradient_method: str = "vmap"  # or "loop" (one autograd call per step; the reference)
-    # float16 halves the file; float32 keeps the gradient exact (gradient-matching checks)
-    gradient_dtype: str = "float16"
-    seed: int = 0
 
 
 @dataclass
@@ -98,6 +63,9 @@ class Preset:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def validate(self, source: str = "preset") -> Preset:
+        return validate_preset(self, source)
 
 
 PRESETS: Registry[Any] = Registry("preset")
@@ -245,48 +213,6 @@ def _example(kind: Any) -> Any:
     """A value of a declared type, for parsing by example (list[int] → [])."""
     origin = typing.get_origin(kind) or kind
     return origin() if origin in (int, float, str, bool, list) else None
-
-
-def dataclass_from_dict(cls: type, data: dict[str, Any], source: str = "config") -> Any:
-    """Rebuild a (nested) config dataclass from its JSON; fields absent there keep defaults.
-    A section that is not an object, or a value of the wrong type, is named in the error."""
-    if not isinstance(data, dict):
-        raise ConfigError(f"{source}: expected an object, found {type(data).__name__}")
-    hints = typing.get_type_hints(cls)
-    values = {}
-    for item in dataclasses.fields(cls):
-        if item.name not in data:
-            continue
-        value, kind, where = data[item.name], hints[item.name], f"{source}.{item.name}"
-        if dataclasses.is_dataclass(kind):
-            values[item.name] = dataclass_from_dict(kind, value, where)
-            continue
-        _check_like(_default(item), value, where)
-        values[item.name] = copy.deepcopy(value)
-    return cls(**values)
-
-
-def _default(item: dataclasses.Field) -> Any:
-    if item.default is not dataclasses.MISSING:
-        return item.default
-    if item.default_factory is not dataclasses.MISSING:
-        return item.default_factory()
-    return None
-
-
-def _check_like(default: Any, value: Any, where: str) -> None:
-    """A saved value must have its field's JSON type (an int where 64 was, a list where [])."""
-    if default is None or value is None:
-        return
-    if isinstance(default, bool) or isinstance(value, bool):
-        ok = isinstance(value, bool) and isinstance(default, bool)
-    elif isinstance(default, (int, float)):
-        ok = isinstance(value, (int, float)) and (isinstance(default, float)
-                                                  or isinstance(value, int))
-    else:
-        ok = isinstance(value, type(default))
-    if not ok:
-        raise ConfigError(f"{where} is {value!r}, expected a value like {default!r}")
 
 
 def preset_from_dict(data: dict[str, Any], source: str = "preset") -> Preset:

@@ -14,6 +14,7 @@ import torch
 from tqdm import tqdm
 
 from gradleak import __version__
+from gradleak.capture.config import CaptureConfig, CaptureSetup
 from gradleak.capture.episodes import episode_targets, run_episode
 from gradleak.capture.grads import StepBatch, loop_gradients, per_step_gradients
 from gradleak.capture.lock import capture_lock
@@ -29,7 +30,6 @@ from gradleak.io import (
     victim_directory,
     write_json,
 )
-from gradleak.presets import CaptureConfig, Preset, validate_preset
 from gradleak.rl.losses import LOSS_KEYS, LossCoefficients, advantage_text, parse_advantage_norm
 from gradleak.rl.trainer import ALGORITHMS
 from gradleak.victims.base import (
@@ -53,7 +53,7 @@ class CaptureJob:
     split: str
     steps: int
     out: Path
-    preset: Preset
+    preset: CaptureSetup
     random_init: bool = False
     algorithm: str = "ppo"  # used with random_init; a checkpoint carries its own
     shard: tuple[int, int] = (0, 1)
@@ -194,7 +194,7 @@ def _check_job(job: CaptureJob) -> None:
         raise ConfigError(f"--steps {job.steps}: expected a positive number of steps")
     if job.seed is not None and job.seed < 0:
         raise ConfigError(f"--seed {job.seed}: expected a non-negative integer")
-    validate_preset(job.preset)
+    job.preset.validate()
     if shard_steps(job.steps, job.shard) == 0:
         index, count = job.shard
         raise ConfigError(f"--shard {index}/{count} gets none of the {job.steps} steps (--steps "
@@ -336,7 +336,7 @@ def _capture_loop(plan: _Plan, env: Any, writer: CaptureWriter, job: CaptureJob
     return {key: round(value, 3) for key, value in timings.items()}
 
 
-def _env_settings(preset: Preset) -> dict[str, Any]:
+def _env_settings(preset: CaptureSetup) -> dict[str, Any]:
     env = preset.env
     return {"backend": env.backend, "gym_id": env.gym_id, "doomnav": env.doomnav.to_dict()}
 

@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import gymnasium as gym
 import numpy as np
 
 from gradleak.envs.adapter import make_gym_env
+from gradleak.envs.config import EnvConfig
 from gradleak.envs.doomnav import DoomNavEnv
 from gradleak.envs.scenes import SceneCatalog
 from gradleak.errors import ConfigError
-
-if TYPE_CHECKING:
-    from gradleak.presets import EnvConfig
 
 BACKENDS = ("doomnav", "gym")
 

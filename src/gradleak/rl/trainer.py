@@ -32,8 +32,8 @@ from gradleak.io import (
     save_victim,
     write_json,
 )
-from gradleak.presets import Preset, validate_preset
 from gradleak.rl.advantages import gae
+from gradleak.rl.config import TrainingSetup
 from gradleak.rl.losses import LossCoefficients, actor_critic_loss, log_probs_and_entropy
 from gradleak.rl.rollout import Rollout, VectorRunner
 from gradleak.victims.base import Victim, VictimConfig, create_victim
@@ -60,7 +60,7 @@ class UpdateStats:
     steps_per_second: float
 
 
-def loss_coefficients(preset: Preset) -> LossCoefficients:
+def loss_coefficients(preset: TrainingSetup) -> LossCoefficients:
     t = preset.train
     return LossCoefficients(value=t.value_coef, entropy=t.entropy_coef, clip=t.clip)
 
@@ -100,7 +100,7 @@ def _flatten_rollout(rollout: Rollout, advantages: np.ndarray) -> dict[str, torc
 
 
 def _optimise(victim: Victim, optimiser: torch.optim.Optimizer, data: dict[str, torch.Tensor],
-              preset: Preset, generator: torch.Generator) -> dict[str, float]:
+              preset: TrainingSetup, generator: torch.Generator) -> dict[str, float]:
     train = preset.train
     ppo = train.algo == "ppo"
     coefficients = loss_coefficients(preset)
@@ -134,7 +134,7 @@ def refresh_batchnorm(victim: Victim, images: torch.Tensor, goals: torch.Tensor,
 class VictimTrainer:
     """Owns the victim, optimiser, environments and the run directory of one training run."""
 
-    def __init__(self, preset: Preset, out: Path, resume: bool = False) -> None:
+    def __init__(self, preset: TrainingSetup, out: Path, resume: bool = False) -> None:
         if preset.train.algo not in ALGORITHMS:
             raise ConfigError(f"train.algo={preset.train.algo!r}: expected one of "
                               f"{', '.join(ALGORITHMS)}")
@@ -241,9 +241,9 @@ def write_learning_curve(out: Path, history: list[UpdateStats]) -> None:
     plot_learning_curve(history, out / CURVE_PNG)
 
 
-def train_victim(preset: Preset, out: Path, resume: bool = False, progress: bool = True
+def train_victim(preset: TrainingSetup, out: Path, resume: bool = False, progress: bool = True
                  ) -> dict[str, Any]:
-    validate_preset(preset)
+    preset.validate()
     check_output(out, "--out", directory=True)
     with run_directory(out, keep=lambda d: (d / TRAINER_META).is_file()):
         trainer = VictimTrainer(preset, out, resume)

@@ -192,8 +192,9 @@ class AuxiliaryFrames:
             stored = load_tensors(cache, "rendered frames")
             return FrameSet(stored["images"].numpy(), stored["previous"].numpy(),
                             stored["actions"].numpy())
+        from gradleak.config import dataclass_from_dict
+        from gradleak.envs.config import EnvConfig
         from gradleak.envs.factory import random_walk_frames
-        from gradleak.presets import EnvConfig, dataclass_from_dict
 
         env = dataclass_from_dict(EnvConfig, read_env_config(capture))
         images, actions, first = random_walk_frames(env, list(capture.scenes),

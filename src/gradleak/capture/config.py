@@ -1,0 +1,35 @@
+"""What a capture reads: its own config, the environment's, and the training rule of a
+victim it creates at random init."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from gradleak.envs.config import EnvConfig
+from gradleak.rl.config import TrainConfig
+from gradleak.victims.base import COMPONENTS
+
+
+@dataclass
+class CaptureConfig:
+    steps_train: int = 1024
+    steps_heldout: int = 512
+    components: list[str] = field(default_factory=lambda: list(COMPONENTS))
+    chunk: int = 32  # steps per vmap call: bounds memory
+    gradient_method: str = "vmap"  # or "loop" (one autograd call per step; the reference)
+    # float16 halves the file; float32 keeps the gradient exact (gradient-matching checks)
+    gradient_dtype: str = "float16"
+    seed: int = 0
+
+
+class CaptureSetup(Protocol):
+    """What a `CaptureJob` is given (a `gradleak.presets.Preset` is one)."""
+
+    env: EnvConfig
+    train: TrainConfig
+    capture: CaptureConfig
+
+    def validate(self) -> Any: ...
+
+    def to_dict(self) -> dict[str, Any]: ...
