@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from gradleak.cli import main
 
@@ -101,9 +102,14 @@ def test_attack_inverts_single_steps_and_draws_the_history(capsys, tmp_path: Pat
                     str(tmp_path / "ig"))
     assert [step["index"] for step in data["steps"]] == [2, 7]
     assert data["config"]["restarts"] == 2 and data["iterations"] == [4]
-    assert all(0.0 <= step["ssim"] <= 1.0 and step["matching_loss"] >= 0
+    # the optimisation did something: each step's chosen run lowered its matching loss after
+    # its first step (which also projects the random start into the box); measured when
+    # written: 0.207 → 0.200 and 0.148 → 0.142, and with attack.ig.lr=1e-12 no change at all.
+    # The action IG reads off the gradient (the odd-sign rule's) is the taken one.
+    assert all(step["matching_loss"] < step["matching_loss_after_first_step"] - 1e-4
                for step in data["steps"])
-    assert (tmp_path / "ig" / "history.png").stat().st_size > 1000
+    assert all(step["action"] == step["true_action"] for step in data["steps"])
+    assert (tmp_path / "ig" / "history.png").is_file()
     saved = json.loads((tmp_path / "ig" / "attack.json").read_text())
     assert saved["config"]["matching"]["loss"] == "victim"
 
@@ -123,7 +129,16 @@ def test_analytic_reports_exact_recovery_and_feature_inversion(capsys,
     assert result["rows"] == 50 and result["action_accuracy"] == 1.0
     assert result["layer_inputs"]["fc"]["median_relative_error"] <= 1e-3
     assert result["feature_inversion"]["frames"] == 2
-    assert result["feature_inversion"]["psnr"] > 0
+    # better than where the optimisation starts (a flat grey frame), scored independently here
+    import numpy as np
+
+    from gradleak.capture.reader import CaptureFile
+    from gradleak.metrics.images import psnr, to_unit_tensor
+
+    with CaptureFile(random_capture) as capture:
+        frames = to_unit_tensor(capture.column("images")[np.linspace(0, 49, 2).astype(int)])
+    grey = float(psnr(torch.full_like(frames, 0.5), frames).mean())
+    assert result["feature_inversion"]["psnr"] > grey + 8.0  # 20.8 vs 9.0 dB when written
 
 
 def test_train_decoder_then_evaluate_recovers_every_action(capsys, tmp_path: Path,

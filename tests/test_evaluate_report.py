@@ -8,6 +8,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import tiny_preset
 
@@ -68,6 +69,29 @@ def test_a_shorter_window_attacker_sees_each_span_afresh(trained_attackers, trai
                                          "TRACE (T=1)": str(tmp_path / "t1")}, tmp_path / "e")
     assert result["window"] == 4
     assert len(result["methods"]["TRACE (T=1)"]["psnr_by_t"]) == 4
+    # each one-step span is reconstructed as if alone: the same frames as one window per step,
+    # and a change to step 3's gradient changes nothing at steps 0-2
+    import torch
+
+    from gradleak.evaluation.reconstructions import reconstruct_in_spans
+    from gradleak.threat import ObservedWindows
+    from gradleak.training.checkpoint import load_attacker
+    from gradleak.training.data import WindowDataset
+
+    model, _ = load_attacker(tmp_path / "t1")
+    model.eval()
+    window = WindowDataset([random_capture], window=4, stride=4, part="all")[0]["gradients"]
+    with torch.no_grad():
+        spans, _ = reconstruct_in_spans(model, ObservedWindows(window[None]))
+        alone = [model.reconstruct(ObservedWindows(window[None, t:t + 1])).images[0, 0]
+                 for t in range(4)]
+        changed = window.clone()
+        changed[3] = changed[3] * 2 + 1
+        moved, _ = reconstruct_in_spans(model, ObservedWindows(changed[None]))
+    for t in range(4):
+        assert np.array_equal(spans[0, t], alone[t])
+    assert np.array_equal(moved[0, :3], spans[0, :3]) and not np.array_equal(moved[0, 3],
+                                                                             spans[0, 3])
 
 
 def test_an_attacker_is_not_run_against_another_victims_gradients(trained_attackers,

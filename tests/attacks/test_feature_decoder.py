@@ -295,14 +295,15 @@ def test_a_decoder_through_the_conv_stack_reads_the_exact_map(float32_capture: P
 
 
 def test_an_adaptive_decoder_trains_on_what_the_attack_recovers_under_the_defense(
-        train_capture: Path, tmp_path: Path) -> None:
+        train_capture: Path, random_capture: Path, tmp_path: Path) -> None:
     """Under noise each captured frame is paired with the features recovered from its own
     defended gradient (keyed noise, the fit's defense seed), not with θ0's exact features; the
-    run records its defense, so evaluation under that defense calls it adaptive."""
-    from gradleak.attacks.encoders import flat_linear_input
+    run records its defense, so evaluation under that defense calls it adaptive. The features
+    are recomputed here from the layer table, x = ∇Wᵀ∇b/‖∇b‖², not with gradleak's helper."""
     from gradleak.defenses import parse_defense
     from gradleak.defenses.base import row_keys
-    from gradleak.evaluation.reconstructions import Evaluation
+    from gradleak.evaluation.reconstructions import evaluate
+    from gradleak.victims.base import layers_from_json
 
     model = DecoderConfig(channels=16, global_channels=4)
     config = tiny_fit(epochs=1, extra_frames=0, defense="noise:0.01", defense_seed=3)
@@ -317,19 +318,29 @@ def test_an_adaptive_decoder_trains_on_what_the_attack_recovers_under_the_defens
         images = torch.from_numpy(capture.target().images[steps[picked]])
     keys = torch.cat([row_keys(attrs, int(s), int(s) + 1) for s in steps[picked]])
     defended = parse_defense("noise:0.01", 3).gradients(gradients, keys)
-    expected = flat_linear_input(defended, *fit.model.feature_layer)
-    torch.testing.assert_close(torch.from_numpy(fit.frames.features[picked]), expected)
+    table = {layer.name: layer for layer in layers_from_json(attrs["layer_table"])}
+
+    def columns(name: str) -> np.ndarray:
+        layer = table[name]
+        block = defended[:, layer.offset:layer.offset + layer.size].double().numpy()
+        return block.reshape(len(block), *layer.shape)
+
+    weight, bias = columns("fc.weight"), columns("fc.bias")
+    expected = torch.from_numpy(np.einsum("no,noi->ni", bias, weight)
+                                / (bias ** 2).sum(1, keepdims=True)).float()
+    torch.testing.assert_close(torch.from_numpy(fit.frames.features[picked]), expected,
+                               rtol=1e-4, atol=1e-6)
     exact = fit.data.features(images, "fc")
     assert float((expected - exact).norm() / exact.norm()) > 1e-2  # the noise is really there
     assert len(fit.frames) == len(steps) and fit.frames.features is not None
     fit.run()
     _, meta = load_attacker(tmp_path / "adaptive")
     assert meta["fit"]["defense"] == "noise:0.01"
-    heldout = Evaluation.__new__(Evaluation)
-    heldout.defense = parse_defense("noise:0.01")
-    assert heldout._defense_mode(meta) == "adaptive"
-    heldout.defense = parse_defense("quant:8")
-    assert heldout._defense_mode(meta) == "zero-shot"
+    attackers = {"decoder": str(tmp_path / "adaptive")}
+    for spec, mode in (("noise:0.01", "adaptive"), ("quant:8", "zero-shot")):
+        scored = evaluate([random_capture], attackers, tmp_path / spec.replace(":", "-"),
+                          defense=parse_defense(spec), max_windows=2)
+        assert scored["methods"]["decoder"]["defense_mode"] == mode
 
 
 @pytest.mark.parametrize(("changes", "message"), [

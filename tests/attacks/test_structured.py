@@ -34,14 +34,17 @@ def test_a_structured_trace_trains_and_is_far_smaller(train_capture: Path,
     from gradleak.training.fit import fit_attacker
 
     model, fit = tiny_attack_settings("trace")
-    model.projection, fit.epochs = "structured", 1
+    model.projection, fit.epochs, fit.max_train_windows = "structured", 4, None
     result = fit_attacker("trace", model, fit, [str(train_capture)], tmp_path / "s",
                           progress=False)
-    assert np.isfinite(result["last"]["val_loss"])
+    # it learns: a tiny set, every window each epoch (measured when written: 0.50 → 0.27; with
+    # the learning rate at 1e-12, 0.53 → 0.53)
+    history = json.loads((tmp_path / "s" / "attacker.json").read_text())["history"]
+    assert history[-1]["train_loss"] < 0.8 * history[0]["train_loss"]
     reloaded, meta = load_attacker(tmp_path / "s")
     assert meta["model"]["projection"] == "structured"
     dense_model, _ = tiny_attack_settings("trace")
-    dense_model.projection = "dense"
+    dense_model.projection, fit.epochs = "dense", 1
     dense = fit_attacker("trace", dense_model, fit, [str(train_capture)], tmp_path / "d",
                          progress=False)
     assert result["parameters"] < dense["parameters"] / 5

@@ -81,18 +81,24 @@ def test_the_defended_file_is_a_valid_capture(random_capture: Path, tmp_path: Pa
 
 def test_an_adaptive_attacker_is_trained_under_the_defense_and_reported_so(
         train_capture: Path, random_capture: Path, tmp_path: Path) -> None:
+    """Fits are deterministic, so if `fit_attacker` ignored its defense the defended fit would
+    equal the clean one weight for weight; it must differ, and repeat exactly."""
+    import torch
     from conftest import tiny_attack_settings
 
-    from gradleak.training.data import WindowDataset
+    from gradleak.training.checkpoint import load_attacker
     from gradleak.training.fit import fit_attacker
 
-    model, fit = tiny_attack_settings("lti")
-    fit.epochs, fit.defense = 1, "quant:2"
-    fit_attacker("lti", model, fit, [str(train_capture)], tmp_path / "adaptive", progress=False)
-    # the training windows really were defended: 2-bit rows take at most 4 distinct values
-    dataset = WindowDataset([train_capture], window=1, stride=1, part="train",
-                            defense=parse_defense("quant:2", 1))
-    assert len(np.unique(dataset[0]["gradients"].numpy())) <= 4
+    def weights(defense: str, name: str) -> dict[str, torch.Tensor]:
+        model, fit = tiny_attack_settings("lti")
+        fit.epochs, fit.defense = 1, defense
+        fit_attacker("lti", model, fit, [str(train_capture)], tmp_path / name, progress=False)
+        return dict(load_attacker(tmp_path / name)[0].state_dict())
+
+    clean, defended, again = (weights("none", "clean"), weights("quant:2", "adaptive"),
+                              weights("quant:2", "adaptive-again"))
+    assert any(not torch.equal(clean[k], defended[k]) for k in clean)  # it saw other data
+    assert all(torch.equal(defended[k], again[k]) for k in defended)  # and that is no noise
     result = evaluate([random_capture], {"LtI (adaptive)": str(tmp_path / "adaptive")},
                       tmp_path / "e", defense=parse_defense("quant:2"))
     assert result["methods"]["LtI (adaptive)"]["defense_mode"] == "adaptive"
@@ -141,9 +147,13 @@ def test_aggregated_evaluation_scores_histograms_against_the_uniform_baseline(
     result = evaluate([random_capture], attackers, tmp_path / "agg",
                       defense=parse_defense("agg:2"))
     methods = result["methods"]
-    assert 0 <= methods["TRACE"]["histogram_tv"] <= 1
-    assert 0 <= methods["uniform 1/K histogram"]["histogram_tv"] <= 1
-    assert "histogram_tv" in methods["action rule (odd-sign)"]
+    # Under agg:2 with K = 5 a block's true histogram is (1) or (½, ½): its distance to the
+    # uniform 1/K one is exactly 0.8 or 0.6, so their mean lies between.
+    with CaptureFile(random_capture) as capture:
+        assert capture.victim.num_actions == 5
+    assert 0.6 - 1e-6 <= methods["uniform 1/K histogram"]["histogram_tv"] <= 0.8 + 1e-6
+    assert "histogram_tv" in methods["TRACE"] and "histogram_tv" in methods[
+        "action rule (odd-sign)"]
     table = (tmp_path / "agg" / "metrics.md").read_text()
     assert "hist. TV" in table and "Aggregated stream" in table
     with pytest.raises(ConfigError, match="optimisation baselines invert single steps"):
@@ -155,15 +165,18 @@ def test_aggregated_evaluation_scores_histograms_against_the_uniform_baseline(
 
 def test_an_adaptive_attacker_learns_from_action_histograms(train_capture: Path,
                                                             tmp_path: Path) -> None:
+    """Under agg:4 the targets are block histograms: a tiny attacker fitting a tiny set (every
+    window each epoch) must lower its training loss. Measured when written: 0.289 → 0.267 over
+    4 epochs; with the learning rate at 1e-12 the same run goes 0.290 → 0.292."""
     from conftest import tiny_attack_settings
 
     from gradleak.training.fit import fit_attacker
 
     model, fit = tiny_attack_settings("lti")
-    fit.epochs, fit.defense = 1, "agg:4"
-    result = fit_attacker("lti", model, fit, [str(train_capture)], tmp_path / "agg",
-                          progress=False)
-    assert np.isfinite(result["last"]["val_loss"])
+    fit.epochs, fit.defense, fit.max_train_windows = 4, "agg:4", None
+    fit_attacker("lti", model, fit, [str(train_capture)], tmp_path / "agg", progress=False)
+    history = json.loads((tmp_path / "agg" / "attacker.json").read_text())["history"]
+    assert history[-1]["train_loss"] < history[0]["train_loss"] - 0.01
 
 
 def test_fine_tuning_starts_from_the_clean_attackers_weights(trained_attackers,

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from gradleak.cli import main
@@ -30,9 +29,23 @@ def test_fedavg_command_writes_metrics_and_the_grid(capsys, tmp_path: Path) -> N
     saved = json.loads((out / "metrics.json").read_text())
     assert printed == saved
     assert saved["dataset"] == "digits (FEMNIST stand-in)" and saved["attack"]["cls"] == 0.1
-    assert 0 <= saved["l_sim_raw"] <= 2 and saved["l_sim_scaled"] is not None
-    assert np.isfinite(saved["psnr"]) and saved["seconds"] > 0
-    assert (out / "reconstructions.png").stat().st_size > 1000
+    assert saved["l_sim_scaled"] is not None  # SME's scaled similarity is reported
+    assert (out / "reconstructions.png").is_file()
+
+
+def test_more_iterations_match_the_update_and_the_image_better(capsys, tmp_path: Path) -> None:
+    """One local step on one image (DLG's setting on LeNet-sigmoid): the inversion is an
+    optimisation, so 200 iterations must fit the update and the private image better than 50
+    (measured when written: similarity 0.0083 → 0.0037, PSNR 7.4 → 10.2 dB)."""
+    results = []
+    for iterations in (50, 200):
+        assert main(["fedavg", "--dataset", "digits", "--model", "lenet-sigmoid", "--epochs",
+                     "1", "--samples", "1", "--batch", "1", "--attack", "ig", "--iters",
+                     str(iterations), "--out", str(tmp_path / str(iterations)), "--json"]) == 0
+        results.append(json.loads(capsys.readouterr().out))
+    short, long = results
+    assert long["l_sim_raw"] < short["l_sim_raw"]
+    assert long["psnr"] > short["psnr"] + 1.0
 
 
 def test_fedavg_reports_ig_without_a_scaled_similarity(capsys, tmp_path: Path) -> None:

@@ -51,11 +51,25 @@ def test_heldout_scenes_are_refused_as_training_data(random_capture: Path) -> No
 
 
 def test_mean_image_and_normaliser_rows_come_from_the_dataset(train_capture: Path) -> None:
-    data = WindowDataset([train_capture], window=4)
+    """Checked against the capture file read directly: the normaliser's rows are captured
+    gradient rows, and over every one-step window the mean image is the mean of exactly the
+    training part's frames (not the validation part's)."""
+    from gradleak.capture.reader import CaptureFile
+
+    data = WindowDataset([train_capture], window=1, stride=1, part="train")
+    with CaptureFile(train_capture) as capture:
+        gradients = capture.read("gradients").astype(np.float32)
+        images = capture.column("images")
     rows = np.concatenate([r.numpy() for r in data.gradient_rows(10)])
     assert rows.shape == (10, data.gradient_dim)
-    mean = data.mean_image(limit=40)
-    assert mean.shape == (3, 32, 32) and 0.0 < float(mean.mean()) < 1.0
+    assert all((gradients == row).all(1).any() for row in rows)
+    train_rows = data.rows[:, 1]
+    mean = data.mean_image(limit=10 ** 6)
+    truth = torch.from_numpy(images[train_rows].astype(np.float64).mean(0) / 255.0)
+    torch.testing.assert_close(mean, truth.permute(2, 0, 1).float())
+    everything = torch.from_numpy(images.astype(np.float64).mean(0) / 255.0)
+    assert len(train_rows) < len(images)  # a validation part exists, and is left out
+    assert not torch.allclose(mean, everything.permute(2, 0, 1).float())
 
 
 def test_worker_processes_stream_the_same_windows(train_capture: Path) -> None:

@@ -35,12 +35,13 @@ def attack_steps(data: str | os.PathLike[str], indices: list[int], name: str,
     steps = [{"index": int(row), "psnr": float(p), "ssim": float(s),
               "action": int(a), "true_action": int(t), "advantage": float(adv),
               "true_advantage": float(true_adv), "return": float(ret),
-              "true_return": float(true_ret), "matching_loss": float(loss)}
-             for row, p, s, a, t, adv, true_adv, ret, true_ret, loss in zip(
+              "true_return": float(true_ret), "matching_loss": float(loss),
+              "matching_loss_after_first_step": float(start)}
+             for row, p, s, a, t, adv, true_adv, ret, true_ret, loss, start in zip(
                  rows, psnr(recovered, truth), ssim(recovered, truth), result.actions,
                  target.actions, result.extras["advantages"], target.advantages,
                  result.extras["returns"], target.returns, result.extras["matching_loss"],
-                 strict=True)]
+                 result.extras["matching_loss_after_first_step"], strict=True)]
     summary = {"command": "attack", "method": name, "data": str(data), "config": asdict(config),
                "steps": steps, "seconds_per_frame": result.extras["seconds_per_frame"],
                "iterations": result.extras["iterations"]}

@@ -138,7 +138,7 @@ class Evaluation:
         observed = ObservedWindows(batch.observed.gradients)
         for name, (model, _) in self.models.items():
             tick = time.perf_counter()
-            images, probs = _reconstruct_in_spans(model, observed)
+            images, probs = reconstruct_in_spans(model, observed)
             self._add(methods[name], torch.from_numpy(images).permute(0, 1, 4, 2, 3)
                       .float() / 255.0, truth, None, time.perf_counter() - tick)
             _score_actions(methods[name], probs, actions)
@@ -219,7 +219,7 @@ def _score_actions(scores: MethodScores, probs: np.ndarray, actions: np.ndarray)
         scores.correct.append(probs.argmax(-1) == actions)
 
 
-def _reconstruct_in_spans(model: Any, observed: ObservedWindows) -> tuple[np.ndarray, np.ndarray]:
+def reconstruct_in_spans(model: Any, observed: ObservedWindows) -> tuple[np.ndarray, np.ndarray]:
     """(images, action probabilities). An attacker with a shorter window (TRACE at T = 1) sees
     each span afresh, as it would in an attack: its context never reaches across spans."""
     b, t, d = observed.gradients.shape

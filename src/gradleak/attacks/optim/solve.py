@@ -279,6 +279,9 @@ class GradientMatchingAttack:
         restarts, n = self.config.restarts, int(np.prod(self.shape))
         images, actions, advantages, returns, losses, chosen = [], [], [], [], [], []
         goals: list[np.ndarray] = []
+        # each chosen run's loss after its first step (the first step also projects the random
+        # start into the box, so later progress is the optimisation's own)
+        first: list[np.ndarray] = []
         seconds, iterations = 0.0, []
         for problems, solved in results:
             loss = solved["loss"].reshape(-1, restarts)
@@ -295,6 +298,9 @@ class GradientMatchingAttack:
             advantages.append(x[:, n].numpy())
             returns.append(x[:, n + 1].numpy())
             losses.append(loss[np.arange(len(best)), best])
+            history = solved["history"]
+            first.append(history[min(1, len(history) - 1)][rows] if len(history)
+                         else losses[-1])
             chosen.append(best)
             seconds += solved["seconds"]
             iterations.append(solved["iterations"])
@@ -303,6 +309,7 @@ class GradientMatchingAttack:
             actions=np.concatenate(actions).astype(np.int64),
             images=np.concatenate(images),
             extras={"frames": frames, "matching_loss": np.concatenate(losses),
+                    "matching_loss_after_first_step": np.concatenate(first),
                     "restart": np.concatenate(chosen), "advantages": np.concatenate(advantages),
                     "returns": np.concatenate(returns), "seconds": seconds,
                     "goals": np.concatenate(goals),  # (N, 0) for a victim without a goal
