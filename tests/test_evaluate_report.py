@@ -134,3 +134,29 @@ def test_report_renders_offline_with_every_table_and_image(evaluation: Path,
 def test_report_without_an_evaluation(tmp_path: Path, capsys) -> None:
     assert main(["report", str(tmp_path)]) == 2
     assert "has no metrics.json" in capsys.readouterr().err
+
+
+def test_the_mean_image_reference_comes_from_the_data_not_the_attacker_order(
+        trained_attackers, train_capture: Path, random_capture: Path, tmp_path: Path) -> None:
+    """Both attackers sampled their own mean image from the training windows; the reference
+    row is the exact mean of every training frame, the same in either order."""
+    from gradleak.capture.reader import CaptureFile
+
+    with CaptureFile(train_capture) as capture:
+        frames = capture.column("images").astype(np.float64) / 255.0
+    truth = frames.mean(axis=(0, 1, 2, 3))
+    first, second = (evaluate([random_capture], dict(order), tmp_path / name, max_windows=2)
+                     for name, order in (
+                         ("a", [("TRACE", str(trained_attackers["trace"])),
+                                ("LtI", str(trained_attackers["lti"]))]),
+                         ("b", [("LtI", str(trained_attackers["lti"])),
+                                ("TRACE", str(trained_attackers["trace"]))])))
+    assert first["methods"]["mean training image"] == second["methods"]["mean training image"]
+    assert first["mean_image_source"].startswith("every frame of the training captures (240")
+    import torch
+
+    from gradleak.evaluation.reconstructions import mean_frame
+
+    mean, count = mean_frame([train_capture])
+    assert count == len(frames) and abs(float(mean.mean()) - truth) < 1e-6
+    assert torch.allclose(mean, torch.from_numpy(frames.mean(0)).permute(2, 0, 1).float())

@@ -30,14 +30,15 @@ from gradleak.victims import create_victim
 from gradleak.victims.base import layers_to_json
 
 
-def decoder_for(observation, channels: int = 16, context: str = "none"  # noqa: ANN001
-                ) -> FeatureDecoder:
+def decoder_for(observation, channels: int = 16, context: str = "none",  # noqa: ANN001
+                camera_motion: list[list[float]] | None = None) -> FeatureDecoder:
     config = DecoderConfig(gradient_dim=observation.gradients.shape[1],
                            frame_size=observation.victim.frame_size,
                            layer_table=layers_to_json(list(observation.layers)),
                            feature_shape=[32, 2, 2], channels=channels, global_channels=4,
                            entropy_coef=float(observation.hyperparameters["entropy"]),
-                           context=context, context_channels=4)
+                           context=context, context_channels=4,
+                           camera_motion=camera_motion or [])
     decoder = FeatureDecoder(config)
     decoder.set_policy_head(observation.theta0["policy_head.weight"],
                             observation.theta0["policy_head.bias"])
@@ -162,8 +163,11 @@ def test_the_motion_prior_explains_real_camera_motion(train_capture: Path) -> No
     before = torch.from_numpy(images[:-1][follows]).permute(0, 3, 1, 2).float() / 255
     after = torch.from_numpy(images[1:][follows]).permute(0, 3, 1, 2).float() / 255
     taken = torch.from_numpy(actions[:-1][follows])
+    from gradleak.envs.actions import action_facts
+
     observation, _ = synthetic(0.01, 0.0)
-    decoder = decoder_for(observation, context="warp")
+    motion = [list(m) for m in action_facts({"backend": "doomnav"}, 5).camera_motion]
+    decoder = decoder_for(observation, context="warp", camera_motion=motion)
     warped = decoder.warp(before, taken).detach()
     for action in (1, 2, 3, 4):  # RotateLeft, RotateRight, LookDown, LookUp
         chosen = taken == action
@@ -216,6 +220,15 @@ def test_mirrored_actions_swap_left_and_right() -> None:
     assert mirrored_actions(5) == (0, 2, 1, 3, 4)
     ten = mirrored_actions(10)
     assert [ten[i] for i in ten] == list(range(10)) and ten[6] == 7
+
+
+def test_doomnav_declares_its_action_facts_and_other_environments_none() -> None:
+    from gradleak.envs.actions import ActionFacts, action_facts
+
+    doom = action_facts({"backend": "doomnav"}, 5)
+    assert doom.mirror == (0, 2, 1, 3, 4)
+    assert doom.camera_motion[1] == (1.0, -0.3, 0.0)  # RotateLeft shifts the view
+    assert action_facts({"backend": "gym", "gym_id": "X"}, 5) == ActionFacts()
 
 
 def test_held_out_captures_are_refused_for_training(random_capture: Path, tmp_path: Path

@@ -50,6 +50,28 @@ def test_capture_and_recovery_run_on_a_generic_environment(tmp_path: Path) -> No
     assert evaluate_action_rules([out], ["odd-sign"])["odd-sign"]["accuracy"] >= 0.95
 
 
+def test_the_analytic_decoder_trains_without_doom_action_facts(tmp_path: Path) -> None:
+    """Four actions DoomNav has never heard of: the environment declares no mirrors and no
+    camera motion, so the decoder fit goes without them (it refused K = 4 before)."""
+    from gradleak.attacks.feature_decoder import DecoderConfig
+    from gradleak.envs.actions import action_facts
+    from gradleak.training.auxiliary import DecoderFitConfig, fit_decoder
+
+    preset = tiny_preset()
+    preset.env.backend, preset.env.gym_id = "gym", TOY_ID
+    out = tmp_path / "toy.h5"
+    run_capture(CaptureJob(victim="cnn-small", random_init=True, split="train", steps=40,
+                           out=out, preset=preset, progress=False))
+    assert action_facts({"backend": "gym"}, 4).mirror is None
+    result = fit_decoder(DecoderConfig(channels=16, global_channels=0, context="warp"),
+                         DecoderFitConfig(epochs=1, batch_size=8, extra_frames=0,
+                                          max_val_frames=8), [str(out)], tmp_path / "dec",
+                         progress=False)
+    assert result["epochs"] == 1
+    meta = (tmp_path / "dec" / "attacker.json").read_text()
+    assert '"camera_motion": []' in meta  # undeclared: the warp starts from the identity
+
+
 def test_environments_the_adapter_cannot_use_are_named() -> None:
     with pytest.raises(ConfigError, match="CartPole-v1.*RGB"):
         make_gym_env("CartPole-v1", frame_size=32)

@@ -26,7 +26,6 @@ from torch import nn
 from gradleak.attacks.analytic import actions_from_policy_bias
 from gradleak.attacks.closed_form import head_features, linear_input, linear_pairs
 from gradleak.attacks.encoders import ResidualConv, WindowAttacker, block, flat_linear_input
-from gradleak.envs.actions import action_set
 from gradleak.errors import ConfigError
 from gradleak.victims.base import LayerInfo, VictimConfig, layers_from_json
 from gradleak.victims.roles import Roles
@@ -34,13 +33,6 @@ from gradleak.victims.roles import Roles
 # The closed-form action is certain on clean streams; a large finite logit keeps softmax sane.
 CERTAIN = 20.0
 CONTEXTS = ("none", "concat", "warp")
-# (scale, x shift, y shift) of grid_sample's affine map from one frame to the next, per action:
-# the best on a grid over 200 random-walk pairs per action on the cpu-bench training scenes
-# (64×64); it cuts the frame-to-frame MSE from about 0.0115 to 0.005 for turns and looks.
-MOTION_PRIOR = {"MoveAhead": (0.95, 0.0, 0.0), "RotateLeft": (1.0, -0.3, 0.0),
-                "RotateRight": (1.0, 0.3, 0.0), "LookDown": (1.0, 0.0, 0.45),
-                "LookUp": (1.0, 0.0, -0.45)}
-
 
 @dataclass
 class DecoderConfig:
@@ -61,6 +53,9 @@ class DecoderConfig:
     global_channels: int = 32  # a dense path from all features to every position; 0: none
     context: str = "none"  # none, concat (previous reconstruction), warp (moved by the action)
     context_channels: int = 16
+    # (scale, dx, dy) per action, as the environment declares its camera motion (the fit sets
+    # it from the capture's environment); [] = identity, the warp then learns it from scratch
+    camera_motion: list[list[float]] = field(default_factory=list)
     seed: int = 0
 
     def to_dict(self) -> dict[str, Any]:
@@ -136,7 +131,7 @@ class FeatureDecoder(WindowAttacker):
         self.head = nn.Sequential(nn.Conv2d(widths[-1], 3, 3, 1, 1), nn.Sigmoid())
         if extra:
             self.context = ContextPyramid(config.context_channels, stages)
-            self.motion = nn.Parameter(motion_prior(config.num_actions))
+            self.motion = nn.Parameter(motion_prior(config.num_actions, config.camera_motion))
 
     @staticmethod
     def _conv_stack(config: DecoderConfig) -> nn.Module:
@@ -280,11 +275,14 @@ class FeatureDecoder(WindowAttacker):
         return frames.view(b, t, *frames.shape[1:]), logits.view(b, t, -1)
 
 
-def motion_prior(num_actions: int) -> torch.Tensor:
-    """(K, 2, 3) affine maps: the measured camera motion per action, identity if unknown."""
+def motion_prior(num_actions: int, camera_motion: list[list[float]]) -> torch.Tensor:
+    """(K, 2, 3) affine maps: the declared camera motion per action, identity if undeclared."""
+    if camera_motion and len(camera_motion) != num_actions:
+        raise ConfigError(f"camera_motion has {len(camera_motion)} entries for "
+                          f"{num_actions} actions")
     theta = torch.zeros(num_actions, 2, 3)
-    for index, action in enumerate(action_set(num_actions)):
-        scale, dx, dy = MOTION_PRIOR.get(action.name, (1.0, 0.0, 0.0))
+    for index in range(num_actions):
+        scale, dx, dy = camera_motion[index] if camera_motion else (1.0, 0.0, 0.0)
         theta[index] = torch.tensor([[scale, 0.0, dx], [0.0, scale, dy]])
     return theta
 

@@ -105,9 +105,20 @@ class Evaluation:
         self.mean_image = self._mean_image()
 
     def _mean_image(self) -> torch.Tensor:
-        for _, meta in self.models.values():
+        """The mean of every frame of the attackers' training captures, so the reference is
+        the same whichever attackers are evaluated and in whatever order; a checkpoint's own
+        sampled mean only when those files are gone (and `mean_image_source` says so)."""
+        files = sorted({str(path) for _, meta in self.models.values()
+                        for path in meta.get("train_files", [])})
+        if files and all(Path(path).is_file() for path in files):
+            mean, frames = mean_frame(files)
+            self.mean_image_source = f"every frame of the training captures ({frames:,})"
+            return mean
+        for name, (_, meta) in self.models.items():
             if "mean_image" in meta:
                 size = self.dataset.fingerprint.victim.frame_size
+                self.mean_image_source = f"attacker {name}'s checkpoint (its training " \
+                                         "captures are not at their recorded paths)"
                 return torch.tensor(meta["mean_image"]).view(3, size, size)
         raise ConfigError("no attacker checkpoint carries the mean training image: evaluate "
                           "at least one learned attacker")
@@ -289,9 +300,27 @@ def evaluate(data: Sequence[str | os.PathLike[str]], attackers: dict[str, str], 
               "skipped_nonfinite_rows": evaluation.dataset.skipped_rows,
               "window": evaluation.window, "windows": min(len(evaluation.dataset),
                                                           max_windows or len(evaluation.dataset)),
-              "lpips": evaluation.lpips_note or "available", "methods": summarise(methods)}
+              "lpips": evaluation.lpips_note or "available",
+              "mean_image_source": evaluation.mean_image_source, "methods": summarise(methods)}
     write_evaluation(out, result, methods, np.concatenate(evaluation.truth_samples))
     return result
+
+
+def mean_frame(paths: Sequence[str | os.PathLike[str]], chunk: int = 1024
+               ) -> tuple[torch.Tensor, int]:
+    """((3, H, W) float32 in [0, 1], frame count): the exact mean of every frame in the files,
+    read `chunk` rows at a time."""
+    total, count = None, 0
+    for path in paths:
+        with CaptureFile(path) as capture:
+            for start in range(0, capture.num_rows, chunk):
+                frames = capture.column("images", slice(start, start + chunk))
+                part = frames.astype(np.float64).sum(0)
+                total = part if total is None else total + part
+                count += len(frames)
+    if total is None or not count:
+        raise ConfigError(f"no frames in {', '.join(map(str, paths))}")
+    return torch.from_numpy(total / count / 255.0).permute(2, 0, 1).float(), count
 
 
 def trainable_parameters(model: torch.nn.Module) -> int:

@@ -35,7 +35,7 @@ from gradleak.attacks.analytic import module_input
 from gradleak.attacks.feature_decoder import DecoderConfig, FeatureDecoder
 from gradleak.capture.reader import CaptureFile
 from gradleak.defenses import Chain, parse_defense
-from gradleak.envs.actions import mirrored_actions
+from gradleak.envs.actions import ActionFacts, action_facts
 from gradleak.errors import ConfigError
 from gradleak.io import (
     check_output,
@@ -264,8 +264,10 @@ class DecoderFit:
             raise ConfigError(f"{self.out} already holds an attacker: pass --resume to continue "
                               "it or choose another --out")
         roles = _check_feature_module(paths[0], model_config.feature_module)
+        self.facts = _action_facts(paths[0])  # the environment's, or none: Doom is no given
         model_config = replace(model_config,
-                               feature_module=model_config.feature_module or roles.feature_linear)
+                               feature_module=model_config.feature_module or roles.feature_linear,
+                               camera_motion=[list(m) for m in self.facts.camera_motion or ()])
         self.data = AuxiliaryFrames([str(p) for p in paths], config, progress,
                                     self.out / RENDERED)
         victim = self.data.fingerprint.victim
@@ -285,7 +287,8 @@ class DecoderFit:
         self.optimiser = torch.optim.AdamW(trainable, lr=config.lr,
                                            weight_decay=config.weight_decay)
         self.frames = self.data.training_frames()
-        self.mirror = torch.tensor(mirrored_actions(victim.num_actions))
+        mirror = self.facts.mirror
+        self.mirror = None if mirror is None else torch.tensor(mirror)
         self.steps_per_epoch = max(1, len(self.frames) // config.batch_size)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimiser, warmup_cosine(config, self.steps_per_epoch))  # type: ignore[arg-type]
@@ -319,7 +322,8 @@ class DecoderFit:
         images = torch.from_numpy(frames.images[indices])
         earlier = torch.from_numpy(frames.images[before])
         actions = torch.from_numpy(frames.actions[before])
-        if generator is not None and self.config.mirror and frames.features is None:
+        if generator is not None and self.config.mirror and self.mirror is not None \
+                and frames.features is None:
             flip = torch.from_numpy(generator.random(len(images)) < 0.5)
             images = torch.where(flip[:, None, None, None], images.flip(2), images)
             earlier = torch.where(flip[:, None, None, None], earlier.flip(2), earlier)
@@ -459,6 +463,17 @@ def _check_feature_module(path: str, module: str) -> Roles:
                           "conv features, so no conv features to decode (the analytic decoder "
                           "needs a conv encoder and a Linear layer after it)")
     return roles
+
+
+def _action_facts(path: str) -> ActionFacts:
+    """What the capture's environment declares about its actions (mirrors, camera motion)."""
+    with CaptureFile(path) as capture:
+        try:
+            settings = json.loads(capture.attrs.get("env_config", "{}"))
+        except json.JSONDecodeError:
+            settings = {}
+        return action_facts(settings if isinstance(settings, dict) else {},
+                            capture.victim.num_actions)
 
 
 def _gradient_dim(path: str) -> int:
