@@ -72,7 +72,7 @@ def main() -> None:
         todo = [cell for cell in todo if cell not in {run_key(run) for run in runs}]
     for dataset, epochs, samples, batch, seed, method, cls in tqdm(todo, desc="cells"):
         client = ClientConfig(epochs=epochs, samples=samples, batch=batch, seed=seed)
-        attack = FedAttackConfig(method=method, iterations=args.iters,
+        attack = FedAttackConfig(method=method, iterations=args.iters, labels="known",
                                  cls=CLS_WEIGHT if cls else 0.0, seed=seed)
         result = run_fedavg(dataset, "cnn", client, attack)
         runs.append({"dataset": result["dataset"], "E": epochs, "N": samples, "B": batch,

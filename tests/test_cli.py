@@ -69,6 +69,8 @@ def test_scenes_split_is_fixed_and_disjoint(capsys) -> None:
      "unknown optimisation baseline 'fgsm'"),
     (["evaluate", "--attacker", "a", "--data", "x.h5", "--out", "o", "--baselines", "ig,gan"],
      "--baselines 'gan'"),
+    (["evaluate", "--attacker", "a", "--data", "x.h5", "--out", "o", "--baselines", "lti"],
+     "LtI is a learned attacker: pass its directory with --attacker"),
 ])
 def test_errors_are_one_line_with_status_2(capsys, tmp_path: Path, monkeypatch, argv,
                                            message: str) -> None:
@@ -151,8 +153,8 @@ def test_train_decoder_then_evaluate_recovers_every_action(capsys, tmp_path: Pat
     assert trained["train_frames"] == {"captured": trained["train_frames"]["captured"],
                                        "rendered": 32} and trained["epochs"] == 1
     result = run_json(capsys, "evaluate", "--attacker", str(tmp_path / "dec"), "--data",
-                      str(random_capture), "--out", str(tmp_path / "eval"), "--baselines",
-                      "action-rule", "--max-windows", "4")
+                      str(random_capture), "--out", str(tmp_path / "eval"), "--max-windows",
+                      "4")
     row = result["methods"]["analytic+decoder"]
     assert row["action_accuracy"] == 1.0 and row["frames"] == 32
 

@@ -23,8 +23,9 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 @pytest.fixture(scope="module")
 def evaluation(trained_attackers, random_capture: Path, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("eval")
-    argv = ["evaluate", "--attacker", str(trained_attackers["trace"]), "--data",
-            str(random_capture), "--baselines", "lti,action-rule,ig,dlg-probe", "--iters", "3",
+    argv = ["evaluate", "--attacker", str(trained_attackers["trace"]), "--attacker",
+            str(trained_attackers["lti"]), "--data",
+            str(random_capture), "--baselines", "ig,dlg-probe", "--iters", "3",
             "--baseline-windows", "1", "--out", str(out), "--quiet"]
     assert main(argv) == 0
     return out

@@ -24,9 +24,10 @@ def client():
 
 
 def image_gradient(model, update, labels, method: str, position: float, **overrides):
-    config = FedAttackConfig(method=method, tv=0.0, lambda_control=0.0, lambda_scale=0.0,
+    config = FedAttackConfig(labels="known", method=method, tv=0.0, lambda_control=0.0,
+                             lambda_scale=0.0,
                              seed=4, **overrides)
-    attack = UpdateInversion(model, update, labels, (1, 16, 16), config)
+    attack = UpdateInversion(model, update, (1, 16, 16), 10, config)
     with torch.no_grad():
         attack.surrogate.position.fill_(position)
     total, _ = attack.objective()
@@ -63,8 +64,8 @@ def test_ig_recovers_one_image_from_a_one_step_update() -> None:
     label = torch.tensor([4])
     update = train_client(model, image, label, ClientConfig(epochs=1, samples=1, batch=1,
                                                             lr=0.01))
-    config = FedAttackConfig(method="ig", iterations=400, lr_images=0.1, tv=1e-4)
-    result = UpdateInversion(model, update, label, (1, 16, 16), config).run()
+    config = FedAttackConfig(labels="known", method="ig", iterations=400, lr_images=0.1, tv=1e-4)
+    result = UpdateInversion(model, update, (1, 16, 16), 10, config).run()
     mse = float((result["images"] - image).pow(2).mean())
     assert 10 * torch.log10(torch.tensor(1.0 / mse)) >= 30.0
     assert result["l_sim_raw"] < 1e-3
@@ -73,7 +74,8 @@ def test_ig_recovers_one_image_from_a_one_step_update() -> None:
 def test_an_unknown_method_is_named(client) -> None:
     model, _, labels, update = client
     with pytest.raises(ConfigError, match="FedAvg attack 'fedleak'"):
-        UpdateInversion(model, update, labels, (1, 16, 16), FedAttackConfig(method="fedleak"))
+        UpdateInversion(model, update, (1, 16, 16), 10,
+                        FedAttackConfig(labels="known", method="fedleak"))
 
 
 def test_cosine_distance_is_one_minus_the_cosine_of_the_flattened_parameters() -> None:
@@ -91,10 +93,38 @@ def test_the_scale_vector_stays_in_its_box(client) -> None:
     """d has no clamp in the graph (it would cost two passes per weight): the in-place clamp
     after each step must keep it in [0.1, 10], even with a step size that overshoots."""
     model, _, labels, update = client
-    config = FedAttackConfig(method="sme-dvec", iterations=3, lr_scale=100.0, seed=2)
-    attack = UpdateInversion(model, update, labels, (1, 16, 16), config)
+    config = FedAttackConfig(labels="known", method="sme-dvec", iterations=3, lr_scale=100.0,
+                             seed=2)
+    attack = UpdateInversion(model, update, (1, 16, 16), 10, config)
     attack.run()
     scales = torch.cat([d.detach().flatten() for d in attack.surrogate.scale.values()])
     assert float(scales.min()) >= 0.1 - 1e-7 and float(scales.max()) <= 10.0
     at_bounds = torch.isclose(scales, torch.tensor(0.1)) | (scales == 10.0)
     assert bool(at_bounds.any())  # the step did overshoot, so the clamp was tested
+
+
+def test_labels_are_inferred_from_the_update_when_not_declared() -> None:
+    """The default: the server reads the label multiset off the output layer's bias update
+    (exact here, as on every digits and photos setting tried when written, N up to 50, E up
+    to 20), and an update made for inference carries no labels for it to peek at."""
+    from gradleak.fedavg.datasets import load_dataset
+    from gradleak.fedavg.experiment import run_fedavg
+
+    client = ClientConfig(epochs=5, samples=20, batch=10)
+    result = run_fedavg("digits", "cnn", client, FedAttackConfig(method="ig", iterations=1))
+    assert result["labels"] == "inferred from the output layer's bias update"
+    assert result["label_count_l1"] == 0
+    data = load_dataset("digits", seed=0)
+    images, labels = data.sample(20, seed=0)
+    model = FEDAVG_MODELS.get("cnn")(images.shape[1], images.shape[-1], data.classes)
+    hidden = train_client(model, images, labels, client, labels_known=False)
+    assert hidden.labels is None
+    with pytest.raises(ConfigError, match="declared known, but the client's update carries"):
+        UpdateInversion(model, hidden, tuple(images.shape[1:]), data.classes,
+                        FedAttackConfig(method="ig", labels="known"))
+    momentum = train_client(model, images, labels, ClientConfig(epochs=1, samples=20, batch=10,
+                                                                optimiser="momentum"),
+                            labels_known=False)
+    with pytest.raises(ConfigError, match="plain-SGD update; this client used 'momentum'"):
+        UpdateInversion(model, momentum, tuple(images.shape[1:]), data.classes,
+                        FedAttackConfig(method="ig"))

@@ -15,7 +15,7 @@ from gradleak.cli import main
 
 from .conftest import copy_capture, poison_rows
 
-EVAL = ["--baselines", "action-rule", "--max-windows", "4"]
+EVAL = ["--max-windows", "4"]
 
 
 def test_an_attacker_with_nan_weights_is_refused(refused, tmp_path: Path,

@@ -48,6 +48,9 @@ class FedAttackConfig:
     lambda_control: float = 1e-2  # λ_P
     lambda_scale: float = 1e-4  # λ_d
     cls: float = 0.0  # λ_cls; > 0 uses the labels
+    # "infer": from the output layer's bias update (fedavg.labels), the default; "known": the
+    # client's true labels, a declared assumption every result states
+    labels: str = "infer"
     seed: int = 0
 
     def check(self) -> None:
@@ -60,6 +63,8 @@ class FedAttackConfig:
             raise ConfigError(f"--cls {self.cls}: expected a finite λ_cls >= 0")
         if self.seed < 0:
             raise ConfigError(f"--seed {self.seed}: expected a non-negative integer")
+        if self.labels not in ("infer", "known"):
+            raise ConfigError(f"--labels {self.labels!r}: expected infer or known")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -133,17 +138,33 @@ def total_variation(images: torch.Tensor) -> torch.Tensor:
 class UpdateInversion:
     """Optimise dummy images (and the surrogate) so the surrogate gradient points along w0 − w_T."""
 
-    def __init__(self, model: nn.Module, update: ClientUpdate, labels: torch.Tensor,
-                 shape: tuple[int, ...], config: FedAttackConfig) -> None:
+    def __init__(self, model: nn.Module, update: ClientUpdate, shape: tuple[int, ...],
+                 classes: int, config: FedAttackConfig) -> None:
+        """What the server holds: the model (architecture, w0), the update w0 → w_T and the
+        client's declared settings. Labels are inferred from the update unless the config
+        declares them known (the update then carries them)."""
         config.check()
-        self.model, self.update, self.labels, self.config = model.eval(), update, labels, config
+        self.model, self.update, self.config = model.eval(), update, config
         self.buffers = {n: b.detach() for n, b in model.named_buffers()}
         self.target = update.delta()
         self.target_norm = sum(squared_norm(t) for t in self.target.values()).sqrt()
         generator = torch.Generator().manual_seed(config.seed)
-        self.images = torch.randn(len(labels), *shape, generator=generator).clamp(0, 1)
+        count = update.config.samples
+        self.images = torch.randn(count, *shape, generator=generator).clamp(0, 1)
+        self.labels = self._labels(classes)
         self.images.requires_grad_(True)
         self.surrogate = Surrogate(update, config.method)
+
+    def _labels(self, classes: int) -> torch.Tensor:
+        if self.config.labels == "known":
+            if self.update.labels is None:
+                raise ConfigError("labels are declared known, but the client's update carries "
+                                  "none: use --labels infer")
+            return self.update.labels
+        from gradleak.fedavg.labels import infer_label_counts, labels_from_counts
+
+        return labels_from_counts(infer_label_counts(self.model, self.update, self.images,
+                                                     classes))
 
     def surrogate_gradient(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
         """∇_w of the dummy set's mean loss at the surrogate point (graph kept for the images)."""

@@ -44,15 +44,23 @@ def run_fedavg(dataset: str, model_name: str, client: ClientConfig, attack: FedA
     images, labels = data.sample(client.samples, seed=client.seed)
     torch.manual_seed(client.seed)
     model = model_class(images.shape[1], images.shape[-1], data.classes)
-    update = train_client(model, images, labels, client)
+    update = train_client(model, images, labels, client,
+                          labels_known=attack.labels == "known")
     rss_before, start = peak_rss_mb(), time.perf_counter()
-    result = UpdateInversion(model, update, labels, tuple(images.shape[1:]), attack).run(progress)
+    inversion = UpdateInversion(model, update, tuple(images.shape[1:]), data.classes, attack)
+    used = inversion.labels
+    result = inversion.run(progress)
     seconds = time.perf_counter() - start
     recovered = result["images"][hungarian_match(result["images"], images)]
     scores = {"psnr": psnr(recovered, images).numpy(), "ssim": ssim(recovered, images).numpy(),
               "mse": mse(recovered, images).numpy()}
     summary = {"dataset": data.name, "model": model_name, "client": client.to_dict(),
-               "attack": attack.to_dict(), "labels": "known (the client's true labels)",
+               "attack": attack.to_dict(),
+               "labels": "known (a declared assumption: the client's true labels)"
+               if attack.labels == "known" else "inferred from the output layer's bias update",
+               "label_count_l1": int(np.abs(np.bincount(used.numpy(), minlength=data.classes)
+                                            - np.bincount(labels.numpy(),
+                                                          minlength=data.classes)).sum()),
                "l_sim_raw": result["l_sim_raw"],
                "l_sim_scaled": result["l_sim_scaled"] if attack.method in ("nlsme", "sme-dvec")
                else None,

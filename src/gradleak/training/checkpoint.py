@@ -30,6 +30,11 @@ MODELS.register("lti")((LearningToInvert, LtiConfig))
 MODELS.register("decoder")((FeatureDecoder, DecoderConfig))
 
 
+def display_name(kind: str) -> str:
+    """What reports call an attacker kind: its model class's own name (TRACE, LtI, ...)."""
+    return MODELS.get(kind)[0].name if kind in MODELS else kind
+
+
 def build_model(kind: str, config: dict[str, Any]) -> nn.Module:
     model_class, config_class = MODELS.get(kind)
     known = {f.name for f in fields(config_class)}

@@ -1,0 +1,58 @@
+"""The `gradleak` command: one module per command family; each adds its subcommands to the
+parser and runs a library function. `main` loads plugins, runs the command, and turns every
+`GradleakError` (and an OSError naming a path) into one line on stderr and exit status 2."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from gradleak.cli import (
+    actions,
+    analytic,
+    attackers,
+    capture,
+    defend,
+    demo,
+    evaluate,
+    fedavg,
+    optim,
+    scenes,
+    train,
+)
+from gradleak.errors import GradleakError
+
+# in the order `gradleak --help` lists them
+COMMAND_MODULES = (demo, scenes, train, capture, attackers, evaluate, defend, optim, analytic,
+                   fedavg, actions)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gradleak",
+                                     description="measure how much a gradient stream leaks")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for module in COMMAND_MODULES:
+        module.add_parsers(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        from gradleak.plugins import load_plugins
+
+        load_plugins(args.plugin)
+        args.func(args)
+    except GradleakError as err:
+        print(f"gradleak: error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:
+        if err.filename is None:  # not about a path the user gave: a real bug, keep its trace
+            raise
+        print(f"gradleak: error: {err.filename}: {err.strerror}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("gradleak: interrupted (an interrupted capture resumes with --resume)",
+              file=sys.stderr)
+        return 130
+    return 0

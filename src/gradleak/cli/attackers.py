@@ -1,0 +1,100 @@
+"""`gradleak train-attacker` (TRACE, LtI) and `gradleak train-decoder` (the analytic decoder),
+each fitted on training-scene captures."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from gradleak.cli.common import (
+    common_flags,
+    defense_flags,
+    defense_from_args,
+    emit,
+    nonfinite_flag,
+    preset_flags,
+    preset_from_args,
+    progress,
+)
+
+
+def run_attacker(args: argparse.Namespace) -> None:
+    from gradleak.training.fit import KINDS, fit_attacker
+
+    preset = preset_from_args(args)
+    if args.kind not in KINDS:
+        from gradleak.errors import ConfigError
+
+        raise ConfigError(f"--kind {args.kind!r}: expected one of {', '.join(KINDS)}")
+    model = getattr(preset.attack, args.kind)
+    fit = getattr(preset.attack, f"{args.kind}_fit")
+    if args.epochs is not None:
+        fit.epochs = args.epochs
+    if args.lpips_weights:
+        fit.lpips_weights = args.lpips_weights
+    if args.defense is not None:  # an adaptive attacker: it trains under this defense
+        fit.defense, fit.defense_seed = defense_from_args(args).spec, args.defense_seed
+    fit.skip_nonfinite = args.skip_nonfinite
+    result = fit_attacker(args.kind, model, fit, args.data, Path(args.out), resume=args.resume,
+                          progress=progress(args))
+    last = result["last"]
+    text = (f"trained {args.kind} ({result['parameters']:,} parameters) for {result['epochs']} "
+            f"epochs in {result['minutes']:.1f} min: validation PSNR "
+            f"{last.get('val_psnr', float('nan')):.2f} dB -> {args.out}")
+    emit(args, result, text)
+
+
+def run_decoder(args: argparse.Namespace) -> None:
+    from gradleak.training.auxiliary import fit_decoder
+
+    preset = preset_from_args(args)
+    fit = preset.attack.decoder_fit
+    for name in ("epochs", "extra_frames"):
+        if getattr(args, name) is not None:
+            setattr(fit, name, getattr(args, name))
+    if args.minutes is not None:
+        fit.time_limit_minutes = args.minutes
+    if args.defense is not None:  # adaptive: features recovered from defended gradients
+        fit.defense, fit.defense_seed = defense_from_args(args).spec, args.defense_seed
+    fit.skip_nonfinite = args.skip_nonfinite
+    result = fit_decoder(preset.attack.decoder, fit, args.data, Path(args.out),
+                         resume=args.resume, progress=progress(args))
+    last, frames = result["last"], result["train_frames"]
+    text = (f"trained the analytic decoder ({result['parameters']:,} parameters) on "
+            f"{frames['captured']:,} captured + {frames['rendered']:,} rendered frames for "
+            f"{result['epochs']} epochs in {result['minutes']:.1f} min: validation PSNR "
+            f"{last.get('val_psnr', float('nan')):.2f} dB, SSIM "
+            f"{last.get('val_ssim', float('nan')):.3f} -> {args.out}")
+    emit(args, result, text)
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train-attacker", help="fit TRACE or LtI on training-scene captures")
+    common_flags(p)
+    nonfinite_flag(p)
+    preset_flags(p)
+    p.add_argument("--kind", default="trace", help="trace or lti (the attacker registry's)")
+    p.add_argument("--data", nargs="+", required=True, help="training-scene capture files")
+    p.add_argument("--out", required=True)
+    p.add_argument("--epochs", type=int, default=None)
+    p.add_argument("--lpips-weights", default=None, help="torchvision AlexNet weights file")
+    p.add_argument("--resume", action="store_true")
+    defense_flags(p, required=False, seed=1)
+    p.set_defaults(func=run_attacker)
+
+    p = sub.add_parser("train-decoder", help="fit the analytic decoder on training-scene "
+                       "frames: θ0's conv features → frame, no gradients needed")
+    common_flags(p)
+    nonfinite_flag(p)
+    preset_flags(p)
+    p.add_argument("--data", nargs="+", required=True,
+                   help="training-scene capture files (their frames and scenes are used)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--epochs", type=int, default=None)
+    p.add_argument("--extra-frames", type=int, default=None,
+                   help="frames to render on the captures' training scenes (random policy)")
+    p.add_argument("--minutes", type=float, default=None,
+                   help="stop at the training step that passes this (a partial epoch)")
+    p.add_argument("--resume", action="store_true")
+    defense_flags(p, required=False, seed=1)
+    p.set_defaults(func=run_decoder)

@@ -1,0 +1,104 @@
+"""`gradleak evaluate` (attackers and baselines scored on held-out captures) and `gradleak
+report` (a self-contained report.html of an evaluation)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from gradleak.cli.common import (
+    common_flags,
+    defense_flags,
+    defense_from_args,
+    emit,
+    nonfinite_flag,
+    progress,
+)
+from gradleak.cli.optim import optim_config, optim_flags
+from gradleak.errors import ConfigError
+
+# what --baselines once also took, and where each now lives
+NOT_BASELINES = {"lti": "LtI is a learned attacker: pass its directory with --attacker",
+                 "action-rule": "the odd-sign action rule is always scored"}
+
+
+def attackers_from_args(args: argparse.Namespace) -> dict[str, str]:
+    """NAME=DIR, or DIR named by its attacker class's display name (TRACE, LtI, ...)."""
+    from gradleak.io import read_json
+    from gradleak.training.checkpoint import META, display_name
+
+    attackers = {}
+    for item in args.attacker:
+        name, sep, path = item.partition("=")
+        if not sep:
+            path = name
+            meta = read_json(Path(path) / META, "attacker config")
+            name = display_name(meta.get("kind", Path(path).name))
+        if name in attackers:
+            raise ConfigError(f"--attacker {item}: two attackers are both named {name!r}; "
+                              "name them with NAME=DIR")
+        attackers[name] = path
+    return attackers
+
+
+def baseline_names(args: argparse.Namespace) -> list[str]:
+    from gradleak.attacks.optim.solve import BASELINES
+
+    names = [b for b in (args.baselines or "").split(",") if b]
+    for name in names:
+        if name in NOT_BASELINES:
+            raise ConfigError(f"--baselines {name!r}: {NOT_BASELINES[name]}")
+        if name not in BASELINES:
+            raise ConfigError(f"--baselines {name!r}: expected some of "
+                              f"{', '.join(BASELINES.names())}")
+    return names
+
+
+def run_evaluate(args: argparse.Namespace) -> None:
+    from gradleak.evaluation.reconstructions import evaluate
+    from gradleak.report.evaluation import table_columns, table_rows
+    from gradleak.report.tables import text_table
+
+    optim = {name.upper().replace("-PROBE", " (probe loss)"): optim_config(args, name)
+             for name in baseline_names(args)}
+    result = evaluate(args.data, attackers_from_args(args), Path(args.out), args.lpips_weights,
+                      args.max_windows, baselines=optim,
+                      baseline_windows=args.baseline_windows, progress=progress(args),
+                      defense=defense_from_args(args), skip_nonfinite=args.skip_nonfinite)
+    rows = table_rows(result["methods"])
+    text = (text_table(rows, table_columns(rows))
+            + f"\nLPIPS: {result['lpips']}\noutputs in {args.out}")
+    emit(args, result, text)
+
+
+def run_report(args: argparse.Namespace) -> None:
+    from gradleak.report.html import write_report
+
+    path = write_report(Path(args.run))
+    emit(args, {"report": str(path)}, f"report: {path}")
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("evaluate", help="score attackers and baselines on held-out captures")
+    common_flags(p)
+    nonfinite_flag(p)
+    p.add_argument("--attacker", action="append", required=True,
+                   help="an attacker run directory, or NAME=DIR (repeatable)")
+    p.add_argument("--data", nargs="+", required=True, help="held-out capture files")
+    p.add_argument("--baselines", default="",
+                   help="optimisation baselines on the first windows' frames: dlg, ig, "
+                   "dlg-probe, ig-probe (comma-separated; the action rule and the mean-image "
+                   "references are always scored)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--max-windows", type=int, default=None)
+    p.add_argument("--baseline-windows", type=int, default=2,
+                   help="windows the optimisation baselines invert (they are slow)")
+    p.add_argument("--lpips-weights", default=None)
+    defense_flags(p, required=False)
+    optim_flags(p)
+    p.set_defaults(func=run_evaluate)
+
+    p = sub.add_parser("report", help="write a self-contained report.html for an evaluation")
+    common_flags(p)
+    p.add_argument("run")
+    p.set_defaults(func=run_report)

@@ -1,0 +1,58 @@
+"""`gradleak attack dlg|ig`: gradient matching on single steps, with its history picture;
+the optimisation baselines' flags and settings, shared with `evaluate`."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from gradleak.cli.common import common_flags, emit, preset_flags, preset_from_args, progress
+
+
+def optim_config(args: argparse.Namespace, name: str) -> Any:
+    """A baseline's settings: the preset's IG/DLG, then --iters, --time-limit, --restarts."""
+    from gradleak.attacks.optim.solve import baseline_config
+
+    preset = preset_from_args(args)
+    families = {"ig": preset.attack.ig, "dlg": preset.attack.dlg}
+    overrides = {key: value for key, value in (("time_limit_s", args.time_limit),
+                                               ("restarts", args.restarts),
+                                               ("batch", args.batch)) if value is not None}
+    return baseline_config(name, families, iterations=args.iters, **overrides)
+
+
+def optim_flags(parser: argparse.ArgumentParser, presets: bool = True) -> None:
+    if presets:
+        preset_flags(parser, environment=False)
+    parser.add_argument("--iters", type=int, default=None, help="optimisation iterations")
+    parser.add_argument("--time-limit", type=float, default=None,
+                        help="seconds per batch of frames; stop there and keep where it got")
+    parser.add_argument("--restarts", type=int, default=None)
+    parser.add_argument("--batch", type=int, default=None, help="frames solved at once")
+
+
+def run(args: argparse.Namespace) -> None:
+    from gradleak.evaluation.baselines import attack_steps
+    from gradleak.report.tables import text_table
+
+    result = attack_steps(args.data, args.index, args.method, optim_config(args, args.method),
+                          Path(args.out), progress=progress(args))
+    columns = ["index", "psnr", "ssim", "action", "true_action", "matching_loss"]
+    rows = [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in step.items()}
+            for step in result["steps"]]
+    text = (text_table(rows, columns) + f"\n{result['seconds_per_frame']:.2f} s per frame; "
+            f"history: {Path(args.out) / 'history.png'}")
+    emit(args, result, text)
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("attack", help="invert single steps with DLG or IG; save the history")
+    common_flags(p)
+    p.add_argument("method", help="dlg, ig, dlg-probe or ig-probe")
+    p.add_argument("--data", required=True, help="a capture file")
+    p.add_argument("--index", type=int, action="append", required=True,
+                   help="a row of the capture (repeatable)")
+    p.add_argument("--out", required=True)
+    optim_flags(p)
+    p.set_defaults(func=run)
