@@ -1,0 +1,65 @@
+"""The threat boundary, checked where it is crossed: evaluation hands every attack what the
+server saw (gradient rows, and for the optimisation baselines θ0, roles and the declared
+loss), never the frames, actions, advantages, returns or values it scores them against."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+
+import gradleak.evaluation.reconstructions as reconstructions
+from gradleak.capture.reader import CaptureFile
+from gradleak.threat import Observation, ObservedWindows
+
+
+def test_the_server_view_types_hold_nothing_private() -> None:
+    assert [f.name for f in dataclasses.fields(ObservedWindows)] == ["gradients"]
+    assert {f.name for f in dataclasses.fields(Observation)} == {
+        "gradients", "layers", "victim", "hyperparameters", "episode_ids", "step_in_episode",
+        "theta0", "roles"}
+
+
+def test_evaluation_gives_the_attacks_captured_gradients_and_nothing_else(
+        monkeypatch, trained_attackers, random_capture: Path, tmp_path: Path) -> None:
+    received: list[tuple[str, object, tuple, dict]] = []
+    real_load = reconstructions.load_attacker
+
+    def spying_load(path):  # noqa: ANN001, ANN202
+        model, meta = real_load(path)
+        original = model.reconstruct
+
+        def reconstruct(observed, *args, **kwargs):  # noqa: ANN001, ANN202
+            received.append(("learned", observed, args, kwargs))
+            return original(observed, *args, **kwargs)
+
+        model.reconstruct = reconstruct
+        return model, meta
+
+    class SpyingMatching(reconstructions.GradientMatchingAttack):
+        def __init__(self, observation, *args, **kwargs):  # noqa: ANN001
+            received.append(("optimisation", observation, args, kwargs))
+            super().__init__(observation, *args, **kwargs)
+
+    monkeypatch.setattr(reconstructions, "load_attacker", spying_load)
+    monkeypatch.setattr(reconstructions, "GradientMatchingAttack", SpyingMatching)
+    from gradleak.attacks.optim.solve import baseline_config
+
+    reconstructions.evaluate([random_capture], {"LtI": str(trained_attackers["lti"])},
+                             tmp_path / "e", max_windows=2, baseline_windows=1,
+                             baselines={"IG": baseline_config("ig", iterations=1)})
+    with CaptureFile(random_capture) as capture:
+        captured = capture.read("gradients").astype(np.float32)
+    kinds = {kind for kind, *_ in received}
+    assert kinds == {"learned", "optimisation"}
+    for kind, observed, args, kwargs in received:
+        if kind == "learned":
+            assert type(observed) is ObservedWindows and not args and not kwargs
+            rows = observed.gradients.reshape(-1, captured.shape[1]).numpy()
+        else:
+            assert type(observed) is Observation
+            assert all(not isinstance(a, np.ndarray) for a in (*args, *kwargs.values()))
+            rows = observed.gradients
+        # every row handed over is a captured gradient row, nothing else
+        assert all((captured == row).all(1).any() for row in rows)
