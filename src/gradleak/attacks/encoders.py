@@ -242,6 +242,16 @@ class WindowAttacker(nn.Module):
 
     name = "attacker"
 
+    @property
+    def window(self) -> int:
+        """Steps it reads at once: a longer window is fed to it span by span."""
+        return 1
+
+    @property
+    def gradient_input(self) -> GradientInput | None:
+        """The normalised gradient reader fitted before training (None: it has none)."""
+        return None
+
     def attack(self, gradients: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, T, d) → frames (B, T, 3, H, W) in [0, 1] and action logits (B, T, K)."""
         raise NotImplementedError

@@ -41,6 +41,10 @@ class LtiConfig:
 class LearningToInvert(WindowAttacker):
     name = "LtI"
 
+    @property
+    def gradient_input(self) -> GradientInput:
+        return self.input
+
     def __init__(self, config: LtiConfig) -> None:
         super().__init__()
         self.config = config

@@ -117,6 +117,14 @@ def gradient_input(config: TraceConfig) -> GradientInput:
 class Trace(WindowAttacker):
     name = "TRACE"
 
+    @property
+    def window(self) -> int:
+        return self.config.window
+
+    @property
+    def gradient_input(self) -> GradientInput:
+        return self.gradient_encoder.input
+
     def __init__(self, config: TraceConfig) -> None:
         super().__init__()
         self.config = config

@@ -19,13 +19,10 @@ from gradleak.cli.common import (
 
 
 def run_attacker(args: argparse.Namespace) -> None:
-    from gradleak.training.fit import KINDS, fit_attacker
+    from gradleak.training.fit import FIT_KINDS, fit_attacker
 
     preset = preset_from_args(args)
-    if args.kind not in KINDS:
-        from gradleak.errors import ConfigError
-
-        raise ConfigError(f"--kind {args.kind!r}: expected one of {', '.join(KINDS)}")
+    FIT_KINDS.get(args.kind)  # an unknown kind is named before any work
     model = getattr(preset.attack, args.kind)
     fit = getattr(preset.attack, f"{args.kind}_fit")
     if args.epochs is not None:

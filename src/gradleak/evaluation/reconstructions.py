@@ -78,8 +78,7 @@ class Evaluation:
             raise ConfigError(f"--defense {defense.spec!r} aggregates steps: the optimisation "
                               "baselines invert single steps and are not run on it")
         self.models = {name: load_attacker(path) for name, path in attackers.items()}
-        windows = [m[0].config.window for m in self.models.values() if hasattr(m[0].config,
-                                                                               "window")]
+        windows = [model.window for model, _ in self.models.values() if model.window > 1]
         self.window = window or (windows[0] if windows else 8)
         self.dataset = WindowDataset(data, window=self.window, stride=self.window, part="all",
                                      expect_split="heldout", defense=defense,
@@ -87,7 +86,7 @@ class Evaluation:
         for name, (_, meta) in self.models.items():
             fingerprint_from_dict(meta["fingerprint"]).check(self.dataset.fingerprint,
                                                              f"held-out data for {name}")
-            span = getattr(self.models[name][0].config, "window", 1)
+            span = self.models[name][0].window
             if span > self.window or self.window % span:
                 raise ConfigError(f"attacker {name} reads windows of {span} steps; evaluation "
                                   f"windows of {self.window} must be a multiple of it")
@@ -234,7 +233,7 @@ def reconstruct_in_spans(model: Any, observed: ObservedWindows) -> tuple[np.ndar
     """(images, action probabilities). An attacker with a shorter window (TRACE at T = 1) sees
     each span afresh, as it would in an attack: its context never reaches across spans."""
     b, t, d = observed.gradients.shape
-    span = getattr(model.config, "window", t)
+    span = model.window
     pieces = observed.gradients.reshape(b * (t // span), span, d)
     result = model.reconstruct(ObservedWindows(pieces))
     probs = result.extras["action_probs"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from gradleak.defenses import parse_defense
 from gradleak.errors import ConfigError
 from gradleak.io import check_output, run_directory
 from gradleak.metrics.images import psnr
+from gradleak.registry import Registry
 from gradleak.training.checkpoint import (
     META,
     build_model,
@@ -42,7 +44,27 @@ from gradleak.training.checkpoint import (
 from gradleak.training.data import WindowBatch, WindowDataset, collate
 from gradleak.training.objectives import LossWeights, LtiObjective, Perceptual, TraceObjective
 
-KINDS = ("trace", "lti")
+
+@dataclass(frozen=True)
+class FitKind:
+    """What a learned attacker's fit needs to know of its kind, in one registry entry."""
+
+    objective: Callable[..., nn.Module]  # (model, weights, perceptual, rollout_steps)
+    window: Callable[[Any], int]  # the steps one training window holds, from the model config
+    strided: bool  # windows start every `stride` steps (else at every step)
+    scheduled_sampling: bool  # teacher forcing annealed over epochs (a recurrent decoder)
+    adaptive_windows: int  # windows per fine-tuning epoch under a defense
+
+
+FIT_KINDS: Registry[FitKind] = Registry("learned attacker kind")
+FIT_KINDS.register("trace")(FitKind(
+    lambda model, weights, perceptual, rollout: TraceObjective(model, weights, perceptual,
+                                                               rollout),
+    window=lambda config: config.window, strided=True, scheduled_sampling=True,
+    adaptive_windows=400))
+FIT_KINDS.register("lti")(FitKind(
+    lambda model, weights, perceptual, rollout: LtiObjective(model, weights, perceptual),
+    window=lambda config: 1, strided=False, scheduled_sampling=False, adaptive_windows=4000))
 
 
 @dataclass
@@ -158,18 +180,16 @@ class AttackerFit:
 
     def __init__(self, kind: str, model_config: Any, config: FitConfig, train_paths: list[str],
                  out: Path, resume: bool = False, progress: bool = True) -> None:
-        if kind not in KINDS:
-            raise ConfigError(f"attacker kind {kind!r}: expected one of {', '.join(KINDS)}")
+        self.fit_kind = FIT_KINDS.get(kind)
         self.kind, self.config, self.out = kind, config, Path(out)
         self.rank, self.world, self.device = _distributed()
         self.progress = progress and self.rank == 0
         if (self.out / META).exists() and not resume:
             raise ConfigError(f"{self.out} already holds an attacker: pass --resume to continue "
                               "it or choose another --out")
-        window = model_config.window if kind == "trace" else 1
-        stride = config.stride if kind == "trace" else 1
-        common = dict(window=window, stride=stride, val_fraction=config.val_fraction,
-                      seed=config.seed, expect_split="train",
+        window = self.fit_kind.window(model_config)
+        common = dict(window=window, stride=config.stride if self.fit_kind.strided else 1,
+                      val_fraction=config.val_fraction, seed=config.seed, expect_split="train",
                       defense=parse_defense(config.defense, config.defense_seed),
                       skip_nonfinite=config.skip_nonfinite)
         self.train_data = WindowDataset(train_paths, part="train", **common)
@@ -216,17 +236,14 @@ class AttackerFit:
         known = {f.name for f in fields(self.model_config)}
         self.model_config = replace(self.model_config, **{k: v for k, v in meta["model"].items()
                                                           if k in known})
-        window = getattr(self.model_config, "window", 1) if self.kind == "trace" else 1
-        if window != self.train_data.window:
-            raise ConfigError(f"init_from {source} reads windows of {window} steps, this fit "
-                              f"{self.train_data.window}")
+        if model.window != self.train_data.window:
+            raise ConfigError(f"init_from {source} reads windows of {model.window} steps, this "
+                              f"fit {self.train_data.window}")
         return model.train()
 
     def _objective(self) -> nn.Module:
-        weights = self.config.weights
-        if self.kind == "trace":
-            return TraceObjective(self.model, weights, self.perceptual, self.config.rollout_steps)
-        return LtiObjective(self.model, weights, self.perceptual)
+        return self.fit_kind.objective(self.model, self.config.weights, self.perceptual,
+                                       self.config.rollout_steps)
 
     def _sampler(self) -> Sampler[int]:
         if self.world > 1:
@@ -235,9 +252,7 @@ class AttackerFit:
 
     def _prepare(self) -> None:
         """Normaliser statistics and the mean training image, from training windows only."""
-        gradient_input = self.model.gradient_encoder.input if self.kind == "trace" \
-            else self.model.input
-        gradient_input.fit(self.train_data.gradient_rows(self.config.normaliser_rows,
+        self.model.gradient_input.fit(self.train_data.gradient_rows(self.config.normaliser_rows,
                                                          self.config.seed))
         self.mean_image = self.train_data.mean_image(seed=self.config.seed)
 
@@ -288,7 +303,8 @@ class AttackerFit:
         """One pass over the sampled windows, cut short at the optimiser step where the time
         limit is spent; the record says which fraction of the epoch ran."""
         config, start, cpu_start = self.config, time.perf_counter(), time.process_time()
-        beta = scheduled_sampling_beta(config, epoch) if self.kind == "trace" else 0.0
+        beta = scheduled_sampling_beta(config, epoch) if self.fit_kind.scheduled_sampling \
+            else 0.0
         self.sampler.set_epoch(epoch)
         self.model.train()
         totals: dict[str, float] = {}
@@ -410,7 +426,7 @@ def fine_tune_under_defense(kind: str, model_config: Any, config: FitConfig, cle
     covers several of them. The architecture comes from `clean`; `model_config` only fills the
     fields it lacks."""
     config = replace(config, defense=spec, init_from=str(clean), epochs=max(1, round(minutes)),
-                     max_train_windows=400 if kind == "trace" else 4000, warmup_epochs=0.1,
+                     max_train_windows=FIT_KINDS.get(kind).adaptive_windows, warmup_epochs=0.1,
                      teacher_forcing_epochs=0, lr=config.lr / 3, time_limit_minutes=minutes,
                      time_limit_clock=clock)
     return fit_attacker(kind, model_config, config, train_paths, out,
