@@ -30,8 +30,8 @@ from gradleak.evaluation.reconstructions import evaluate
 from gradleak.io import atomic_path
 from gradleak.presets import load_preset
 from gradleak.report.tables import fixed, markdown_table
-from gradleak.training.auxiliary import fit_decoder
 from gradleak.training.checkpoint import META
+from gradleak.training.decoder_fit import fit_decoder
 
 RESULTS = Path(__file__).parent / "results" / "adaptive_decoders.json"
 ZERO_SHOT = {"analytic+decoder (FC input)": "decoder",

@@ -36,8 +36,8 @@ from gradleak.evaluation.reconstructions import evaluate
 from gradleak.io import atomic_path, read_json
 from gradleak.presets import load_preset
 from gradleak.report.tables import fixed, markdown_table
-from gradleak.training.auxiliary import fit_decoder
 from gradleak.training.checkpoint import META
+from gradleak.training.decoder_fit import fit_decoder
 from gradleak.training.fit import fine_tune_under_defense, fit_attacker
 
 RESULTS = Path(__file__).parent / "results" / "structured_vs_dense.json"

@@ -43,7 +43,7 @@ from gradleak.io import atomic_path, read_json, write_json
 from gradleak.presets import Preset, load_preset
 from gradleak.report.tables import markdown_table
 from gradleak.rl.trainer import train_victim
-from gradleak.training.auxiliary import fit_decoder
+from gradleak.training.decoder_fit import fit_decoder
 from gradleak.training.fit import fit_attacker
 from gradleak.victims import VictimConfig
 

@@ -18,14 +18,9 @@ from gradleak.envs.factory import random_walk_frames
 from gradleak.errors import CaptureFileError, ConfigError
 from gradleak.io import load_tensors
 from gradleak.metrics.images import psnr
-from gradleak.training.auxiliary import (
-    RENDERED,
-    DecoderFit,
-    DecoderFitConfig,
-    feature_map_shape,
-    fit_decoder,
-)
 from gradleak.training.checkpoint import WEIGHTS, load_attacker
+from gradleak.training.decoder_fit import DecoderFit, DecoderFitConfig, fit_decoder
+from gradleak.training.frames import RENDERED, feature_map_shape
 from gradleak.victims import create_victim
 from gradleak.victims.base import layers_to_json
 
@@ -124,7 +119,7 @@ def test_resuming_gives_the_uninterrupted_weights(context: str, train_capture: P
     decoder, meta = load_attacker(tmp_path / "split")
     assert meta["kind"] == "decoder" and isinstance(decoder, FeatureDecoder)
     # a finished run resumes to its summary without rendering or training anything again
-    monkeypatch.setattr("gradleak.training.auxiliary.DecoderFit", None)
+    monkeypatch.setattr("gradleak.training.decoder_fit.DecoderFit", None)
     again = fit_decoder(model, tiny_fit(epochs=2), [str(train_capture)], tmp_path / "split",
                         resume=True, progress=False)
     assert again == result
@@ -136,7 +131,7 @@ def test_resuming_gives_the_uninterrupted_weights(context: str, train_capture: P
 
 def test_rendered_frames_are_seeded(train_capture: Path) -> None:
     from gradleak.presets import EnvConfig, dataclass_from_dict
-    from gradleak.training.auxiliary import read_env_config
+    from gradleak.training.frames import read_env_config
 
     with CaptureFile(train_capture) as capture:
         env, scenes = dataclass_from_dict(EnvConfig, read_env_config(capture)), capture.scenes
@@ -153,7 +148,7 @@ def test_the_motion_prior_explains_real_camera_motion(train_capture: Path) -> No
     """Warping each rendered frame by the action taken after it brings it closer to the next
     frame than leaving it in place, for every turn and look."""
     from gradleak.presets import EnvConfig, dataclass_from_dict
-    from gradleak.training.auxiliary import read_env_config
+    from gradleak.training.frames import read_env_config
 
     with CaptureFile(train_capture) as capture:
         env, scenes = dataclass_from_dict(EnvConfig, read_env_config(capture)), capture.scenes
@@ -198,8 +193,8 @@ def test_context_is_causal_and_used(context: str) -> None:
 
 
 def test_captured_frames_link_predecessors_within_episodes(train_capture: Path) -> None:
-    from gradleak.training.auxiliary import captured_frames
     from gradleak.training.data import WindowDataset
+    from gradleak.training.frames import captured_frames
 
     data = WindowDataset([train_capture], window=1, stride=1, part="train", expect_split="train")
     frames = captured_frames([str(train_capture)], data.rows)

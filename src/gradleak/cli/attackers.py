@@ -42,7 +42,7 @@ def run_attacker(args: argparse.Namespace) -> None:
 
 
 def run_decoder(args: argparse.Namespace) -> None:
-    from gradleak.training.auxiliary import fit_decoder
+    from gradleak.training.decoder_fit import fit_decoder
 
     preset = preset_from_args(args)
     fit = preset.attack.decoder_fit
