@@ -25,9 +25,9 @@ from gradleak.evaluation import evaluate_action_rules
 from gradleak.evaluation.reconstructions import evaluate
 from gradleak.io import check_output, read_json, write_json
 from gradleak.presets import Preset
-from gradleak.report.evaluation import table_columns, table_rows
 from gradleak.report.html import write_report
 from gradleak.report.plots import plot_action_recovery
+from gradleak.report.scores import table_columns, table_rows
 from gradleak.report.tables import text_table
 from gradleak.rl.trainer import train_victim
 from gradleak.training.fit import fit_attacker

@@ -56,7 +56,7 @@ def baseline_names(args: argparse.Namespace) -> list[str]:
 
 def run_evaluate(args: argparse.Namespace) -> None:
     from gradleak.evaluation.reconstructions import evaluate
-    from gradleak.report.evaluation import table_columns, table_rows
+    from gradleak.report.scores import table_columns, table_rows
     from gradleak.report.tables import text_table
 
     optim = {name.upper().replace("-PROBE", " (probe loss)"): optim_config(args, name)

@@ -33,7 +33,7 @@ def optim_flags(parser: argparse.ArgumentParser, presets: bool = True) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    from gradleak.evaluation.baselines import attack_steps
+    from gradleak.evaluation.single_steps import attack_steps
     from gradleak.report.tables import text_table
 
     result = attack_steps(args.data, args.index, args.method, optim_config(args, args.method),

@@ -283,7 +283,7 @@ def evaluate(data: Sequence[str | os.PathLike[str]], attackers: dict[str, str], 
              baselines: dict[str, OptimConfig] | None = None, baseline_windows: int = 2,
              progress: bool = False, defense: Chain | None = None,
              skip_nonfinite: bool = False) -> dict[str, Any]:
-    from gradleak.report.evaluation import write_evaluation  # matplotlib is slow to import
+    from gradleak.report.scores import write_evaluation  # matplotlib is slow to import
 
     check_output(out, "--out", directory=True)
     evaluation = Evaluation(data, attackers, lpips_weights=lpips_weights,

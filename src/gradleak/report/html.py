@@ -13,7 +13,7 @@ from typing import Any
 
 from gradleak.errors import ConfigError
 from gradleak.io import atomic_path, check_output, read_json
-from gradleak.report.evaluation import KIND_ORDER, psnr_by_t_rows, table_columns, table_rows
+from gradleak.report.scores import KIND_ORDER, psnr_by_t_rows, table_columns, table_rows
 
 FIGURES = (("reconstructions.png", "Ground truth above each method's reconstruction"),
            ("psnr_by_t.png", "PSNR by position in the window"),
