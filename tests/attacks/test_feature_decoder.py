@@ -14,13 +14,12 @@ from test_analytic import synthetic
 from gradleak.attacks.analytic import module_input
 from gradleak.attacks.feature_decoder import DecoderConfig, FeatureDecoder
 from gradleak.capture.reader import CaptureFile
-from gradleak.envs.factory import random_walk_frames
 from gradleak.errors import CaptureFileError, ConfigError
 from gradleak.io import load_tensors
 from gradleak.metrics.images import psnr
 from gradleak.training.checkpoint import WEIGHTS, load_attacker
 from gradleak.training.decoder_fit import DecoderFit, DecoderFitConfig, fit_decoder
-from gradleak.training.frames import RENDERED, feature_map_shape
+from gradleak.training.frames import RENDERED, feature_map_shape, random_walk_frames
 from gradleak.victims import create_victim
 from gradleak.victims.base import layers_to_json
 
@@ -107,7 +106,7 @@ def test_resuming_gives_the_uninterrupted_weights(context: str, train_capture: P
     interrupted.run(session_epochs=1)  # killed after epoch 1
     assert (tmp_path / "split" / RENDERED).is_file()
     with monkeypatch.context() as patch:  # the resumed session reads the frames it cached
-        patch.setattr("gradleak.envs.factory.random_walk_frames", None)
+        patch.setattr("gradleak.training.frames.random_walk_frames", None)
         result = fit_decoder(model, tiny_fit(epochs=2), [str(train_capture)],
                              tmp_path / "split", resume=True, progress=False)
     assert not (tmp_path / "split" / RENDERED).exists()  # done: only the attacker is kept

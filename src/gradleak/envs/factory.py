@@ -6,7 +6,6 @@ import copy
 from typing import Any
 
 import gymnasium as gym
-import numpy as np
 
 from gradleak.envs.adapter import make_gym_env
 from gradleak.envs.config import EnvConfig
@@ -62,35 +61,3 @@ def num_actions(config: EnvConfig) -> int:
         finally:
             env.close()
     return config.doomnav.num_actions
-
-
-def random_walk_frames(config: EnvConfig, scenes: list[str], count: int, seed: int,
-                       progress: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Frames of a uniformly random policy over `scenes`: auxiliary views an attacker can
-    render for itself, without any victim or gradient. Returns (frames (count, H, W, 3) uint8,
-    the action taken after each frame, whether each frame starts an episode)."""
-    from tqdm import tqdm
-
-    env = make_env(config, scenes)
-    rng = np.random.default_rng(seed)
-    frames: list[np.ndarray] = []
-    actions, first = np.zeros(count, np.int64), np.zeros(count, bool)
-    try:
-        observation, _ = env.reset(seed=seed)
-        first[0] = count > 0
-        with tqdm(total=count, disable=not progress, desc="rendering frames", leave=False) as bar:
-            while len(frames) < count:
-                frames.append(np.asarray(observation["image"], np.uint8))
-                bar.update(1)
-                action = int(rng.integers(env.action_space.n))
-                actions[len(frames) - 1] = action
-                observation, _, done, truncated, _ = env.step(action)
-                if done or truncated:
-                    observation, _ = env.reset(seed=int(rng.integers(2**31)))
-                    if len(frames) < count:
-                        first[len(frames)] = True
-    finally:
-        env.close()
-    size = config.doomnav.frame_size
-    return (np.stack(frames) if frames else np.zeros((0, size, size, 3), np.uint8), actions,
-            first)

@@ -18,6 +18,9 @@ from tqdm import tqdm
 
 from gradleak.attacks.analytic import module_input
 from gradleak.capture.reader import CaptureFile
+from gradleak.config import dataclass_from_dict
+from gradleak.envs.config import EnvConfig
+from gradleak.envs.factory import make_env
 from gradleak.errors import ConfigError
 from gradleak.io import (
     load_tensors,
@@ -125,10 +128,6 @@ class AuxiliaryFrames:
             stored = load_tensors(cache, "rendered frames")
             return FrameSet(stored["images"].numpy(), stored["previous"].numpy(),
                             stored["actions"].numpy())
-        from gradleak.config import dataclass_from_dict
-        from gradleak.envs.config import EnvConfig
-        from gradleak.envs.factory import random_walk_frames
-
         env = dataclass_from_dict(EnvConfig, read_env_config(capture))
         images, actions, first = random_walk_frames(env, list(capture.scenes),
                                                     config.extra_frames, seed=config.seed + 1,
@@ -189,3 +188,31 @@ def read_env_config(capture: CaptureFile) -> dict[str, Any]:
                           "its training scenes cannot be rendered (set extra_frames=0)") from error
 
 
+def random_walk_frames(config: EnvConfig, scenes: list[str], count: int, seed: int,
+                       progress: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Frames of a uniformly random policy over `scenes`: auxiliary views an attacker can
+    render for itself, without any victim or gradient. Returns (frames (count, H, W, 3) uint8,
+    the action taken after each frame, whether each frame starts an episode)."""
+    env = make_env(config, scenes)
+    rng = np.random.default_rng(seed)
+    frames: list[np.ndarray] = []
+    actions, first = np.zeros(count, np.int64), np.zeros(count, bool)
+    try:
+        observation, _ = env.reset(seed=seed)
+        first[0] = count > 0
+        with tqdm(total=count, disable=not progress, desc="rendering frames", leave=False) as bar:
+            while len(frames) < count:
+                frames.append(np.asarray(observation["image"], np.uint8))
+                bar.update(1)
+                action = int(rng.integers(env.action_space.n))
+                actions[len(frames) - 1] = action
+                observation, _, done, truncated, _ = env.step(action)
+                if done or truncated:
+                    observation, _ = env.reset(seed=int(rng.integers(2**31)))
+                    if len(frames) < count:
+                        first[len(frames)] = True
+    finally:
+        env.close()
+    size = config.doomnav.frame_size
+    return (np.stack(frames) if frames else np.zeros((0, size, size, 3), np.uint8), actions,
+            first)
