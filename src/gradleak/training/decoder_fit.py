@@ -51,7 +51,7 @@ from gradleak.training.checkpoint import (
     save_training_state,
 )
 from gradleak.training.data import check_rgb_frames
-from gradleak.training.fit import Budget, warmup_cosine
+from gradleak.training.fit import Budget, FitSchedule, warmup_cosine
 from gradleak.training.frames import (
     RENDERED,
     AuxiliaryFrames,
@@ -64,26 +64,20 @@ from gradleak.victims.roles import Roles
 
 
 @dataclass
-class DecoderFitConfig:
+class DecoderFitConfig(FitSchedule):
+    """The analytic decoder's fit on frames: the shared schedule with its own defaults, and
+    what only a frame decoder has (rendered frames, mirroring, its loss weights)."""
+
     epochs: int = 20
     batch_size: int = 64
     lr: float = 2e-3
-    weight_decay: float = 1e-5
     warmup_epochs: float = 0.3
     min_lr: float = 1e-5
-    grad_clip: float = 1.0
     extra_frames: int = 20_000  # rendered on the captures' training scenes, random policy
     mirror: bool = True
     l1_weight: float = 0.5
     ssim_weight: float = 0.5
-    val_fraction: float = 0.05  # validation episodes of the captures (as TRACE and LtI)
     max_val_frames: int = 512
-    time_limit_minutes: float | None = None  # stop at the step that passes it (a partial epoch)
-    time_limit_clock: str = "wall"  # or "cpu": this process's CPU time, all its threads
-    seed: int = 0
-    defense: str = "none"  # train on features recovered from gradients under this defense
-    defense_seed: int = 1  # differs from evaluation's default 0: other noise draws
-    skip_nonfinite: bool = False  # leave out frames whose gradient holds NaN/Inf (else: refuse)
 
     def defense_chain(self) -> Chain | None:
         """The per-step defense to train under, or None; its conflicts named up front."""
@@ -135,7 +129,7 @@ class DecoderFit:
         self.mirror = None if mirror is None else torch.tensor(mirror)
         self.steps_per_epoch = max(1, len(self.frames) // config.batch_size)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimiser, warmup_cosine(config, self.steps_per_epoch))  # type: ignore[arg-type]
+            self.optimiser, warmup_cosine(config, self.steps_per_epoch))
         self.epoch, self.best, self.history = 0, math.inf, []
         if resume and (self.out / META).exists():
             self._resume()

@@ -68,28 +68,18 @@ FIT_KINDS.register("lti")(FitKind(
 
 
 @dataclass
-class FitConfig:
+class FitSchedule:
+    """What every learned attacker's fit shares: the optimiser schedule, the budget, the
+    validation split, the defense it trains under (an adaptive attacker) and the seed."""
+
     epochs: int = 50
     batch_size: int = 8
-    accumulation: int = 2
     lr: float = 1e-4
     weight_decay: float = 1e-5
     warmup_epochs: float = 5.0
     min_lr: float = 1e-6
     grad_clip: float = 1.0
-    teacher_forcing_epochs: int = 5  # τ
-    beta_start: float = 0.1  # scheduled sampling after τ, rising linearly to beta_end
-    beta_end: float = 0.8
-    rollout_steps: int = 3
-    weights: LossWeights = field(default_factory=LossWeights)
-    stride: int = 2
-    val_fraction: float = 0.05
-    validate_every: int = 1
-    max_train_windows: int | None = None  # per epoch; bounds CPU presets
-    max_val_windows: int = 64
-    normaliser_rows: int = 2048
-    workers: int = 1
-    lpips_weights: str | None = None
+    val_fraction: float = 0.05  # validation episodes of the training captures
     # stop at the optimiser step that passes it (a TRACE-dense epoch is 35 CPU-minutes: stopping at
     # the epoch's end would give equal limits unequal compute); the epoch is saved as partial
     time_limit_minutes: float | None = None
@@ -97,8 +87,27 @@ class FitConfig:
     seed: int = 0
     defense: str = "none"  # train under this defense (an adaptive attacker), e.g. "quant:4"
     defense_seed: int = 1  # differs from evaluation's default 0: other noise draws
-    init_from: str | None = None  # start from this attacker's weights (fine-tuning)
     skip_nonfinite: bool = False  # leave out windows with NaN/Inf gradients (else: refuse)
+
+
+@dataclass
+class FitConfig(FitSchedule):
+    """TRACE's and LtI's fit on gradient windows."""
+
+    accumulation: int = 2
+    teacher_forcing_epochs: int = 5  # τ
+    beta_start: float = 0.1  # scheduled sampling after τ, rising linearly to beta_end
+    beta_end: float = 0.8
+    rollout_steps: int = 3
+    weights: LossWeights = field(default_factory=LossWeights)
+    stride: int = 2
+    validate_every: int = 1
+    max_train_windows: int | None = None  # per epoch; bounds CPU presets
+    max_val_windows: int = 64
+    normaliser_rows: int = 2048
+    workers: int = 1
+    lpips_weights: str | None = None
+    init_from: str | None = None  # start from this attacker's weights (fine-tuning)
 
 
 def scheduled_sampling_beta(config: FitConfig, epoch: int) -> float:
@@ -110,7 +119,7 @@ def scheduled_sampling_beta(config: FitConfig, epoch: int) -> float:
     return config.beta_start + progress * (config.beta_end - config.beta_start)
 
 
-def warmup_cosine(config: FitConfig, steps_per_epoch: int):
+def warmup_cosine(config: FitSchedule, steps_per_epoch: int) -> Callable[[int], float]:
     warmup = max(1, int(config.warmup_epochs * steps_per_epoch))
     total = max(warmup + 1, config.epochs * steps_per_epoch)
     floor = config.min_lr / config.lr
