@@ -63,3 +63,31 @@ def test_evaluation_gives_the_attacks_captured_gradients_and_nothing_else(
             rows = observed.gradients
         # every row handed over is a captured gradient row, nothing else
         assert all((captured == row).all(1).any() for row in rows)
+
+
+ATTACK_MODULES = [*sorted((Path(__file__).resolve().parents[1] / "src" / "gradleak" / "attacks")
+                          .rglob("*.py")),
+                  *(Path(__file__).resolve().parents[1] / "src" / "gradleak" / "fedavg" / name
+                    for name in ("attacks.py", "labels.py"))]
+PRIVATE_PATHS = ("gradleak.capture", "gradleak.evaluation", "gradleak.training",
+                 "gradleak.fedavg.datasets", "gradleak.fedavg.experiment")
+
+
+def test_no_attack_module_reaches_a_private_data_path() -> None:
+    """Attack code (RL and FedAvg alike) imports none of the modules that read private data
+    (capture files, training windows, the FedAvg datasets and experiment), and calls no
+    `.target(` or `.column(` reader."""
+    import ast
+
+    found = []
+    for path in ATTACK_MODULES:
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            names = [node.module] if isinstance(node, ast.ImportFrom) and node.module else \
+                [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+            found += [f"{path.name} imports {name}" for name in names
+                      if name.startswith(PRIVATE_PATHS)]
+            if isinstance(node, ast.Attribute) and node.attr in ("target", "column") and \
+                    isinstance(getattr(node, "ctx", None), ast.Load):
+                found.append(f"{path.name} reads .{node.attr}")
+    assert not found, found

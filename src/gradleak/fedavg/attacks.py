@@ -146,8 +146,8 @@ class UpdateInversion:
         config.check()
         self.model, self.update, self.config = model.eval(), update, config
         self.buffers = {n: b.detach() for n, b in model.named_buffers()}
-        self.target = update.delta()
-        self.target_norm = sum(squared_norm(t) for t in self.target.values()).sqrt()
+        self.direction = update.delta()
+        self.direction_norm = sum(squared_norm(t) for t in self.direction.values()).sqrt()
         generator = torch.Generator().manual_seed(config.seed)
         count = update.config.samples
         self.images = torch.randn(count, *shape, generator=generator).clamp(0, 1)
@@ -177,7 +177,7 @@ class UpdateInversion:
     def objective(self) -> tuple[torch.Tensor, dict[str, float]]:
         raw = self.surrogate_gradient(self.images)
         scaled = self.surrogate.scaled(raw)
-        similarity = cosine_distance(scaled, self.target, self.target_norm)
+        similarity = cosine_distance(scaled, self.direction, self.direction_norm)
         total = similarity + self.config.tv * total_variation(self.images) \
             + self.surrogate.penalties(self.config)
         if self.config.cls:
@@ -187,7 +187,7 @@ class UpdateInversion:
             raw_similarity = float(similarity.detach())
         else:
             with torch.no_grad():
-                raw_similarity = float(cosine_distance(raw, self.target, self.target_norm))
+                raw_similarity = float(cosine_distance(raw, self.direction, self.direction_norm))
         return total, {"l_sim_raw": raw_similarity, "l_sim_scaled": float(similarity.detach())}
 
     def parameter_groups(self) -> list[dict[str, Any]]:
