@@ -116,26 +116,24 @@ def test_separate_actor_and_critic_on_stacked_grayscale_non_square_frames(tmp_pa
     assert np.abs(frames - data["images"].transpose(0, 3, 1, 2).reshape(12, -1)).max() < 0.05
 
 
-@pytest.mark.parametrize("build, fragment", [
-    (lambda: gradleak.wrap(user_models.ConvPolicy(), policy_head="body.0", value_head="v",
-                           frame_shape=(32, 32, 3)), "body.0' is a Conv2d"),
-    (lambda: gradleak.wrap(user_models.ConvPolicy(), policy_head="logits", value_head="v",
-                           frame_shape=(32, 32, 3)), "no such module (its Linear layers are "
-                                                     "proj, pi, v)"),
-    (lambda: gradleak.wrap(_without_bias(), policy_head="pi", value_head="v",
-                           frame_shape=(32, 32, 3)), "'pi' has no bias"),
-    (lambda: gradleak.wrap(user_models.NoisyHead(), policy_head="pi", value_head="v",
-                           frame_shape=(2, 2, 3)), "module pi reads different inputs"),
-    (lambda: gradleak.wrap(user_models.ConvPolicy(), policy_head="pi", value_head="v",
-                           frame_shape=(30, 32, 3)), "fails on example frames of the declared "
-                                                      "shape (30, 32, 3)"),
-    (lambda: gradleak.wrap(_ScaledPolicy(), policy_head="pi", value_head="v",
-                           transform=InputTransform(32, 32, scale=1.0), feed="frames-chw"),
-     "does not give what body.0 reads"),
+@pytest.mark.parametrize("build, settings, fragment", [
+    (user_models.ConvPolicy, {"policy_head": "body.0"}, "body.0' is a Conv2d"),
+    (user_models.ConvPolicy, {"policy_head": "logits"},
+     "no such module (its Linear layers are proj, pi, v)"),
+    ("without bias", {}, "'pi' has no bias"),
+    (user_models.NoisyHead, {"frame_shape": (2, 2, 3)}, "module pi reads different inputs"),
+    (user_models.ConvPolicy, {"frame_shape": (30, 32, 3)},
+     "fails on example frames of the declared shape (30, 32, 3)"),
+    ("scaled", {"transform": InputTransform(32, 32, scale=1.0), "feed": "frames-chw",
+                "frame_shape": None}, "does not give what body.0 reads"),
 ])
-def test_what_cannot_be_audited_is_refused_naming_the_module(build, fragment: str) -> None:
+def test_what_cannot_be_audited_is_refused_naming_the_module(build, settings: dict,
+                                                            fragment: str) -> None:
+    model = {"without bias": _without_bias, "scaled": lambda: _ScaledPolicy()}.get(
+        build, build)()
+    options = {"policy_head": "pi", "value_head": "v", "frame_shape": (32, 32, 3), **settings}
     with pytest.raises(ConfigError) as error:
-        build()
+        gradleak.wrap(model, **options)
     assert fragment in str(error.value)
 
 
