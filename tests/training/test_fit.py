@@ -187,3 +187,24 @@ def test_corrupt_and_foreign_attacker_checkpoints(trained_attackers, tmp_path: P
     (broken / "attacker.json").write_text(json.dumps({"format": "something-else"}))
     with pytest.raises(CheckpointError, match="expected 'gradleak-attacker'"):
         load_attacker(broken)
+
+
+def test_every_fit_reports_its_time_the_same_way(train_capture: Path, tmp_path: Path) -> None:
+    """minutes = the epochs' training time summed over every session; a resumed run counts
+    its first session too, and session_minutes only this one (for the attackers and the
+    decoder alike)."""
+    from conftest import tiny_attack_settings
+
+    from gradleak.training.fit import fit_attacker
+
+    model, fit = tiny_attack_settings("lti")
+    fit.epochs = 1
+    first = fit_attacker("lti", model, fit, [str(train_capture)], tmp_path / "a", progress=False)
+    fit.epochs = 2
+    second = fit_attacker("lti", model, fit, [str(train_capture)], tmp_path / "a", resume=True,
+                          progress=False)
+    history = json.loads((tmp_path / "a" / "attacker.json").read_text())["history"]
+    assert len(history) == 2
+    assert abs(second["minutes"] - sum(r["train_minutes"] for r in history)) < 1e-9
+    assert second["minutes"] > first["minutes"] and second["session_minutes"] > 0
+    assert set(first) >= {"minutes", "cpu_minutes", "session_minutes"}

@@ -51,7 +51,7 @@ from gradleak.training.checkpoint import (
     save_training_state,
 )
 from gradleak.training.data import check_rgb_frames
-from gradleak.training.fit import Budget, FitSchedule, warmup_cosine
+from gradleak.training.fit import Budget, FitSchedule, training_minutes, warmup_cosine
 from gradleak.training.frames import (
     RENDERED,
     AuxiliaryFrames,
@@ -325,14 +325,16 @@ def fit_decoder(model_config: DecoderConfig, config: DecoderFitConfig, paths: li
         meta = read_json(Path(out) / META, "attacker config")
         if int(meta.get("epoch", 0)) >= config.epochs:  # done: no frames to render again
             model, _ = load_attacker(out)
-            return fit_summary(out, meta["epoch"], model, meta["history"],
-                               meta["train_frames"])
+            return {**fit_summary(out, meta["epoch"], model, meta["history"],
+                                  meta["train_frames"]), "session_minutes": 0.0}
     check_output(out, "--out", directory=True)
+    start = time.perf_counter()
     with run_directory(out, keep=lambda d: (d / META).is_file()):
         fit = DecoderFit(model_config, config, paths, out, resume, progress)
         history = fit.run()
-    return fit_summary(out, fit.epoch, fit.model, history,
-                       {"captured": len(fit.data.train), "rendered": len(fit.data.rendered)})
+    return {**fit_summary(out, fit.epoch, fit.model, history,
+                          {"captured": len(fit.data.train), "rendered": len(fit.data.rendered)}),
+            "session_minutes": (time.perf_counter() - start) / 60}
 
 
 def fit_summary(out: Path, epochs: int, model: nn.Module, history: list[dict[str, Any]],
@@ -340,5 +342,5 @@ def fit_summary(out: Path, epochs: int, model: nn.Module, history: list[dict[str
     """`minutes` sums every epoch's training time, across resumed sessions too."""
     return {"out": str(out), "kind": "decoder", "epochs": epochs,
             "parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
-            "minutes": sum(record["train_minutes"] for record in history),
+            **training_minutes(history),
             "last": history[-1] if history else {}, "train_frames": frames}

@@ -421,9 +421,22 @@ def fit_attacker(kind: str, model_config: Any, config: FitConfig, train_paths: l
         history = fit.run()
     parameters = sum(p.numel() for p in fit.model.parameters())
     return {"out": str(out), "kind": kind, "epochs": fit.epoch, "parameters": parameters,
-            "minutes": (time.perf_counter() - start) / 60, "last": history[-1] if history else {},
+            **training_minutes(history, time.perf_counter() - start),
+            "last": history[-1] if history else {},
             "perceptual": fit.perceptual.name,
             "skipped_nonfinite_rows": fit.train_data.skipped_rows}
+
+
+def training_minutes(history: list[dict[str, Any]], session_seconds: float | None = None
+                     ) -> dict[str, float]:
+    """What every fit reports as its time: `minutes` and `cpu_minutes` sum the epochs' training
+    time over every session of the run (resumed ones too), `session_minutes` this invocation's
+    wall time."""
+    out = {"minutes": sum(record.get("train_minutes", 0.0) for record in history),
+           "cpu_minutes": sum(record.get("train_cpu_minutes", 0.0) for record in history)}
+    if session_seconds is not None:
+        out["session_minutes"] = session_seconds / 60
+    return out
 
 
 def fine_tune_under_defense(kind: str, model_config: Any, config: FitConfig, clean: Path,
