@@ -138,7 +138,7 @@ def test_analytic_reports_exact_recovery_and_feature_inversion(capsys,
     from gradleak.metrics.images import psnr, to_unit_tensor
 
     with CaptureFile(random_capture) as capture:
-        frames = to_unit_tensor(capture.column("images")[np.linspace(0, 49, 2).astype(int)])
+        frames = to_unit_tensor(capture.private_column("images")[np.linspace(0, 49, 2).astype(int)])
     grey = float(psnr(torch.full_like(frames, 0.5), frames).mean())
     assert result["feature_inversion"]["psnr"] > grey + 8.0  # 20.8 vs 9.0 dB when written
 

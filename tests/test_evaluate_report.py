@@ -144,7 +144,7 @@ def test_the_mean_image_reference_comes_from_the_data_not_the_attacker_order(
     from gradleak.capture.reader import CaptureFile
 
     with CaptureFile(train_capture) as capture:
-        frames = capture.column("images").astype(np.float64) / 255.0
+        frames = capture.private_column("images").astype(np.float64) / 255.0
     truth = frames.mean(axis=(0, 1, 2, 3))
     first, second = (evaluate([random_capture], dict(order), tmp_path / name, max_windows=2)
                      for name, order in (

@@ -199,7 +199,7 @@ def test_captured_frames_link_predecessors_within_episodes(train_capture: Path) 
     data = WindowDataset([train_capture], window=1, stride=1, part="train", expect_split="train")
     frames = captured_frames([str(train_capture)], data.rows)
     with CaptureFile(train_capture) as capture:
-        episodes, actions = capture.column("episode_ids"), capture.column("actions")
+        episodes, actions = capture.column("episode_ids"), capture.private_column("actions")
     steps = data.rows[:, 1]
     linked = frames.previous >= 0
     assert linked.sum() == len(frames) - len(np.unique(data.rows[:, 2]))

@@ -41,7 +41,7 @@ def test_stored_gradients_are_the_clients_gradients(random_capture: Path) -> Non
         assert capture.num_rows == 50
         observation, target = capture.observation(), capture.target()
         victim = victim_from_file(capture)
-        columns = {name: capture.column(name) for name in ("log_probs", "goals")}
+        columns = {name: capture.private_column(name) for name in ("log_probs", "goals")}
         loss = json.loads(capture.attrs["loss"])
     batch = StepBatch(torch.from_numpy(target.images), torch.from_numpy(target.actions),
                       torch.from_numpy(target.advantages), torch.from_numpy(target.returns),
@@ -58,8 +58,9 @@ def test_stored_gradients_are_the_clients_gradients(random_capture: Path) -> Non
 def test_advantages_follow_the_capture_protocol(random_capture: Path) -> None:
     with CaptureFile(random_capture) as capture:
         episodes = capture.column("episode_ids")
-        advantages, raw = capture.column("advantages"), capture.column("advantages_raw")
-        returns, values = capture.column("returns"), capture.column("values")
+        advantages = capture.private_column("advantages")
+        raw = capture.private_column("advantages_raw")
+        returns, values = capture.private_column("returns"), capture.private_column("values")
         summary = capture.validate()
     assert summary["episodes"] == len(np.unique(episodes)) >= 2
     np.testing.assert_allclose(returns, raw + values, rtol=1e-5, atol=1e-6)
@@ -266,3 +267,27 @@ def test_checkpoint_and_environment_must_agree(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="takes 32x32 frames but the preset renders 64x64"):
         run_capture(CaptureJob(victim=str(tmp_path / "victim"), split="train", steps=5,
                                out=tmp_path / "x.h5", preset=preset, progress=False))
+
+
+def test_private_columns_are_served_only_by_their_named_readers(tmp_path: Path) -> None:
+    """`Column.private` is read: column() and read() serve what the server sees (ids and
+    gradients); frames, actions, advantages and the rest only through private_column() or
+    target(), the readers for scoring and for an attacker's own training captures."""
+    from gradleak.capture.reader import PRIVATE_COLUMNS
+    from gradleak.capture.schema import step_columns
+
+    out = tmp_path / "c.h5"
+    run_capture(CaptureJob(victim="cnn-small", random_init=True, split="heldout", steps=12,
+                           out=out, preset=tiny_preset(), progress=False, seed=3))
+    declared = {c.name for c in step_columns((32, 32, 3), 5, 0) if c.private}
+    assert PRIVATE_COLUMNS >= declared and "episode_ids" not in PRIVATE_COLUMNS
+    with CaptureFile(out) as capture:
+        assert len(capture.column("episode_ids")) == 12
+        assert capture.read("gradients").shape[0] == 12
+        for name in ("images", "actions", "advantages", "returns", "values"):
+            with pytest.raises(CaptureFileError, match=f"column '{name}' is private"):
+                capture.column(name)
+            with pytest.raises(CaptureFileError, match="private_column"):
+                capture.read(name)
+        assert capture.private_column("actions").shape == (12,)
+        assert capture.target().images.shape == (12, 32, 32, 3)

@@ -123,7 +123,7 @@ def test_aggregated_windows_average_blocks_and_target_last_frames_and_histograms
                                defense=parse_defense("agg:2"))
     with CaptureFile(random_capture) as capture:
         episodes = capture.column("episode_ids")
-        actions = capture.column("actions")
+        actions = capture.private_column("actions")
         starts = {int(np.flatnonzero(episodes == e)[0]) for e in np.unique(episodes)}
     for index in range(len(aggregated)):
         _, start, episode = (int(v) for v in aggregated.rows[index])

@@ -59,7 +59,7 @@ def test_mean_image_and_normaliser_rows_come_from_the_dataset(train_capture: Pat
     data = WindowDataset([train_capture], window=1, stride=1, part="train")
     with CaptureFile(train_capture) as capture:
         gradients = capture.read("gradients").astype(np.float32)
-        images = capture.column("images")
+        images = capture.private_column("images")
     rows = np.concatenate([r.numpy() for r in data.gradient_rows(10)])
     assert rows.shape == (10, data.gradient_dim)
     assert all((gradients == row).all(1).any() for row in rows)

@@ -107,7 +107,7 @@ def test_separate_actor_and_critic_on_stacked_grayscale_non_square_frames(tmp_pa
     out = tmp_path / "stack.h5"
     record(victim, out, loss=LOSS, **data)
     with CaptureFile(out) as capture:
-        assert capture.column("images").shape == (12, 12, 20, 4)  # stored as given
+        assert capture.private_column("images").shape == (12, 12, 20, 4)  # stored as given
         observation, target = capture.observation(), capture.target()
     recovered = recover_analytically(observation)
     assert np.array_equal(recovered.actions, data["actions"])

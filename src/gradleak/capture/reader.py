@@ -35,6 +35,8 @@ from gradleak.victims.base import VICTIMS, LayerInfo, VictimConfig, create_victi
 from gradleak.victims.roles import Roles
 
 SCAN_ROWS = 256
+PRIVATE_COLUMNS = frozenset(column.name for column in step_columns((1, 1, 3), 1, 1)
+                            if column.private)
 _SCANNED: dict[tuple[str, int, int], np.ndarray] = {}  # (file, size, mtime) → non-finite rows
 
 
@@ -197,10 +199,26 @@ class CaptureFile:
         return json.loads(self._h5.attrs.get("all_scenes", self._h5.attrs["scenes"]))
 
     def column(self, name: str, rows: Any = slice(None)) -> np.ndarray:
+        """Rows of a column the server sees (episode and step ids, gradients)."""
         return self.read(name, rows)
+
+    def private_column(self, name: str, rows: Any = slice(None)) -> np.ndarray:
+        """Rows of any column, private ground truth included (frames, actions, advantages,
+        ...): for scoring, and for the attacker's own training captures (auxiliary data)."""
+        return self._read(name, rows)
 
     def read(self, name: str, rows: Any = slice(None), columns: slice = slice(None)
              ) -> np.ndarray:
+        """Rows of a dataset the server sees; a private column is refused, naming the reader
+        that serves it (`Column.private` in the schema)."""
+        if name in PRIVATE_COLUMNS:
+            raise CaptureFileError(f"{self.path}: column '{name}' is private ground truth; "
+                                   "read it with private_column() or target() (scoring and "
+                                   "auxiliary training data only)")
+        return self._read(name, rows, columns)
+
+    def _read(self, name: str, rows: Any = slice(None), columns: slice = slice(None)
+              ) -> np.ndarray:
         """Rows of a dataset; a chunk that does not decode is named, with its rows."""
         try:
             return self._h5[name][rows, columns] if columns != slice(None) \
@@ -235,14 +253,14 @@ class CaptureFile:
 
     def target(self, rows: Any = slice(None), images: bool = True) -> Target:
         """Private ground truth: auxiliary training targets and scoring only."""
-        return Target(images=self.column("images", rows) if images else None,
-                      actions=self.column("actions", rows),
-                      advantages=self.column("advantages", rows),
-                      returns=self.column("returns", rows), values=self.column("values", rows),
-                      probs=self.column("probs", rows), rewards=self.column("rewards", rows),
-                      goals=self.column("goals", rows),
-                      hidden_states=self.column("hidden_states", rows) if self.hidden_size
-                      else None)
+        def read(name: str) -> np.ndarray:
+            return self.private_column(name, rows)
+
+        return Target(images=read("images") if images else None, actions=read("actions"),
+                      advantages=read("advantages"), returns=read("returns"),
+                      values=read("values"), probs=read("probs"), rewards=read("rewards"),
+                      goals=read("goals"),
+                      hidden_states=read("hidden_states") if self.hidden_size else None)
 
     def _layer(self, name: str) -> LayerInfo:
         for layer in self.layers:
@@ -296,7 +314,7 @@ class CaptureFile:
                                                                       SCAN_ROWS)]
         for name, start in tqdm(blocks, disable=not progress, unit="block",
                                 desc=f"validate {self.path.name}"):
-            self.read(name, slice(start, min(start + SCAN_ROWS, self.num_rows)))
+            self._read(name, slice(start, min(start + SCAN_ROWS, self.num_rows)))
         for name, data in (self._h5[THETA0_GROUP].items() if THETA0_GROUP in self._h5 else ()):
             self.read(f"{THETA0_GROUP}/{name}", ())
         bad = self.nonfinite_rows(progress)
@@ -304,7 +322,7 @@ class CaptureFile:
             raise CaptureFileError(nonfinite_message(self.path, bad))
         episodes = self.column("episode_ids")
         steps = self.column("step_in_episode")
-        dones = self.column("dones")
+        dones = self.private_column("dones")
         starts = np.r_[True, episodes[1:] != episodes[:-1]]
         if (steps[starts] != 0).any() or (np.diff(steps)[~starts[1:]] != 1).any():
             raise CaptureFileError(f"{self.path}: 'step_in_episode' does not count 0, 1, 2, ... "
@@ -319,8 +337,8 @@ class CaptureFile:
         attrs = self.attrs
         episodes = self.column("episode_ids")
         lengths = np.bincount(np.unique(episodes, return_inverse=True)[1])
-        rewards = self.column("rewards")
-        terminated = self.column("terminated")
+        rewards = self.private_column("rewards")
+        terminated = self.private_column("terminated")
         return {"file": str(self.path), "victim": attrs["victim"],
                 "frame_size": self.victim.frame_size, "num_actions": self.victim.num_actions,
                 "algorithm": attrs["algorithm"], "split": attrs["split"],

@@ -313,7 +313,7 @@ def mean_frame(paths: Sequence[str | os.PathLike[str]], chunk: int = 1024
     for path in paths:
         with CaptureFile(path) as capture:
             for start in range(0, capture.num_rows, chunk):
-                frames = capture.column("images", slice(start, start + chunk))
+                frames = capture.private_column("images", slice(start, start + chunk))
                 part = frames.astype(np.float64).sum(0)
                 total = part if total is None else total + part
                 count += len(frames)

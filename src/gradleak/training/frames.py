@@ -82,7 +82,7 @@ def captured_frames(paths: list[str], rows: np.ndarray) -> FrameSet:
     for index, path in enumerate(paths):
         chosen = rows[rows[:, 0] == index]
         with CaptureFile(path) as capture:
-            images, actions = capture.column("images"), capture.column("actions")
+            images, actions = capture.private_column("images"), capture.private_column("actions")
         steps, episodes = chosen[:, 1], chosen[:, 2]
         follows = np.r_[False, (steps[1:] == steps[:-1] + 1) & (episodes[1:] == episodes[:-1])]
         sets.append(FrameSet(images[steps], np.where(follows, np.arange(len(steps)) - 1, -1),
@@ -123,7 +123,7 @@ class AuxiliaryFrames:
                                        sort_keys=True)
         if config.extra_frames <= 0 or self.defense is not None:
             empty = np.zeros(0, np.int64)
-            return FrameSet(capture.column("images", slice(0, 0)), empty, empty)
+            return FrameSet(capture.private_column("images", slice(0, 0)), empty, empty)
         if cache is not None and (tensors_metadata(cache) or {}).get("key") == self.rendered_key:
             stored = load_tensors(cache, "rendered frames")
             return FrameSet(stored["images"].numpy(), stored["previous"].numpy(),
