@@ -24,8 +24,9 @@ import torch
 from torch import nn
 
 from gradleak.attacks.analytic import actions_from_policy_bias
+from gradleak.attacks.attacker import WindowAttacker
 from gradleak.attacks.closed_form import head_features, linear_input, linear_pairs
-from gradleak.attacks.encoders import ResidualConv, WindowAttacker, block, flat_linear_input
+from gradleak.attacks.encoders import ResidualConv, block, flat_linear_input
 from gradleak.errors import ConfigError
 from gradleak.victims.base import LayerInfo, VictimConfig, layers_from_json
 from gradleak.victims.roles import Roles

@@ -13,10 +13,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from gradleak.attacks.attacker import WindowAttacker
 from gradleak.attacks.encoders import (
     GradientInput,
     StructuredInput,
-    WindowAttacker,
     subsample_index,
 )
 from gradleak.errors import ConfigError

@@ -17,13 +17,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gradleak.attacks.attacker import WindowAttacker
 from gradleak.attacks.encoders import (
     GradientEncoder,
     GradientInput,
     ImageDecoder,
     ImageEncoder,
     StructuredInput,
-    WindowAttacker,
     subsample_index,
 )
 from gradleak.errors import ConfigError
