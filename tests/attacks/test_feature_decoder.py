@@ -370,7 +370,7 @@ def test_a_cpu_time_budget_counts_this_process_cpu_not_the_wall_clock(
     begun, so the run stops at that epoch's first step; on the wall clock the same limit lets
     both epochs run to the end."""
     readings = iter([0, 0, *range(120, 10_000, 120)])
-    monkeypatch.setattr("gradleak.training.fit.time.process_time", lambda: next(readings))
+    monkeypatch.setattr("gradleak.training.loop.time.process_time", lambda: next(readings))
     model = DecoderConfig(channels=16, global_channels=4)
     budgets = {clock: fit_decoder(model, tiny_fit(epochs=2, time_limit_minutes=1.0,
                                                   time_limit_clock=clock),

@@ -100,7 +100,7 @@ def test_a_time_limit_stops_at_the_step_that_spends_it_and_resume_starts_the_nex
     limit (an epoch-end check would have run all six); a resumed run with a fresh budget starts
     epoch 2."""
     readings = iter([False, False, True])
-    monkeypatch.setattr("gradleak.training.fit.Budget.spent", lambda self: next(readings, True))
+    monkeypatch.setattr("gradleak.training.loop.Budget.spent", lambda self: next(readings, True))
     model, fit = tiny_attack_settings("lti")
     fit.batch_size, fit.accumulation, fit.epochs, fit.time_limit_minutes = 4, 1, 3, 1.0
     out = tmp_path / "limited"
@@ -110,7 +110,7 @@ def test_a_time_limit_stops_at_the_step_that_spends_it_and_resume_starts_the_nex
     assert meta["history"][0]["epoch_fraction"] == pytest.approx(2 / 6)
     assert meta["history"][0]["time_limit_reached"]
     assert meta["history"][0]["train_cpu_minutes"] >= 0
-    monkeypatch.setattr("gradleak.training.fit.Budget.spent", lambda self: False)
+    monkeypatch.setattr("gradleak.training.loop.Budget.spent", lambda self: False)
     fit_attacker("lti", model, fit, [str(train_capture)], out, resume=True, progress=False)
     meta = json.loads((out / "attacker.json").read_text())
     assert [h["epoch"] for h in meta["history"]] == [1, 2, 3]

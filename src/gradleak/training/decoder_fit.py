@@ -20,44 +20,34 @@ from __future__ import annotations
 
 import json
 import math
-import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
-from tqdm import tqdm
 
 from gradleak.attacks.feature_decoder import DecoderConfig, FeatureDecoder
 from gradleak.capture.reader import CaptureFile
 from gradleak.defenses import Chain, parse_defense
 from gradleak.envs.actions import ActionFacts, action_facts
 from gradleak.errors import ConfigError
-from gradleak.io import (
-    check_output,
-    read_json,
-    run_directory,
-)
 from gradleak.metrics.images import psnr, ssim
-from gradleak.training.checkpoint import (
-    META,
-    check_finite_loss,
-    fingerprint_to_dict,
-    load_attacker,
-    resume_run,
-    save_attacker,
-    save_training_state,
-)
 from gradleak.training.data import check_rgb_frames
-from gradleak.training.fit import Budget, FitSchedule, training_minutes, warmup_cosine
 from gradleak.training.frames import (
     RENDERED,
     AuxiliaryFrames,
     DecoderBatch,
     FrameSet,
     feature_map_shape,
+)
+from gradleak.training.loop import (
+    Epoch,
+    FitLoop,
+    FitSchedule,
+    refuse_overwrite,
+    run_fit,
+    warmup_cosine,
 )
 from gradleak.victims.base import create_victim
 from gradleak.victims.roles import Roles
@@ -94,13 +84,19 @@ class DecoderFitConfig(FitSchedule):
         return chain
 
 
-class DecoderFit:
+SUMMARY_FIELDS = ("train_frames",)  # what a fit's summary copies from its record
+
+
+class DecoderFit(FitLoop):
+    """The analytic decoder's fit on frames and their θ0 features, in one run directory."""
+
+    kind = "decoder"
+    summary_fields = SUMMARY_FIELDS
+
     def __init__(self, model_config: DecoderConfig, config: DecoderFitConfig, paths: list[str],
                  out: Path, resume: bool = False, progress: bool = True) -> None:
         self.config, self.out, self.progress = config, Path(out), progress
-        if (self.out / META).exists() and not resume:
-            raise ConfigError(f"{self.out} already holds an attacker: pass --resume to continue "
-                              "it or choose another --out")
+        refuse_overwrite(self.out, resume)
         roles = _check_feature_module(paths[0], model_config.feature_module)
         self.facts = _action_facts(paths[0])  # the environment's, or none: Doom is no given
         model_config = replace(model_config,
@@ -108,10 +104,11 @@ class DecoderFit:
                                camera_motion=[list(m) for m in self.facts.camera_motion or ()])
         self.data = AuxiliaryFrames([str(p) for p in paths], config, progress,
                                     self.out / RENDERED)
-        victim = self.data.fingerprint.victim
+        self.fingerprint, self.train_files = self.data.fingerprint, self.data.paths
+        victim = self.fingerprint.victim
         shape = feature_map_shape(self.data.victim, model_config.feature_module)
         self.model_config = replace(
-            model_config, layer_table=self.data.fingerprint.layer_table,
+            model_config, layer_table=self.fingerprint.layer_table,
             gradient_dim=_gradient_dim(paths[0]), frame_size=victim.frame_size,
             num_actions=victim.num_actions, feature_shape=shape, victim=victim.name,
             victim_options=dict(victim.options), roles=roles.to_json(),
@@ -127,16 +124,14 @@ class DecoderFit:
         self.frames = self.data.training_frames()
         mirror = self.facts.mirror
         self.mirror = None if mirror is None else torch.tensor(mirror)
-        self.steps_per_epoch = max(1, len(self.frames) // config.batch_size)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimiser, warmup_cosine(config, self.steps_per_epoch))
-        self.epoch, self.best, self.history = 0, math.inf, []
-        if resume and (self.out / META).exists():
-            self._resume()
-        else:
-            self._prepare()
+        self.batches_per_epoch = max(1, len(self.frames) // config.batch_size)
+        steps = max(1, math.ceil(self.batches_per_epoch / config.accumulation))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimiser,
+                                                           warmup_cosine(config, steps))
+        self.start(resume)
 
-    def _prepare(self) -> None:
+    # -- what the loop asks of this kind ---------------------------------------------------------
+    def prepare(self) -> None:
         rows = np.sort(np.random.default_rng(self.config.seed).permutation(len(self.frames))
                        [:4096])
         features = self.data.features_of(self.frames, rows,
@@ -149,6 +144,26 @@ class DecoderFit:
         self.model.set_theta0(self.data.theta0)
         mean = self.data.train.images.mean(axis=0, dtype=np.float64) / 255.0  # no float copy
         self.mean_image = torch.from_numpy(mean).permute(2, 0, 1).float()
+
+    def epoch(self) -> Epoch:
+        """A seeded permutation of the frames, mirrored at random by the same generator."""
+        size = self.config.batch_size
+        generator = np.random.default_rng([self.config.seed, self.epochs_done])
+        order = generator.permutation(len(self.frames))
+        batches = (self._batch(self.frames, order[step * size:(step + 1) * size], generator)
+                   for step in range(self.batches_per_epoch))
+        return Epoch(batches, self.batches_per_epoch)
+
+    def objective(self, batch: DecoderBatch, settings: dict[str, float]
+                  ) -> tuple[torch.Tensor, dict]:
+        free, attacked = self._reconstruct(batch)
+        loss = self.image_loss(free, batch.truth)
+        return (loss if attacked is free else loss + self.image_loss(attacked, batch.truth)), {}
+
+    def image_loss(self, frames: torch.Tensor, truth: torch.Tensor) -> torch.Tensor:
+        config = self.config
+        return ((frames - truth).pow(2).mean() + config.l1_weight * (frames - truth).abs().mean()
+                + config.ssim_weight * (1.0 - ssim(frames, truth).mean()))
 
     def _batch(self, frames: FrameSet, indices: np.ndarray,
                generator: np.random.Generator | None) -> DecoderBatch:
@@ -185,64 +200,8 @@ class DecoderFit:
         return free, self.model(batch.features, earlier, batch.previous_actions,
                                 batch.has_previous)
 
-    def loss(self, frames: torch.Tensor, truth: torch.Tensor) -> torch.Tensor:
-        config = self.config
-        return ((frames - truth).pow(2).mean() + config.l1_weight * (frames - truth).abs().mean()
-                + config.ssim_weight * (1.0 - ssim(frames, truth).mean()))
-
-    def _objective(self, batch: DecoderBatch) -> torch.Tensor:
-        free, attacked = self._reconstruct(batch)
-        loss = self.loss(free, batch.truth)
-        return loss if attacked is free else loss + self.loss(attacked, batch.truth)
-
-    def run(self, session_epochs: int | None = None) -> list[dict[str, Any]]:
-        """Train up to the configured epochs, or `session_epochs` more in this session."""
-        budget = Budget(self.config.time_limit_minutes, self.config.time_limit_clock)
-        last = self.config.epochs if session_epochs is None else min(
-            self.config.epochs, self.epoch + session_epochs)
-        while self.epoch < last and not budget.spent():
-            record = self._epoch(budget)
-            record.update(self._validate())
-            self.epoch += 1
-            self.history.append(record)
-            self._save(record)
-            if record["time_limit_reached"]:
-                break
-        return self.history
-
-    def _epoch(self, budget: Budget) -> dict[str, Any]:
-        """One pass over the frames, cut short at the step where the time limit is spent."""
-        start, cpu_start, config = time.perf_counter(), time.process_time(), self.config
-        generator = np.random.default_rng([config.seed, self.epoch])
-        order = generator.permutation(len(self.frames))
-        self.model.train()
-        total, done, stopped = 0.0, 0, False
-        steps = tqdm(range(self.steps_per_epoch), disable=not self.progress, leave=False,
-                     desc=f"decoder epoch {self.epoch + 1}/{config.epochs}")
-        for step in steps:
-            batch = self._batch(self.frames, order[step * config.batch_size:
-                                                   (step + 1) * config.batch_size], generator)
-            loss = self._objective(batch)
-            check_finite_loss(loss, self.out, self.epoch, step)
-            self.optimiser.zero_grad(set_to_none=True)
-            loss.backward()
-            nn.utils.clip_grad_norm_(self.model.parameters(), config.grad_clip)
-            self.optimiser.step()
-            self.scheduler.step()
-            total, done = total + float(loss.detach()), step + 1
-            steps.set_postfix(loss=f"{float(loss.detach()):.4f}")
-            stopped = budget.spent()
-            if stopped:
-                break
-        steps.close()
-        return {"epoch": self.epoch + 1, "lr": self.scheduler.get_last_lr()[0],
-                "train_minutes": (time.perf_counter() - start) / 60,
-                "train_cpu_minutes": (time.process_time() - cpu_start) / 60,
-                "epoch_fraction": done / self.steps_per_epoch, "time_limit_reached": stopped,
-                "train_loss": total / max(1, done)}
-
     @torch.no_grad()
-    def _validate(self) -> dict[str, float]:
+    def validate(self, writer: Any) -> dict[str, float]:
         """Loss, PSNR and SSIM of the attack's frames on validation-episode frames (their exact
         θ0 features, or those recovered under the defense), and PSNR of the context-free pass
         for context models."""
@@ -252,7 +211,7 @@ class DecoderFit:
         for start in range(0, len(rows), self.config.batch_size):
             batch = self._batch(self.data.val, rows[start:start + self.config.batch_size], None)
             free, attacked = self._reconstruct(batch)
-            losses.append(float(self._objective(batch)) * len(batch.truth))
+            losses.append(float(self.objective(batch, {})[0]) * len(batch.truth))
             psnrs.append(psnr(attacked, batch.truth))
             ssims.append(ssim(attacked, batch.truth))
             free_psnrs.append(psnr(free, batch.truth))
@@ -263,29 +222,16 @@ class DecoderFit:
             record["val_psnr_context_free"] = float(torch.cat(free_psnrs).mean())
         return record
 
-    def _save(self, record: dict[str, Any]) -> None:
-        improved = record["val_loss"] < self.best
-        self.best = min(self.best, record["val_loss"])
-        meta = {"kind": "decoder", "model": asdict(self.model_config),
-                "fit": asdict(self.config), "epoch": self.epoch, "best_val_loss": self.best,
-                "history": self.history, "fingerprint": fingerprint_to_dict(
-                    self.data.fingerprint), "train_files": self.data.paths,
-                "train_frames": {"captured": len(self.data.train),
+    def record_fields(self) -> dict[str, Any]:
+        return {"train_frames": {"captured": len(self.data.train),
                                  "rendered": len(self.data.rendered)},
-                "val_frames": len(self.data.val_rows), "last": record,
-                "training_state": save_training_state(self.out, self.optimiser, self.scheduler),
-                "mean_image": self.mean_image.flatten().tolist()}
-        save_attacker(self.out, self.model, meta, best=improved)
-        if self.epoch < self.config.epochs:
+                "val_frames": len(self.data.val_rows)}
+
+    def saved(self) -> None:
+        if self.epochs_done < self.config.epochs:
             self.data.cache_rendered(self.out / RENDERED)
         else:  # finished: the run directory keeps only the attacker
             (self.out / RENDERED).unlink(missing_ok=True)
-
-    def _resume(self) -> None:
-        self.epoch, self.best, self.history, self.mean_image = resume_run(
-            self.out, "decoder", self.model, self.optimiser, self.scheduler,
-            self.model_config.frame_size,
-            self.data.fingerprint, asdict(self.model_config))
 
 
 def _check_feature_module(path: str, module: str) -> Roles:
@@ -321,26 +267,5 @@ def _gradient_dim(path: str) -> int:
 
 def fit_decoder(model_config: DecoderConfig, config: DecoderFitConfig, paths: list[str],
                 out: Path, resume: bool = False, progress: bool = True) -> dict[str, Any]:
-    if resume and (Path(out) / META).exists():
-        meta = read_json(Path(out) / META, "attacker config")
-        if int(meta.get("epoch", 0)) >= config.epochs:  # done: no frames to render again
-            model, _ = load_attacker(out)
-            return {**fit_summary(out, meta["epoch"], model, meta["history"],
-                                  meta["train_frames"]), "session_minutes": 0.0}
-    check_output(out, "--out", directory=True)
-    start = time.perf_counter()
-    with run_directory(out, keep=lambda d: (d / META).is_file()):
-        fit = DecoderFit(model_config, config, paths, out, resume, progress)
-        history = fit.run()
-    return {**fit_summary(out, fit.epoch, fit.model, history,
-                          {"captured": len(fit.data.train), "rendered": len(fit.data.rendered)}),
-            "session_minutes": (time.perf_counter() - start) / 60}
-
-
-def fit_summary(out: Path, epochs: int, model: nn.Module, history: list[dict[str, Any]],
-                frames: dict[str, int]) -> dict[str, Any]:
-    """`minutes` sums every epoch's training time, across resumed sessions too."""
-    return {"out": str(out), "kind": "decoder", "epochs": epochs,
-            "parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
-            **training_minutes(history),
-            "last": history[-1] if history else {}, "train_frames": frames}
+    return run_fit(lambda: DecoderFit(model_config, config, paths, out, resume, progress),
+                   out, config.epochs, resume, SUMMARY_FIELDS)
