@@ -163,7 +163,7 @@ def test_the_motion_prior_explains_real_camera_motion(train_capture: Path) -> No
     observation, _ = synthetic(0.01, 0.0)
     motion = [list(m) for m in action_facts({"backend": "doomnav"}, 5).camera_motion]
     decoder = decoder_for(observation, context="warp", camera_motion=motion)
-    warped = decoder.warp(before, taken).detach()
+    warped = decoder.network.warp(before, taken).detach()
     for action in (1, 2, 3, 4):  # RotateLeft, RotateRight, LookDown, LookUp
         chosen = taken == action
         inner = (..., slice(8, -8), slice(8, -8))
@@ -256,7 +256,7 @@ def test_under_aggregation_the_recovered_input_is_an_affine_mix_of_the_steps() -
     observation, batch = synthetic(0.01, 0.0)
     decoder = decoder_for(observation)
     gradients = torch.from_numpy(observation.gradients[:3]).double()
-    weight, bias = decoder.feature_layer
+    weight, bias = decoder.features.feature_layer
     deltas = gradients[:, bias.offset:bias.offset + bias.size]
     inputs = module_input(victim_at_theta0(observation), "fc", batch.images[:3]).detach()
     total = deltas.sum(0)
@@ -295,7 +295,7 @@ def test_a_decoder_through_the_conv_stack_reads_the_exact_map(float32_capture: P
     assert result["parameters"] == own < sum(p.numel() for p in loaded.parameters())
     with CaptureFile(train_capture) as capture:
         theta0 = capture.theta0()
-    for name, value in loaded.theta0.state_dict().items():
+    for name, value in loaded.features.theta0.state_dict().items():
         torch.testing.assert_close(value, torch.from_numpy(np.asarray(theta0[name])), msg=name)
     with pytest.raises(ConfigError, match="determine the inputs of encoder.9, encoder.6, "
                                           "encoder.3 only"):
@@ -384,3 +384,22 @@ def test_a_cpu_time_budget_counts_this_process_cpu_not_the_wall_clock(
     with pytest.raises(ConfigError, match="time_limit_clock 'gpu'"):
         fit_decoder(model, tiny_fit(time_limit_clock="gpu"), [str(train_capture)],
                     tmp_path / "gpu", progress=False)
+
+
+def test_a_decoder_saved_as_one_module_still_loads_into_its_parts(train_capture: Path) -> None:
+    """Checkpoints written before the decoder was split into readout, action and network keep
+    their flat names (`stem.0.weight`, `policy_bias`, `feature_mean`): they load into the parts
+    tensor for tensor, and a name that fits no part is still refused."""
+    with CaptureFile(train_capture) as capture:
+        observation = capture.observation(slice(0, 2))
+    torch.manual_seed(0)
+    saved = decoder_for(observation, context="warp")
+    flat = {key.split(".", 1)[1]: value for key, value in saved.state_dict().items()}
+    assert {"stem.0.weight", "policy_bias", "feature_mean", "motion"} <= set(flat)
+    torch.manual_seed(1)
+    loaded = decoder_for(observation, context="warp")
+    loaded.load_state_dict(flat)
+    for key, value in saved.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[key], value, rtol=0, atol=0, msg=key)
+    with pytest.raises(RuntimeError, match="no_such"):
+        loaded.load_state_dict({**flat, "no_such.weight": torch.zeros(1)})

@@ -84,7 +84,8 @@ class DecoderFitConfig(FitSchedule):
         return chain
 
 
-SUMMARY_FIELDS = ("train_frames",)  # what a fit's summary copies from its record
+# what a fit's summary copies from its checkpoint record
+SUMMARY_FIELDS = ("train_frames",)
 
 
 class DecoderFit(FitLoop):

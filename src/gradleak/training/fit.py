@@ -122,7 +122,8 @@ def _distributed() -> tuple[int, int, torch.device]:
     return rank, world, device
 
 
-SUMMARY_FIELDS = ("perceptual", "skipped_nonfinite_rows")  # what a fit's summary copies from its record
+# what a fit's summary copies from its checkpoint record
+SUMMARY_FIELDS = ("perceptual", "skipped_nonfinite_rows")
 
 
 class AttackerFit(FitLoop):
