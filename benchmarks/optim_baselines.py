@@ -23,7 +23,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gradleak.attacks.optim.solve import GradientMatchingAttack, baseline_config
+from gradleak.attacks.optim.config import baseline_config
+from gradleak.attacks.optim.solve import GradientMatchingAttack
 from gradleak.capture.reader import CaptureFile
 from gradleak.evaluation.reconstructions import evaluate
 from gradleak.io import atomic_path

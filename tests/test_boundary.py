@@ -44,7 +44,7 @@ def test_evaluation_gives_the_attacks_captured_gradients_and_nothing_else(
 
     monkeypatch.setattr(reconstructions, "load_attacker", spying_load)
     monkeypatch.setattr(reconstructions, "GradientMatchingAttack", SpyingMatching)
-    from gradleak.attacks.optim.solve import baseline_config
+    from gradleak.attacks.optim.config import baseline_config
 
     reconstructions.evaluate([random_capture], {"LtI": str(trained_attackers["lti"])},
                              tmp_path / "e", max_windows=2, baseline_windows=1,

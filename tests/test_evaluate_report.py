@@ -15,7 +15,8 @@ from conftest import tiny_preset
 from gradleak.capture.run import CaptureJob, run_capture
 from gradleak.cli import main
 from gradleak.errors import CaptureFileError
-from gradleak.evaluation.reconstructions import MEAN_COLOUR, MEAN_IMAGE, evaluate
+from gradleak.evaluation.reconstructions import evaluate
+from gradleak.evaluation.scoring import MEAN_COLOUR, MEAN_IMAGE
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
@@ -156,7 +157,7 @@ def test_the_mean_image_reference_comes_from_the_data_not_the_attacker_order(
     assert first["mean_image_source"].startswith("every frame of the training captures (240")
     import torch
 
-    from gradleak.evaluation.reconstructions import mean_frame
+    from gradleak.evaluation.scoring import mean_frame
 
     mean, count = mean_frame([train_capture])
     assert count == len(frames) and abs(float(mean.mean()) - truth) < 1e-6

@@ -20,7 +20,7 @@ from typing import Any
 
 from gradleak.attacks.feature_decoder import DecoderConfig
 from gradleak.attacks.lti import LtiConfig
-from gradleak.attacks.optim.solve import OptimConfig, deep_leakage, inverting_gradients
+from gradleak.attacks.optim.config import OptimConfig, deep_leakage, inverting_gradients
 from gradleak.attacks.trace import TraceConfig
 from gradleak.capture.config import CaptureConfig
 from gradleak.config import dataclass_from_dict

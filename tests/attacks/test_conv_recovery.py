@@ -12,7 +12,8 @@ import torch
 from helpers import mlp_observation, observe, smooth_frame
 
 from gradleak.attacks.analytic import module_input
-from gradleak.attacks.conv_recovery import ConvInputs, deepest_inputs, observed_conv_inputs
+from gradleak.attacks.conv_blocks import deepest_inputs
+from gradleak.attacks.conv_recovery import ConvInputs, observed_conv_inputs
 from gradleak.capture.reader import CaptureFile
 from gradleak.errors import ConfigError
 from gradleak.victims import create_victim

@@ -9,12 +9,9 @@ import pytest
 import torch
 from helpers import mlp_observation
 
+from gradleak.attacks.optim.config import baseline_config
 from gradleak.attacks.optim.lbfgs import BatchedLBFGS
-from gradleak.attacks.optim.solve import (
-    GradientMatchingAttack,
-    baseline_config,
-    pick_restarts,
-)
+from gradleak.attacks.optim.solve import GradientMatchingAttack, pick_restarts
 from gradleak.capture.reader import CaptureFile
 from gradleak.errors import ConfigError
 from gradleak.metrics.images import psnr

@@ -18,8 +18,9 @@ import torch
 from conftest import tiny_preset
 
 from gradleak.capture.grads import StepBatch, per_step_gradients
-from gradleak.capture.reader import CaptureFile, concat_observations, open_captures
+from gradleak.capture.reader import CaptureFile
 from gradleak.capture.run import CaptureJob, run_capture
+from gradleak.capture.shards import concat_observations, open_captures
 from gradleak.errors import CaptureFileError, CheckpointError, ConfigError
 from gradleak.io import save_victim
 from gradleak.rl.losses import LossCoefficients

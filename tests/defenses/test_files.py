@@ -157,7 +157,7 @@ def test_aggregated_evaluation_scores_histograms_against_the_uniform_baseline(
     table = (tmp_path / "agg" / "metrics.md").read_text()
     assert "hist. TV" in table and "Aggregated stream" in table
     with pytest.raises(ConfigError, match="optimisation baselines invert single steps"):
-        from gradleak.attacks.optim.solve import baseline_config
+        from gradleak.attacks.optim.config import baseline_config
 
         evaluate([random_capture], attackers, tmp_path / "x", defense=parse_defense("agg:2"),
                  baselines={"IG": baseline_config("ig", iterations=1)})

@@ -113,8 +113,9 @@ def test_gradient_matching_models_what_the_victim_reads_beside_the_frame(
     import numpy as np
     import torch
 
+    from gradleak.attacks.optim.config import baseline_config
     from gradleak.attacks.optim.matching import DummyGradient
-    from gradleak.attacks.optim.solve import GradientMatchingAttack, baseline_config
+    from gradleak.attacks.optim.solve import GradientMatchingAttack
     from gradleak.capture.reader import CaptureFile
 
     out = capture(tmp_path, name, "--set", "capture.gradient_dtype=float32")

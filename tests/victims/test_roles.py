@@ -10,7 +10,8 @@ import torch
 
 from gradleak.errors import ConfigError
 from gradleak.victims import create_victim
-from gradleak.victims.roles import InputTransform, Roles
+from gradleak.victims.roles import Roles
+from gradleak.victims.transform import InputTransform
 
 SOURCE = Path(__file__).resolve().parents[2] / "src" / "gradleak"
 # parameter and module names of gradleak's own victims, which no attack may look up

@@ -18,7 +18,7 @@ from gradleak.capture.reader import CaptureFile
 from gradleak.capture.record import record
 from gradleak.cli import main
 from gradleak.errors import CaptureFileError, ConfigError
-from gradleak.victims.roles import InputTransform
+from gradleak.victims.transform import InputTransform
 
 LOSS = {"value": 0.5, "entropy": 0.01, "clip": 0.2, "gamma": 0.99, "lam": 0.95}
 
@@ -189,7 +189,8 @@ def test_a_saved_wrapped_model_is_captured_in_doomnav_from_the_cli(capsys, tmp_p
 
 def test_gradient_matching_runs_on_a_users_model_and_learned_attackers_refuse_stacks(
         capsys, tmp_path: Path) -> None:
-    from gradleak.attacks.optim.solve import GradientMatchingAttack, baseline_config
+    from gradleak.attacks.optim.config import baseline_config
+    from gradleak.attacks.optim.solve import GradientMatchingAttack
 
     out = tmp_path / "rgb.h5"
     record(conv_victim(), out, loss=LOSS, **rollouts((32, 32, 3)))

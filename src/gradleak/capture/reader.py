@@ -1,7 +1,8 @@
-"""Reading and validating capture files; several shards read as one capture.
+"""Reading a capture file: what the server sees (`observation`), private ground truth for
+scoring and auxiliary training (`target`, `private_column`), and full validation.
 
-Every check names the file and the field, so a truncated, foreign or inconsistent file is
-reported as such rather than as an h5py traceback.
+The file is checked on open (`capture.header`); every error names the file and the field, so a
+truncated, foreign or inconsistent file is reported as such rather than as an h5py traceback.
 """
 
 from __future__ import annotations
@@ -17,22 +18,19 @@ import h5py
 import numpy as np
 from tqdm import tqdm
 
+from gradleak.capture.header import check_layout, read_header
 from gradleak.capture.lock import lock_holder
 from gradleak.capture.schema import (
     DEFENSES_ATTR,
-    FORMAT,
-    FORMAT_VERSION,
     GRADIENTS,
     PARTIAL_SUFFIX,
-    REQUIRED_ATTRS,
     THETA0_GROUP,
-    layers_from_json,
     step_columns,
 )
-from gradleak.errors import CaptureFileError, ConfigError
+from gradleak.capture.text import describe_rows, nonfinite_message, roles_text
+from gradleak.errors import CaptureFileError
 from gradleak.threat import Observation, Target
-from gradleak.victims.base import VICTIMS, LayerInfo, VictimConfig, create_victim
-from gradleak.victims.roles import Roles
+from gradleak.victims.base import LayerInfo
 
 SCAN_ROWS = 256
 PRIVATE_COLUMNS = frozenset(column.name for column in step_columns((1, 1, 3), 1, 1)
@@ -64,117 +62,13 @@ class CaptureFile:
                                    "a capture)") from None
         self._nonfinite: np.ndarray | None = None
         try:
-            self._check_header()
-            self._check_layout()
+            header = read_header(self._h5, self.path)
+            check_layout(self._h5, self.path, header)
         except CaptureFileError:
             self._h5.close()
             raise
-
-    # -- checks --------------------------------------------------------------------------------
-    def _check_header(self) -> None:
-        attrs = self._h5.attrs
-        if attrs.get("format") != FORMAT:
-            raise CaptureFileError(f"{self.path} is not a gradleak capture: attribute 'format' "
-                                   f"is {attrs.get('format')!r}, expected {FORMAT!r}")
-        if self._int_attr("format_version") != FORMAT_VERSION:
-            raise CaptureFileError(f"{self.path}: format_version {attrs.get('format_version')}, "
-                                   f"this gradleak reads version {FORMAT_VERSION}")
-        missing = [key for key in REQUIRED_ATTRS if key not in attrs]
-        if missing:
-            raise CaptureFileError(f"{self.path}: missing attribute(s) {', '.join(missing)}")
-        if not bool(attrs["complete"]):
-            raise CaptureFileError(f"{self.path}: attribute 'complete' is false (the capture "
-                                   "did not finish)")
-        # a recurrent victim's pre-step states are a column too (absent before they existed)
-        self.hidden_size = self._int_attr("hidden_size") if "hidden_size" in attrs else 0
-        for name in ("num_rows", "num_episodes", "gradient_dim", "hidden_size"):
-            if name in attrs and self._int_attr(name) < 0:
-                raise CaptureFileError(f"{self.path}: attribute '{name}' is negative")
-        self.victim = VictimConfig.from_dict(self._json_attr("victim_config", dict),
-                                             f"{self.path} attribute 'victim_config'")
-        try:
-            self.layers = layers_from_json(self._h5.attrs["layer_table"])
-        except (ValueError, TypeError, KeyError) as err:
-            raise CaptureFileError(f"{self.path}: attribute 'layer_table' is not a list of "
-                                   f"{{name, shape, offset, component}} objects ({err})") from None
-        for name in ("scenes", "components"):
-            values = self._json_attr(name, list)
-            if not all(isinstance(v, str) for v in values):
-                raise CaptureFileError(f"{self.path}: attribute '{name}' is not a list of names")
-        self._json_attr("loss", dict)
-        self.roles = self._read_roles()
-
-    def _read_roles(self) -> Roles:
-        """The attribute `roles`, checked against the layer table; a capture written before
-        roles were stored gets its registered victim's."""
-        source = f"{self.path} attribute 'roles'"
-        try:
-            if "roles" in self._h5.attrs:
-                roles = Roles.from_json(self._h5.attrs["roles"], source)
-            elif self.victim.name in VICTIMS:
-                roles = create_victim(self.victim).roles()
-            else:
-                raise CaptureFileError(f"{self.path}: attribute 'roles' is missing, and victim "
-                                       f"{self.victim.name!r} is not registered here to derive "
-                                       "it")
-            roles.check_layers({layer.name: layer.shape for layer in self.layers},
-                               self.victim.num_actions, source)
-        except ConfigError as error:
-            raise CaptureFileError(str(error)) from None
-        return roles
-
-    def _int_attr(self, name: str) -> int:
-        value = self._h5.attrs.get(name, -1)
-        try:
-            if isinstance(value, (bytes, str)):
-                raise ValueError(value)
-            return int(value)
-        except (TypeError, ValueError):
-            raise CaptureFileError(f"{self.path}: attribute '{name}' is {value!r}, expected an "
-                                   "integer") from None
-
-    def _json_attr(self, name: str, kind: type) -> Any:
-        text = self._h5.attrs.get(name)
-        try:
-            value = json.loads(text)
-        except (TypeError, ValueError):
-            raise CaptureFileError(f"{self.path}: attribute '{name}' is not valid JSON") from None
-        if not isinstance(value, kind):
-            raise CaptureFileError(f"{self.path}: attribute '{name}' holds a "
-                                   f"{type(value).__name__}, expected a JSON "
-                                   f"{'object' if kind is dict else 'list'}")
-        return value
-
-    def _check_layout(self) -> None:
-        rows = self.num_rows
-        offset = 0
-        for layer in self.layers:
-            if layer.offset != offset:
-                raise CaptureFileError(f"{self.path}: layer_table entry {layer.name} starts at "
-                                       f"{layer.offset}, expected {offset}")
-            offset += layer.size
-        if GRADIENTS not in self._h5:
-            raise CaptureFileError(f"{self.path}: dataset '{GRADIENTS}' is missing")
-        if self._h5[GRADIENTS].ndim != 2:
-            raise CaptureFileError(f"{self.path}: dataset 'gradients' has shape "
-                                   f"{self._h5[GRADIENTS].shape}, expected (N, d)")
-        width = self._h5[GRADIENTS].shape[1]
-        if width != offset or width != int(self._h5.attrs["gradient_dim"]):
-            raise CaptureFileError(f"{self.path}: dataset 'gradients' has {width} columns but the "
-                                   f"layer_table describes {offset} (gradient_dim "
-                                   f"{int(self._h5.attrs['gradient_dim'])})")
-        for column in step_columns(self.roles.transform.frame_shape, self.victim.num_actions,
-                                   self.hidden_size) + (None,):
-            name = GRADIENTS if column is None else column.name
-            if name not in self._h5:
-                raise CaptureFileError(f"{self.path}: dataset '{name}' is missing")
-            data = self._h5[name]
-            if data.shape[0] != rows:
-                raise CaptureFileError(f"{self.path}: dataset '{name}' has {data.shape[0]} rows, "
-                                       f"attribute num_rows says {rows} (truncated file?)")
-            if column is not None and tuple(data.shape[1:]) != column.shape:
-                raise CaptureFileError(f"{self.path}: dataset '{name}' has shape "
-                                       f"{data.shape}, expected (N, *{column.shape})")
+        self.victim, self.layers, self.roles = header.victim, header.layers, header.roles
+        self.hidden_size = header.hidden_size
 
     # -- metadata ------------------------------------------------------------------------------
     @property
@@ -224,7 +118,7 @@ class CaptureFile:
             return self._h5[name][rows, columns] if columns != slice(None) \
                 else self._h5[name][rows]
         except OSError:
-            where = _describe_rows(rows, self.num_rows)
+            where = describe_rows(rows, self.num_rows)
             raise CaptureFileError(f"{self.path}: dataset '{name}' rows {where} cannot be read "
                                    "(a corrupt or truncated chunk)") from None
 
@@ -364,83 +258,3 @@ class CaptureFile:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def roles_text(roles: Roles) -> str:
-    """One line: what the attacks will read in this capture."""
-    parts = [f"heads {roles.policy_head} / {roles.value_head}"
-             + ("" if roles.shared_features else " (separate features)"),
-             f"closed form {', '.join(roles.linears)}"]
-    if roles.conv_stack:
-        convs = sum(step.kind == "conv" for step in roles.conv_stack)
-        parts.append(f"{convs} convs into {roles.feature_linear or 'no Linear layer'}"
-                     + ("" if roles.conv_chain else " (not a plain chain)"))
-    parts += [f"{label} {name}" for label, name in (("frame", roles.frame_linear),
-                                                    ("goal", roles.goal_input),
-                                                    ("state", roles.recurrent_state)) if name]
-    return "; ".join(parts)
-
-
-def nonfinite_message(path: Path, rows: np.ndarray) -> str:
-    return (f"{path}: dataset 'gradients' holds NaN/Inf in {len(rows)} row(s): "
-            f"{_row_list(rows)} (pass --skip-nonfinite to leave them out)")
-
-
-def _row_list(rows: np.ndarray, shown: int = 5) -> str:
-    """`3, 17-19, 40` for the first few runs of consecutive rows."""
-    runs: list[list[int]] = []
-    for row in (int(r) for r in rows):
-        if runs and row == runs[-1][1] + 1:
-            runs[-1][1] = row
-        else:
-            runs.append([row, row])
-    text = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs[:shown])
-    return text + (", ..." if len(runs) > shown else "")
-
-
-def _describe_rows(rows: Any, count: int) -> str:
-    if isinstance(rows, slice):
-        start, stop, _ = rows.indices(count)
-        return f"{start}-{stop - 1}"
-    if isinstance(rows, (int, np.integer)):
-        return str(int(rows))
-    if isinstance(rows, tuple) and not rows:
-        return "(all)"
-    indices = np.asarray(rows).ravel()
-    return f"{int(indices.min())}-{int(indices.max())}" if indices.size else "(none)"
-
-
-def open_captures(paths: Sequence[str | os.PathLike[str]]) -> list[CaptureFile]:
-    """Open several shards of one capture; they must share θ0, the victim and the layout."""
-    if not paths:
-        raise CaptureFileError("no capture files given")
-    files = [CaptureFile(p) for p in paths]
-    first = files[0]
-    for other in files[1:]:
-        for key in ("theta0_sha256", "layer_table", "victim_config", "algorithm", "roles"):
-            if other.attrs.get(key) != first.attrs.get(key):
-                for handle in files:
-                    handle.close()
-                raise CaptureFileError(f"{other.path} and {first.path} differ in '{key}': shards "
-                                       "of one capture must share the victim, θ0 and layout")
-    return files
-
-
-def concat_observations(observations: list[Observation]) -> Observation:
-    """One observation over several shards; episode ids are made unique across files."""
-    first = observations[0]
-    offset, episode_ids = 0, []
-    for observation in observations:
-        episode_ids.append(observation.episode_ids + offset)
-        offset += int(observation.episode_ids.max()) + 1 if len(observation) else 0
-    return replace(first, gradients=np.concatenate([o.gradients for o in observations]),
-                   episode_ids=np.concatenate(episode_ids),
-                   step_in_episode=np.concatenate([o.step_in_episode for o in observations]))
-
-
-def concat_targets(targets: list[Target]) -> Target:
-    def join(name: str) -> Any:
-        parts = [getattr(t, name) for t in targets]
-        return None if any(p is None for p in parts) else np.concatenate(parts)
-
-    return Target(**{name: join(name) for name in Target.__dataclass_fields__})

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from gradleak.capture.grads import StepBatch, per_step_gradients
-from gradleak.capture.run import capture_attributes
+from gradleak.capture.plan import capture_attributes
 from gradleak.capture.schema import step_columns
 from gradleak.capture.writer import CaptureWriter
 from gradleak.errors import ConfigError

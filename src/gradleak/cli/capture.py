@@ -54,7 +54,8 @@ def declared_norm(args: argparse.Namespace) -> str:
 
 
 def run_capture_command(args: argparse.Namespace) -> None:
-    from gradleak.capture.run import CaptureJob, parse_shard, run_capture, shard_output
+    from gradleak.capture.plan import CaptureJob, parse_shard, shard_output
+    from gradleak.capture.run import run_capture
     from gradleak.rl.losses import parse_loss
 
     preset = capture_preset(args)

@@ -42,7 +42,7 @@ def attackers_from_args(args: argparse.Namespace) -> dict[str, str]:
 
 
 def baseline_names(args: argparse.Namespace) -> list[str]:
-    from gradleak.attacks.optim.solve import BASELINES
+    from gradleak.attacks.optim.config import BASELINES
 
     names = [b for b in (args.baselines or "").split(",") if b]
     for name in names:

@@ -12,7 +12,7 @@ from gradleak.cli.common import common_flags, emit, preset_flags, preset_from_ar
 
 def optim_config(args: argparse.Namespace, name: str) -> Any:
     """A baseline's settings: the preset's IG/DLG, then --iters, --time-limit, --restarts."""
-    from gradleak.attacks.optim.solve import baseline_config
+    from gradleak.attacks.optim.config import baseline_config
 
     preset = preset_from_args(args)
     families = {"ig": preset.attack.ig, "dlg": preset.attack.dlg}

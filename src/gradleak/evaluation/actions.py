@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from gradleak.attacks.action_rules import RULES, policy_weight, recover_actions
-from gradleak.capture.reader import open_captures
+from gradleak.capture.shards import open_captures
 from gradleak.errors import ConfigError
 from gradleak.evaluation.oracles import ORACLE_RULES, oracle_actions
 from gradleak.metrics.actions import action_accuracy

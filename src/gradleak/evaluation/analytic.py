@@ -126,7 +126,8 @@ def score_conv_stack(observation: Observation, target: Target, count: int,
     under-determined, so a smoothness prior fills in), against frames from the true map."""
     from dataclasses import replace
 
-    from gradleak.attacks.conv_recovery import frames_from_first_block, observed_conv_inputs
+    from gradleak.attacks.conv_recovery import observed_conv_inputs
+    from gradleak.attacks.first_conv import frames_from_first_block
     from gradleak.metrics.images import psnr, ssim, to_unit_tensor
 
     rows = np.linspace(0, len(observation) - 1, count).astype(int)
@@ -172,7 +173,7 @@ def score_conv_stack(observation: Observation, target: Target, count: int,
 
 def check_attacks_apply(config: VictimConfig, invert: int, conv: int) -> None:
     """Refuse, naming the reason, an attack the victim's structure does not allow."""
-    from gradleak.attacks.conv_recovery import deepest_inputs
+    from gradleak.attacks.conv_blocks import deepest_inputs
 
     if not invert and not conv:  # the closed form needs only the gradients and θ0
         return

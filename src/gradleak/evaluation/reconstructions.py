@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -20,50 +20,29 @@ import numpy as np
 import torch
 
 from gradleak.attacks.action_rules import recover_actions
-from gradleak.attacks.optim.solve import GradientMatchingAttack, OptimConfig
+from gradleak.attacks.optim.config import OptimConfig
+from gradleak.attacks.optim.solve import GradientMatchingAttack
 from gradleak.capture.reader import CaptureFile
 from gradleak.capture.schema import layers_from_json
 from gradleak.defenses import Chain, parse_defense
 from gradleak.defenses.utility import update_distortion
 from gradleak.errors import ConfigError
+from gradleak.evaluation.scoring import (
+    MEAN_COLOUR,
+    MEAN_IMAGE,
+    UNIFORM,
+    MethodScores,
+    frame_scores,
+    mean_frame,
+    score_actions,
+    summarise,
+    trainable_parameters,
+)
 from gradleak.io import check_output
-from gradleak.metrics.images import mse, psnr, ssim
 from gradleak.metrics.lpips import LPIPS, unavailable_reason
 from gradleak.threat import Observation, ObservedWindows
 from gradleak.training.checkpoint import fingerprint_from_dict, load_attacker
 from gradleak.training.data import WindowDataset, collate
-
-MEAN_IMAGE, MEAN_COLOUR = "mean training image", "mean colour (oracle)"
-UNIFORM = "uniform 1/K histogram"
-
-
-@dataclass
-class MethodScores:
-    """Per-frame scores of one method, shape (N, T) each, plus timing."""
-
-    name: str
-    kind: str  # "learned", "optimisation", "rule", "reference"
-    mse: list[np.ndarray] = field(default_factory=list)
-    psnr: list[np.ndarray] = field(default_factory=list)
-    ssim: list[np.ndarray] = field(default_factory=list)
-    lpips: list[np.ndarray] = field(default_factory=list)
-    correct: list[np.ndarray] = field(default_factory=list)
-    tv: list[np.ndarray] = field(default_factory=list)  # action-histogram error (agg streams)
-    seconds: float = 0.0
-    frames: int = 0
-    parameters: int | None = None
-    samples: np.ndarray | None = None  # (S, T, H, W, 3) uint8 for the figure
-    defense_mode: str | None = None  # learned attackers under a defense: zero-shot or adaptive
-
-
-def _frame_scores(prediction: torch.Tensor, truth: torch.Tensor, lpips: LPIPS | None
-                  ) -> dict[str, np.ndarray]:
-    b, t = truth.shape[:2]
-    p, q = prediction.flatten(0, 1), truth.flatten(0, 1)
-    scores = {"mse": mse(p, q), "psnr": psnr(p, q), "ssim": ssim(p, q)}
-    if lpips is not None:
-        scores["lpips"] = lpips(p, q)
-    return {k: v.reshape(b, t).numpy() for k, v in scores.items()}
 
 
 class Evaluation:
@@ -151,10 +130,10 @@ class Evaluation:
             images, probs = reconstruct_in_spans(model, observed)
             self._add(methods[name], torch.from_numpy(images).permute(0, 1, 4, 2, 3)
                       .float() / 255.0, truth, None, time.perf_counter() - tick)
-            _score_actions(methods[name], probs, actions)
+            score_actions(methods[name], probs, actions)
         self._add_rule(methods["action rule (odd-sign)"], observed, actions)
         if UNIFORM in methods:
-            _score_actions(methods[UNIFORM], np.full(actions.shape, 1.0 / actions.shape[-1]),
+            score_actions(methods[UNIFORM], np.full(actions.shape, 1.0 / actions.shape[-1]),
                            actions)
         mean = self.mean_image.expand_as(truth)
         self._add(methods[MEAN_IMAGE], mean, truth, None, 0.0)
@@ -165,7 +144,7 @@ class Evaluation:
 
     def _add(self, scores: MethodScores, prediction: torch.Tensor, truth: torch.Tensor,
              correct: np.ndarray | None, seconds: float) -> None:
-        for key, value in _frame_scores(prediction, truth, self.lpips).items():
+        for key, value in frame_scores(prediction, truth, self.lpips).items():
             getattr(scores, key).append(value)
         if correct is not None:
             scores.correct.append(correct)
@@ -216,17 +195,7 @@ class Evaluation:
         predicted = recover_actions(flat, "odd-sign").actions.reshape(b, t)
         scores.seconds += time.perf_counter() - tick
         scores.frames += b * t
-        _score_actions(scores, np.eye(self.dataset.num_actions)[predicted], actions)
-
-
-def _score_actions(scores: MethodScores, probs: np.ndarray, actions: np.ndarray) -> None:
-    """probs (B, T, K) against true actions (B, T), or against action histograms (B, T, K) of
-    an aggregated stream: total variation ½ Σ_k |p̂_k − q_k| and whether the modes agree."""
-    if actions.ndim == probs.ndim:
-        scores.tv.append(0.5 * np.abs(probs - actions).sum(-1))
-        scores.correct.append(probs.argmax(-1) == actions.argmax(-1))
-    else:
-        scores.correct.append(probs.argmax(-1) == actions)
+        score_actions(scores, np.eye(self.dataset.num_actions)[predicted], actions)
 
 
 def reconstruct_in_spans(model: Any, observed: ObservedWindows) -> tuple[np.ndarray, np.ndarray]:
@@ -243,39 +212,6 @@ def reconstruct_in_spans(model: Any, observed: ObservedWindows) -> tuple[np.ndar
 
 def _to_uint8(frames: torch.Tensor) -> np.ndarray:
     return (frames.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 1, 3, 4, 2).numpy()
-
-
-def summarise(methods: dict[str, MethodScores]) -> dict[str, Any]:
-    """Per-method mean ± std over frames, per-timestep PSNR, and the gain over the mean image."""
-    rows = {}
-    for name, scores in methods.items():
-        row: dict[str, Any] = {"kind": scores.kind}
-        for metric in ("mse", "psnr", "ssim", "lpips"):
-            values = getattr(scores, metric)
-            if values:
-                stacked = np.concatenate(values)
-                row[metric] = float(stacked.mean())
-                row[f"{metric}_std"] = float(stacked.std())
-                if metric == "psnr":
-                    row["psnr_by_t"] = stacked.mean(axis=0).tolist()
-        if scores.correct:
-            row["action_accuracy"] = float(np.concatenate(scores.correct).mean())
-        if scores.tv:
-            stacked = np.concatenate(scores.tv)
-            row["histogram_tv"], row["histogram_tv_std"] = float(stacked.mean()), float(
-                stacked.std())
-        row["ms_per_frame"] = 1e3 * scores.seconds / scores.frames if scores.frames else None
-        row["frames"] = scores.frames
-        row["parameters"] = scores.parameters
-        if scores.defense_mode is not None:
-            row["defense_mode"] = scores.defense_mode
-        row["order"] = len(rows)  # JSON files sort their keys; tables keep this order
-        rows[name] = row
-    base = rows[MEAN_IMAGE]["psnr"]
-    for row in rows.values():
-        if "psnr" in row:
-            row["psnr_gain_over_mean_image"] = row["psnr"] - base
-    return rows
 
 
 def evaluate(data: Sequence[str | os.PathLike[str]], attackers: dict[str, str], out: Path,
@@ -305,23 +241,3 @@ def evaluate(data: Sequence[str | os.PathLike[str]], attackers: dict[str, str], 
     return result
 
 
-def mean_frame(paths: Sequence[str | os.PathLike[str]], chunk: int = 1024
-               ) -> tuple[torch.Tensor, int]:
-    """((3, H, W) float32 in [0, 1], frame count): the exact mean of every frame in the files,
-    read `chunk` rows at a time."""
-    total, count = None, 0
-    for path in paths:
-        with CaptureFile(path) as capture:
-            for start in range(0, capture.num_rows, chunk):
-                frames = capture.private_column("images", slice(start, start + chunk))
-                part = frames.astype(np.float64).sum(0)
-                total = part if total is None else total + part
-                count += len(frames)
-    if total is None or not count:
-        raise ConfigError(f"no frames in {', '.join(map(str, paths))}")
-    return torch.from_numpy(total / count / 255.0).permute(2, 0, 1).float(), count
-
-
-def trainable_parameters(model: torch.nn.Module) -> int:
-    """The attacker's own parameters (a decoder's frozen copy of θ0 is the victim's)."""
-    return sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -10,7 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from gradleak.attacks.optim.solve import GradientMatchingAttack, OptimConfig
+from gradleak.attacks.optim.config import OptimConfig
+from gradleak.attacks.optim.solve import GradientMatchingAttack
 from gradleak.capture.reader import CaptureFile
 from gradleak.errors import ConfigError
 from gradleak.io import check_output, write_json

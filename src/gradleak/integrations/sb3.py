@@ -27,7 +27,7 @@ from torch import nn
 from gradleak.errors import ConfigError
 from gradleak.io import save_victim
 from gradleak.victims.base import Victim
-from gradleak.victims.roles import InputTransform
+from gradleak.victims.transform import InputTransform
 from gradleak.victims.wrapped import wrap
 
 POLICIES = ("ActorCriticPolicy", "ActorCriticCnnPolicy", "MultiInputActorCriticPolicy")

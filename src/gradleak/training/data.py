@@ -19,8 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
-from gradleak.capture.reader import CaptureFile, open_captures
+from gradleak.capture.reader import CaptureFile
 from gradleak.capture.schema import GRADIENTS
+from gradleak.capture.shards import open_captures
 from gradleak.defenses.base import Chain, Stream, row_keys
 from gradleak.errors import CaptureFileError, ConfigError
 from gradleak.threat import ObservedWindows

@@ -12,7 +12,8 @@ from torch import nn
 
 from gradleak.errors import ConfigError
 from gradleak.registry import Registry
-from gradleak.victims.roles import InputTransform, Roles, discover
+from gradleak.victims.roles import Roles, discover
+from gradleak.victims.transform import InputTransform
 
 COMPONENTS = ("cnn", "fc", "heads")
 

@@ -31,7 +31,7 @@ from torch import nn
 
 from gradleak.errors import ConfigError
 from gradleak.victims.base import Victim, VictimConfig, register_victim
-from gradleak.victims.roles import InputTransform
+from gradleak.victims.transform import InputTransform
 
 Forward = Callable[[nn.Module, Any], tuple[torch.Tensor, torch.Tensor]]
 # models wrapped without a factory, by session key: attacks in the same process rebuild them
