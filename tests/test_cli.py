@@ -168,3 +168,33 @@ def test_analytic_recovers_the_conv_inputs_and_frames_beneath(capsys,
         assert layer["median_relative_error"] <= 1e-2
     assert conv["frames_from"] == "encoder.3"
     assert conv["psnr"] >= conv["psnr_of_their_mean_image"] + 3.0
+
+
+@pytest.mark.parametrize("command, flags, assignments", [
+    (["train-attacker", "--kind", "lti", "--data", "c.h5", "--out", "o"],
+     ["--epochs", "3", "--lpips-weights", "w.pth"],
+     ["attack.lti_fit.epochs=3", "attack.lti_fit.lpips_weights=w.pth"]),
+    (["train-decoder", "--data", "c.h5", "--out", "o"], ["--minutes", "2.5", "--extra-frames", "0"],
+     ["attack.decoder_fit.time_limit_minutes=2.5", "attack.decoder_fit.extra_frames=0"]),
+    (["attack", "ig", "--data", "c.h5", "--index", "0", "--out", "o"], ["--iters", "7"],
+     ["attack.ig.iterations=7", "attack.dlg.iterations=7"]),
+    (["train-victim", "--out", "o"], ["--algo", "a2c", "--updates", "4"],
+     ["train.algo=a2c", "train.updates=4"]),
+])
+def test_a_shorthand_flag_is_the_set_assignment_it_names(command: list[str], flags: list[str],
+                                                         assignments: list[str]) -> None:
+    """One way to override a preset: each convenience flag goes through --set's typed path,
+    so the preset it gives equals the --set one, field types included, and differs from the
+    plain preset."""
+    from gradleak.cli import build_parser
+    from gradleak.cli.common import preset_from_args
+    from gradleak.presets import load_preset
+
+    parser = build_parser()
+    via_flags = preset_from_args(parser.parse_args([*command, *flags]))
+    via_set = preset_from_args(parser.parse_args(
+        [*command, *[word for a in assignments for word in ("--set", a)]]))
+    assert via_flags.to_dict() == via_set.to_dict()
+    assert via_flags.to_dict() != load_preset("cpu-quick").to_dict()
+    if command[0] == "attack":
+        assert via_flags.attack.ig.iterations == via_flags.attack.dlg.iterations == 7

@@ -82,7 +82,7 @@ def test_a_shorter_window_attacker_sees_each_span_afresh(trained_attackers, trai
 
     model, _ = load_attacker(tmp_path / "t1")
     model.eval()
-    window = WindowDataset([random_capture], window=4, stride=4, part="all")[0]["gradients"]
+    window = WindowDataset([random_capture], window=4, stride=4, part="all")[0].gradients
     with torch.no_grad():
         spans, _ = reconstruct_in_spans(model, ObservedWindows(window[None]))
         alone = [model.reconstruct(ObservedWindows(window[None, t:t + 1])).images[0, 0]

@@ -133,12 +133,12 @@ def test_aggregated_windows_average_blocks_and_target_last_frames_and_histograms
     item = aggregated[0]
     start = int(aggregated.rows[0][1])
     reference = clean[int(np.flatnonzero(clean.rows[:, 1] == start)[0])]
-    np.testing.assert_allclose(item["gradients"][0], reference["gradients"][:2].mean(0),
+    np.testing.assert_allclose(item.gradients[0], reference.gradients[:2].mean(0),
                                rtol=1e-6, atol=1e-8)
-    np.testing.assert_array_equal(item["images"], reference["images"][[1, 3]])
+    np.testing.assert_array_equal(item.images, reference.images[[1, 3]])
     histogram = np.zeros(5)
     np.add.at(histogram, actions[start:start + 2], 0.5)
-    np.testing.assert_allclose(item["actions"][0], histogram)
+    np.testing.assert_allclose(item.actions[0], histogram)
 
 
 def test_aggregated_evaluation_scores_histograms_against_the_uniform_baseline(

@@ -133,6 +133,8 @@ def test_an_output_under_a_file_is_refused(refused, tmp_path: Path,
 @pytest.mark.parametrize("extra, fragment", [
     (["--seed", "-1"], "train.seed=-1"),
     (["--updates", "0"], "train.updates=0"),
+    (["--updates", "two"], "train.updates"),
+    (["--algo", "sac"], "train.algo='sac'"),
     (["--set", "train.lr=nan"], "train.lr=nan"),
     (["--set", "train=1"], "is a section"),
     (["--wad", "."], "is a directory"),

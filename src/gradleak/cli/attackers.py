@@ -15,20 +15,17 @@ from gradleak.cli.common import (
     preset_flags,
     preset_from_args,
     progress,
+    shorthand_flag,
 )
 
 
 def run_attacker(args: argparse.Namespace) -> None:
     from gradleak.training.fit import FIT_KINDS, fit_attacker
 
-    preset = preset_from_args(args)
     FIT_KINDS.get(args.kind)  # an unknown kind is named before any work
+    preset = preset_from_args(args)
     model = getattr(preset.attack, args.kind)
     fit = getattr(preset.attack, f"{args.kind}_fit")
-    if args.epochs is not None:
-        fit.epochs = args.epochs
-    if args.lpips_weights:
-        fit.lpips_weights = args.lpips_weights
     if args.defense is not None:  # an adaptive attacker: it trains under this defense
         fit.defense, fit.defense_seed = defense_from_args(args).spec, args.defense_seed
     fit.skip_nonfinite = args.skip_nonfinite
@@ -46,11 +43,6 @@ def run_decoder(args: argparse.Namespace) -> None:
 
     preset = preset_from_args(args)
     fit = preset.attack.decoder_fit
-    for name in ("epochs", "extra_frames"):
-        if getattr(args, name) is not None:
-            setattr(fit, name, getattr(args, name))
-    if args.minutes is not None:
-        fit.time_limit_minutes = args.minutes
     if args.defense is not None:  # adaptive: features recovered from defended gradients
         fit.defense, fit.defense_seed = defense_from_args(args).spec, args.defense_seed
     fit.skip_nonfinite = args.skip_nonfinite
@@ -73,8 +65,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kind", default="trace", help="trace or lti (the attacker registry's)")
     p.add_argument("--data", nargs="+", required=True, help="training-scene capture files")
     p.add_argument("--out", required=True)
-    p.add_argument("--epochs", type=int, default=None)
-    p.add_argument("--lpips-weights", default=None, help="torchvision AlexNet weights file")
+    shorthand_flag(p, "--epochs", "attack.{kind}_fit.epochs")
+    shorthand_flag(p, "--lpips-weights", "attack.{kind}_fit.lpips_weights",
+                   help="torchvision AlexNet weights file")
     p.add_argument("--resume", action="store_true")
     defense_flags(p, required=False, seed=1)
     p.set_defaults(func=run_attacker)
@@ -87,10 +80,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--data", nargs="+", required=True,
                    help="training-scene capture files (their frames and scenes are used)")
     p.add_argument("--out", required=True)
-    p.add_argument("--epochs", type=int, default=None)
-    p.add_argument("--extra-frames", type=int, default=None,
+    shorthand_flag(p, "--epochs", "attack.decoder_fit.epochs")
+    shorthand_flag(p, "--extra-frames", "attack.decoder_fit.extra_frames",
                    help="frames to render on the captures' training scenes (random policy)")
-    p.add_argument("--minutes", type=float, default=None,
+    shorthand_flag(p, "--minutes", "attack.decoder_fit.time_limit_minutes",
                    help="stop at the training step that passes this (a partial epoch)")
     p.add_argument("--resume", action="store_true")
     defense_flags(p, required=False, seed=1)

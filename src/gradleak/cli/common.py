@@ -35,6 +35,9 @@ def apply_env_flags(args: argparse.Namespace, preset: Any) -> Any:
 
     for assignment in getattr(args, "set", None) or []:
         apply_override(preset, assignment)
+    for keys, value in getattr(args, "shorthands", None) or []:  # the same typed path as --set
+        for key in keys:
+            apply_override(preset, f"{key.format(**vars(args))}={value}")
     wad = getattr(args, "wad", None)
     if wad:
         if Path(wad).is_dir():
@@ -76,6 +79,29 @@ def set_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE",
                         help="override one preset field, e.g. train.updates=3 or "
                         "attack.ig.lr=0.05 (repeatable; typed from the field)")
+
+
+class _Shorthand(argparse.Action):
+    """Records `--flag VALUE` as the --set assignment it names."""
+
+    def __init__(self, *args: Any, keys: tuple[str, ...], **kwargs: Any) -> None:
+        self.keys = keys
+        super().__init__(*args, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        namespace.shorthands = [*(getattr(namespace, "shorthands", None) or []),
+                                (self.keys, values)]
+
+
+def shorthand_flag(parser: argparse.ArgumentParser, flag: str, *keys: str, help: str = ""
+                   ) -> None:
+    """A flag that is another name for preset fields: `--epochs 3` is `--set KEY=3` for each
+    key, typed and checked the same way and applied after every --set. A key may name other
+    arguments, e.g. `attack.{kind}_fit.epochs`."""
+    same = " and ".join(f"--set {key}=VALUE" for key in keys)
+    parser.add_argument(flag, action=_Shorthand, keys=keys, default=None, metavar="VALUE",
+                        help=f"{help + '; ' if help else ''}the same as {same}")
 
 
 def preset_flags(parser: argparse.ArgumentParser, environment: bool = True) -> None:

@@ -7,29 +7,34 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from gradleak.cli.common import common_flags, emit, preset_flags, preset_from_args, progress
+from gradleak.cli.common import (
+    common_flags,
+    emit,
+    preset_flags,
+    preset_from_args,
+    progress,
+    shorthand_flag,
+)
 
 
 def optim_config(args: argparse.Namespace, name: str) -> Any:
-    """A baseline's settings: the preset's IG/DLG, then --iters, --time-limit, --restarts."""
+    """A baseline's settings: the preset's IG or DLG (after --set and the flags below)."""
     from gradleak.attacks.optim.config import baseline_config
 
     preset = preset_from_args(args)
-    families = {"ig": preset.attack.ig, "dlg": preset.attack.dlg}
-    overrides = {key: value for key, value in (("time_limit_s", args.time_limit),
-                                               ("restarts", args.restarts),
-                                               ("batch", args.batch)) if value is not None}
-    return baseline_config(name, families, iterations=args.iters, **overrides)
+    return baseline_config(name, {"ig": preset.attack.ig, "dlg": preset.attack.dlg})
 
 
 def optim_flags(parser: argparse.ArgumentParser, presets: bool = True) -> None:
+    """Shorthands for fields of both families' settings (attack.ig, attack.dlg)."""
     if presets:
         preset_flags(parser, environment=False)
-    parser.add_argument("--iters", type=int, default=None, help="optimisation iterations")
-    parser.add_argument("--time-limit", type=float, default=None,
-                        help="seconds per batch of frames; stop there and keep where it got")
-    parser.add_argument("--restarts", type=int, default=None)
-    parser.add_argument("--batch", type=int, default=None, help="frames solved at once")
+    for flag, field, text in (
+            ("--iters", "iterations", "optimisation iterations"),
+            ("--time-limit", "time_limit_s",
+             "seconds per batch of frames; stop there and keep where it got"),
+            ("--restarts", "restarts", ""), ("--batch", "batch", "frames solved at once")):
+        shorthand_flag(parser, flag, f"attack.ig.{field}", f"attack.dlg.{field}", help=text)
 
 
 def run(args: argparse.Namespace) -> None:

@@ -5,18 +5,20 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from gradleak.cli.common import common_flags, emit, preset_flags, preset_from_args, progress
+from gradleak.cli.common import (
+    common_flags,
+    emit,
+    preset_flags,
+    preset_from_args,
+    progress,
+    shorthand_flag,
+)
 
 
 def run(args: argparse.Namespace) -> None:
     from gradleak.rl.trainer import train_victim
 
     preset = preset_from_args(args)
-    preset.train.algo = args.algo
-    for field, value in (("victim", args.victim), ("updates", args.updates),
-                         ("seed", args.seed)):
-        if value is not None:
-            setattr(preset.train, field, value)
     result = train_victim(preset, Path(args.out), resume=args.resume, progress=progress(args))
     text = (f"trained {preset.train.victim} with {preset.train.algo.upper()}: "
             f"{result['updates']} updates, {result['env_steps']} steps, success rate "
@@ -28,10 +30,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train-victim", help="train a victim policy with PPO or A2C")
     common_flags(p)
     preset_flags(p)
-    p.add_argument("--algo", choices=["ppo", "a2c"], default="ppo")
-    p.add_argument("--victim", default=None, help="registry name (default: the preset's)")
-    p.add_argument("--updates", type=int, default=None)
-    p.add_argument("--seed", type=int, default=None)
+    shorthand_flag(p, "--algo", "train.algo", help="ppo (default) or a2c")
+    shorthand_flag(p, "--victim", "train.victim", help="registry name (default: the preset's)")
+    shorthand_flag(p, "--updates", "train.updates")
+    shorthand_flag(p, "--seed", "train.seed")
     p.add_argument("--out", required=True)
     p.add_argument("--resume", action="store_true")
     p.set_defaults(func=run)

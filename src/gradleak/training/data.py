@@ -83,6 +83,18 @@ class WindowBatch:
     rows: torch.Tensor | None = None  # (B, T) row keys (defenses.base.row_keys)
 
 
+@dataclass(frozen=True)
+class Window:
+    """One window split along the threat model: what the server saw (the gradients, after any
+    defense, and their row keys), and the private targets of the attacker's own training
+    captures."""
+
+    gradients: torch.Tensor  # (T, d) float32
+    rows: torch.Tensor  # (T,) row keys (defenses.base.row_keys)
+    images: torch.Tensor  # private: (T, H, W, 3) uint8
+    actions: torch.Tensor  # private: (T,) taken, or (T, K) histograms of an aggregated stream
+
+
 def episode_is_validation(seed: int, file_index: int, episode: int, fraction: float) -> bool:
     return bool(np.random.default_rng([seed, file_index, episode]).random() < fraction)
 
@@ -180,26 +192,23 @@ class WindowDataset(Dataset):
             self._handles[pid] = [h5py.File(p, "r") for p in self.paths]
         return self._handles[pid]
 
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+    def __getitem__(self, index: int) -> Window:
         file_index, start, _ = (int(v) for v in self.rows[index])
         stop = start + self.window * self.span
         keys = row_keys(self.file_attrs[file_index], start, stop)
         gradients = torch.from_numpy(self._read(file_index, GRADIENTS, start, stop)
                                      .astype(np.float32))
         actions = torch.from_numpy(self._read(file_index, "actions", start, stop))
+        images = torch.from_numpy(self._read(file_index, "images", start, stop))
         if self.defense is None:
-            return {"gradients": gradients, "actions": actions, "rows": keys,
-                    "images": torch.from_numpy(self._read(file_index, "images", start, stop))}
+            return Window(gradients, keys, images, actions)
         # keyed seeding: the same noise however windows overlap or are batched
         stream = self.defense.apply(Stream.of(gradients, keys))
         last = slice(self.span - 1, None, self.span)
-        images = self._read(file_index, "images", start, stop)[last]
-        item = {"gradients": stream.gradients, "rows": stream.keys,
-                "images": torch.from_numpy(images), "actions": actions[last]}
         if self.span > 1:  # the targets of an aggregated row: the last frame, the histogram
             counts = F.one_hot(actions.view(self.window, self.span), self.num_actions)
-            item["actions"] = counts.float().mean(1)  # (T, K)
-        return item
+            return Window(stream.gradients, stream.keys, images[last], counts.float().mean(1))
+        return Window(stream.gradients, stream.keys, images[last], actions[last])
 
     def _read(self, file_index: int, name: str, start: int, stop: int) -> np.ndarray:
         try:
@@ -216,7 +225,7 @@ class WindowDataset(Dataset):
         for index in order:
             if seen >= limit:
                 return
-            rows = self[int(index)]["gradients"][: limit - seen]
+            rows = self[int(index)].gradients[: limit - seen]
             seen += len(rows)
             yield rows
 
@@ -225,15 +234,15 @@ class WindowDataset(Dataset):
         total, count = None, 0
         for index in np.random.default_rng(seed).permutation(len(self))[: max(1, limit //
                                                                               self.window)]:
-            frames = self[int(index)]["images"].to(torch.float64) / 255.0
+            frames = self[int(index)].images.to(torch.float64) / 255.0
             total = frames.sum(0) if total is None else total + frames.sum(0)
             count += len(frames)
         return (total / count).permute(2, 0, 1).to(torch.float32)
 
 
-def collate(items: list[dict[str, torch.Tensor]]) -> WindowBatch:
-    images = torch.stack([item["images"] for item in items])  # (B, T, H, W, 3) uint8
-    return WindowBatch(observed=ObservedWindows(torch.stack([i["gradients"] for i in items])),
+def collate(items: list[Window]) -> WindowBatch:
+    images = torch.stack([item.images for item in items])  # (B, T, H, W, 3) uint8
+    return WindowBatch(observed=ObservedWindows(torch.stack([i.gradients for i in items])),
                        images=images.permute(0, 1, 4, 2, 3).to(torch.float32) / 255.0,
-                       actions=torch.stack([item["actions"] for item in items]),
-                       rows=torch.stack([item["rows"] for item in items]))
+                       actions=torch.stack([item.actions for item in items]),
+                       rows=torch.stack([item.rows for item in items]))

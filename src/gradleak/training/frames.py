@@ -153,7 +153,7 @@ class AuxiliaryFrames:
             windows, features = self.windows[part], []
             for start in tqdm(range(0, len(windows), chunk), disable=not progress, leave=False,
                               desc=f"recover {part} features under {self.defense.spec}"):
-                rows = [windows[i]["gradients"][0]
+                rows = [windows[i].gradients[0]
                         for i in range(start, min(start + chunk, len(windows)))]
                 features.append(recover(torch.stack(rows)).numpy())
             setattr(self, part, replace(getattr(self, part), features=np.concatenate(features)))
