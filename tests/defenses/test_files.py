@@ -16,6 +16,7 @@ from gradleak.defenses.base import row_keys
 from gradleak.defenses.files import defend_capture
 from gradleak.errors import CaptureFileError, ConfigError
 from gradleak.evaluation.reconstructions import evaluate
+from gradleak.training.data import WindowDataset
 
 
 def test_a_defended_copy_changes_only_the_gradients(random_capture: Path, tmp_path: Path,
@@ -148,10 +149,17 @@ def test_aggregated_evaluation_scores_histograms_against_the_uniform_baseline(
                       defense=parse_defense("agg:2"))
     methods = result["methods"]
     # Under agg:2 with K = 5 a block's true histogram is (1) or (½, ½): its distance to the
-    # uniform 1/K one is exactly 0.8 or 0.6, so their mean lies between.
+    # uniform 1/K one is exactly 0.8 or 0.6. Which, is read off the file's actions, block by
+    # block of the windows evaluated (each window starts where the dataset says).
     with CaptureFile(random_capture) as capture:
         assert capture.victim.num_actions == 5
-    assert 0.6 - 1e-6 <= methods["uniform 1/K histogram"]["histogram_tv"] <= 0.8 + 1e-6
+        taken = capture.private_column("actions")
+    windows = WindowDataset([random_capture], window=result["window"], stride=result["window"],
+                            part="all", expect_split="heldout", defense=parse_defense("agg:2"))
+    starts = windows.rows[: result["windows"], 1]
+    blocks = (starts[:, None] + 2 * np.arange(result["window"])[None]).ravel()
+    expected = np.where(taken[blocks] == taken[blocks + 1], 0.8, 0.6).mean()
+    assert methods["uniform 1/K histogram"]["histogram_tv"] == pytest.approx(expected, abs=1e-6)
     assert "histogram_tv" in methods["TRACE"] and "histogram_tv" in methods[
         "action rule (odd-sign)"]
     table = (tmp_path / "agg" / "metrics.md").read_text()
