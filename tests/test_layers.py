@@ -57,3 +57,53 @@ def test_no_package_imports_one_above_or_beside_it() -> None:
                 wrong.append(f"{path.relative_to(SOURCE)} ({source}, layer {LAYER[source]}) "
                              f"imports {target} (layer {LAYER[target]})")
     assert not wrong, "\n".join(wrong)
+
+
+def imported_modules(path: Path) -> set[str]:
+    """The gradleak modules a file imports (`from gradleak.x import y` counts y when y is a
+    module of x, else x)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("gradleak"):
+            for alias in node.names:
+                child = f"{node.module}.{alias.name}"
+                found.add(child if module_path(child) else node.module)
+        elif isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names if alias.name.startswith("gradleak")}
+    return {name for name in found if module_path(name)}
+
+
+def module_path(name: str) -> Path | None:
+    base = SOURCE.parent.joinpath(*name.split("."))
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(SOURCE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def test_no_two_modules_import_each_other_even_inside_one_package() -> None:
+    """Within a package too: a loop of imports (however deferred) means two modules that
+    cannot be read apart, one of them usually holding what belongs to both."""
+    graph = {module_name(path): imported_modules(path) for path in SOURCE.rglob("*.py")}
+    loops, state = [], {}
+
+    def visit(node: str, trail: list[str]) -> None:
+        state[node] = "open"
+        for nxt in sorted(graph.get(node, ())):
+            if nxt == node or nxt.startswith(node + "."):  # a package's face handing names on
+                continue
+            if state.get(nxt) == "open":
+                loops.append(" -> ".join([*trail[trail.index(nxt):], nxt]))
+            elif nxt not in state:
+                visit(nxt, [*trail, nxt])
+        state[node] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    assert not loops, "\n".join(loops)

@@ -29,7 +29,7 @@ from gradleak.envs.doomnav import DoomNavConfig
 from gradleak.errors import ConfigError
 from gradleak.registry import Registry
 from gradleak.rl.config import TrainConfig
-from gradleak.training.decoder_fit import DecoderFitConfig
+from gradleak.training.decoder_config import DecoderFitConfig
 from gradleak.training.fit import FitConfig
 from gradleak.training.objectives import LossWeights
 from gradleak.victims.base import COMPONENTS

@@ -18,7 +18,8 @@ from gradleak.errors import CaptureFileError, ConfigError
 from gradleak.io import load_tensors
 from gradleak.metrics.images import psnr
 from gradleak.training.checkpoint import WEIGHTS, load_attacker
-from gradleak.training.decoder_fit import DecoderFit, DecoderFitConfig, fit_decoder
+from gradleak.training.decoder_config import DecoderFitConfig
+from gradleak.training.decoder_fit import DecoderFit, fit_decoder
 from gradleak.training.frames import RENDERED, feature_map_shape, random_walk_frames
 from gradleak.victims import create_victim
 from gradleak.victims.base import layers_to_json

@@ -55,7 +55,8 @@ def test_the_analytic_decoder_trains_without_doom_action_facts(tmp_path: Path) -
     camera motion, so the decoder fit goes without them (it refused K = 4 before)."""
     from gradleak.attacks.feature_decoder import DecoderConfig
     from gradleak.envs.actions import action_facts
-    from gradleak.training.decoder_fit import DecoderFitConfig, fit_decoder
+    from gradleak.training.decoder_config import DecoderFitConfig
+    from gradleak.training.decoder_fit import fit_decoder
 
     preset = tiny_preset()
     preset.env.backend, preset.env.gym_id = "gym", TOY_ID

@@ -10,7 +10,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -28,10 +28,8 @@ from gradleak.io import (
     tensors_metadata,
 )
 from gradleak.training.data import WindowDataset
+from gradleak.training.decoder_config import DecoderFitConfig
 from gradleak.victims.base import Victim, victim_at_theta0
-
-if TYPE_CHECKING:  # the decoder fit's config, read here only for its frame settings
-    from gradleak.training.decoder_fit import DecoderFitConfig
 
 RENDERED = "rendered.safetensors"  # the random-walk frames of an unfinished run
 
