@@ -29,7 +29,7 @@ maps; choosing the margin per step (see `recover_conv_inputs`) brings the first 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -58,6 +58,9 @@ class ConvInputs:
     noise: dict[str, torch.Tensor]  # conv name → (N, C_in, H, W) estimated standard deviation
     masks: dict[str, torch.Tensor]  # conv name → (N, C_out, h, w) the ReLU units found on
     thresholds: torch.Tensor | None = None  # (N,) the on/off margin kept for each step
+    # conv name → (N, C_in, H, W) the loss gradient reaching that input: with the block below's
+    # BN gain and on-units it is that block's output gradient δ
+    upstream: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def relative_noise(self, name: str) -> torch.Tensor:
         """(N,) ‖estimated noise‖ / ‖recovered input‖ over the pixels the gradient determines:
@@ -79,7 +82,7 @@ class ConvInputs:
                     for key in getattr(self, field)}
 
         return ConvInputs(choose("inputs"), choose("noise"), choose("masks"),
-                          torch.tensor(thresholds, dtype=torch.float64)[best])
+                          torch.tensor(thresholds, dtype=torch.float64)[best], choose("upstream"))
 
 
 @torch.no_grad()
@@ -136,11 +139,12 @@ def walk_down(gradient_of: GradientOf, victim: Victim, down_to: str | None, thre
                                       rounds)
         y, noise = solve_input_with_noise(block, delta, weight_gradient)
         found.inputs[block.name], found.noise[block.name], found.masks[block.name] = y, noise, mask
-        if block.name == target:
-            return found
         upstream = torch.nn.grad.conv2d_input(y.shape, block.conv.weight.double(), delta,
                                               stride=block.conv.stride,
                                               padding=block.conv.padding)
+        found.upstream[block.name] = upstream
+        if block.name == target:
+            return found
     raise AssertionError("unreachable: the target is one of the blocks")
 
 

@@ -1,14 +1,32 @@
-"""The frame under the first conv block, which its weight gradient leaves under-determined: a
-solve against the first conv's recovered outputs with a smoothness prior.
+"""The frame under the first conv block, from the equations one step's gradient gives for it.
+
+The recursion (`attacks.conv_recovery`) stops above the first block: its weight gradient has
+fewer equations than the frame has pixels. What it does give, exactly, is the first block's
+output (so the first conv's pre-activation at every unit that is on, and which units are off)
+and the gradient reaching that output (so δ₁ = g · γ/σ · [on], the first conv's output
+gradient). Two sets of equations are then linear in the network input x:
+
+- outputs: conv₁(x) = r at the on-units (r = the recovered ReLU output minus the bias), and
+  conv₁(x) ≤ −b at the off-units;
+- the weight gradient: ∇W₁ = Σ_p δ₁(p) · patch_p(x)ᵀ, O·C·k² equations (∇b₁ = Σ_p δ₁(p) does
+  not involve x: it checks δ₁).
+
+`solve_frames` solves them together, batched over frames, by conjugate gradients on the
+normal equations with a small smoothness term for the part of x they leave free, then clips to
+the input transform's valid range. `frames_from_first_block` is the earlier penalty solve
+(L-BFGS on the output equations alone), kept for comparison.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
-from gradleak.attacks.conv_blocks import conv_blocks, unit_states
+from gradleak.attacks.conv_blocks import ConvBlock, conv_blocks, unit_states
 from gradleak.victims.base import Victim
+from gradleak.victims.transform import InputTransform
 
 
 def frames_from_first_block(victim: Victim, output: torch.Tensor, noise: torch.Tensor,
@@ -50,3 +68,186 @@ def frames_from_first_block(victim: Victim, output: torch.Tensor, noise: torch.T
         with torch.no_grad():
             images.copy_(torch.maximum(torch.minimum(images, high), low))
     return transform.invert(images.detach())
+
+
+@dataclass
+class FirstConvEquations:
+    """The linear equations one step's gradient gives for the network input x under the first
+    conv, for N steps at once (float64)."""
+
+    block: ConvBlock
+    on: torch.Tensor  # (N, O, h, w) bool: units surely on
+    off: torch.Tensor  # (N, O, h, w) bool: units off (undecided ones count as off)
+    outputs: torch.Tensor  # (N, O, h, w) conv₁(x) without its bias, at the on-units (0 elsewhere)
+    delta: torch.Tensor  # (N, O, h, w) δ₁, the first conv's output gradient
+    weight_gradient: torch.Tensor | None  # (N, O, C, k, k) the observed ∇W₁; None: not used
+
+    @property
+    def kernel(self) -> int:
+        return self.block.conv.kernel_size[0]
+
+    def conv(self, x: torch.Tensor) -> torch.Tensor:
+        conv = self.block.conv
+        return F.conv2d(x, conv.weight.double(), None, conv.stride, conv.padding)
+
+    def conv_adjoint(self, y: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        conv = self.block.conv
+        return torch.nn.grad.conv2d_input(shape, conv.weight.double(), y, conv.stride,
+                                          conv.padding)
+
+    def patches(self, x: torch.Tensor) -> torch.Tensor:
+        conv = self.block.conv
+        return F.unfold(x, self.kernel, padding=conv.padding, stride=conv.stride)
+
+    def weight_gradient_of(self, x: torch.Tensor) -> torch.Tensor:
+        """Σ_p δ₁(p) · patch_p(x)ᵀ, (N, O, C·k²): what ∇W₁ would be for the input x."""
+        return torch.bmm(self.delta.flatten(2), self.patches(x).transpose(1, 2))
+
+    def weight_gradient_adjoint(self, y: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        conv = self.block.conv
+        columns = torch.bmm(y.transpose(1, 2), self.delta.flatten(2))  # (N, C·k², P)
+        return F.fold(columns, shape[-2:], self.kernel, padding=conv.padding,
+                      stride=conv.stride)
+
+    def residuals(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """(N,) relative residuals of each set of equations at x; ≈ 0 for the true input."""
+        out = {"outputs": relative(self.conv(x) * self.on - self.outputs, self.outputs)}
+        if self.weight_gradient is not None:
+            observed = self.weight_gradient.flatten(2)
+            out["weight_gradient"] = relative(self.weight_gradient_of(x) - observed, observed)
+        return out
+
+
+def relative(error: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    return error.flatten(1).norm(dim=1) / reference.flatten(1).norm(dim=1).clamp_min(1e-300)
+
+
+def first_conv_equations(victim: Victim, first_output: torch.Tensor, noise: torch.Tensor,
+                         upstream: torch.Tensor, weight_gradient: torch.Tensor | None,
+                         threshold: float = 20.0) -> FirstConvEquations:
+    """The equations from the recursion's first-block output (its noise estimate) and the
+    gradient reaching it. Only units surely on count as on: the weight gradient leaves the
+    frame under-determined, so the alternation that settles undecided units elsewhere
+    (`settle_masks`) has nothing to settle them with here."""
+    first = conv_blocks(victim)[0]
+    with torch.no_grad():
+        relu, on, _, gain = unit_states(first, first_output.double(), noise.double(), threshold)
+    known = torch.isfinite(noise)  # a unit no conv above reads says nothing
+    on, off = on & known, ~on & known
+    bias = first.conv.bias.double()[:, None, None]
+    return FirstConvEquations(first, on, off, (relu - bias) * on, upstream.double() * gain * on,
+                              None if weight_gradient is None else weight_gradient.double())
+
+
+@torch.no_grad()
+def solve_frames(equations: FirstConvEquations, transform: InputTransform,
+                 smoothness: float = 1e-3, iterations: int = 400
+                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Frames (N, H, W, C) in frame units (0..255) from the equations, and their relative
+    residuals before clipping. Least squares over both sets (each normalised per frame) plus
+    `smoothness`·‖∇x‖², by conjugate gradients from the mid-range frame; then clipped to the
+    transform's valid range."""
+    height, width, channels = transform.frame_shape
+    low = transform.apply(torch.zeros(1, height, width, channels, dtype=torch.float64))
+    high = transform.apply(torch.full((1, height, width, channels), 255.0, dtype=torch.float64))
+    start = ((low + high) / 2).expand(len(equations.on), -1, -1, -1).clone()
+    x = solve_inputs(equations, start, smoothness, iterations)
+    residuals = equations.residuals(x)
+    x = torch.maximum(torch.minimum(x, high), low)
+    return transform.invert(x), residuals
+
+
+@torch.no_grad()
+def solve_inputs(equations: FirstConvEquations, start: torch.Tensor, smoothness: float,
+                 iterations: int) -> torch.Tensor:
+    """The network input x (N, C, H, W) by CG from `start`: with smoothness 0 the solution of
+    the equations nearest `start` (their null space keeps its part of `start`)."""
+    operator, rhs, diagonal = normal_equations(equations, start.shape, smoothness)
+    return conjugate_gradients(operator, rhs, start, iterations, diagonal)
+
+
+def normal_equations(equations: FirstConvEquations, shape: torch.Size, smoothness: float):
+    """(x ↦ Aᵀ A x + λ DᵀD x, Aᵀ b, the operator's diagonal) with every equation's row scaled
+    to unit norm (an output equation of unit o by 1/‖W_o‖, a weight-gradient equation of
+    channel o by 1/‖δ₁(o, ·)‖): rows of very different scale are what make the system hard."""
+    conv = equations.block.conv
+    weight = conv.weight.double()
+    on = equations.on.double()
+    row_out = on / weight.flatten(1).pow(2).sum(1)[None, :, None, None]  # 1/‖row‖² where on
+    terms = [(lambda x: equations.conv_adjoint(equations.conv(x) * row_out, shape),
+              equations.conv_adjoint(equations.outputs * row_out, shape))]
+    # diag(AᵀA): each on-unit adds its row's weight² at every pixel it reads
+    diagonal = torch.nn.grad.conv2d_input(shape, weight ** 2, row_out, conv.stride,
+                                          conv.padding)
+    if equations.weight_gradient is not None:
+        observed = equations.weight_gradient.flatten(2)
+        delta = equations.delta.flatten(2)
+        row_grad = 1 / delta.pow(2).sum(2, keepdim=True).clamp_min(1e-300)  # (N, O, 1)
+        row_grad = torch.where(delta.pow(2).sum(2, keepdim=True) > 0, row_grad, 0.0)
+        terms.append((lambda x: equations.weight_gradient_adjoint(
+            equations.weight_gradient_of(x) * row_grad, shape),
+            equations.weight_gradient_adjoint(observed * row_grad, shape)))
+        # a pixel's coefficient in ∇W₁[o, c, tap] is δ₁(o, p) for the one p whose tap reads it
+        scaled = equations.delta ** 2 * row_grad[..., None]
+        diagonal = diagonal + torch.nn.grad.conv2d_input(
+            shape, torch.ones_like(weight), scaled, conv.stride, conv.padding)
+    diagonal = diagonal + smoothness * 4
+
+    def operator(x: torch.Tensor) -> torch.Tensor:
+        total = smoothness * smoothness_normal(x)
+        for apply, _ in terms:
+            total = total + apply(x)
+        return total
+
+    return operator, sum(b for _, b in terms), diagonal
+
+
+def per_frame(values: torch.Tensor) -> torch.Tensor:
+    return values[:, None, None, None]
+
+
+def smoothness_normal(x: torch.Tensor) -> torch.Tensor:
+    """DᵀD x for D the horizontal and vertical differences."""
+    out = torch.zeros_like(x)
+    rows, cols = x[..., 1:, :] - x[..., :-1, :], x[..., :, 1:] - x[..., :, :-1]
+    out[..., 1:, :] += rows
+    out[..., :-1, :] -= rows
+    out[..., :, 1:] += cols
+    out[..., :, :-1] -= cols
+    return out
+
+
+def conjugate_gradients(operator, rhs: torch.Tensor, x: torch.Tensor, iterations: int,
+                        diagonal: torch.Tensor | None = None, tolerance: float = 1e-14
+                        ) -> torch.Tensor:
+    """Preconditioned CG (Jacobi: `diagonal`) on a symmetric positive semi-definite operator,
+    one independent problem per row. A row stops once its residual falls below `tolerance`
+    times its start, or its curvature does (nothing left to gain in its search direction)."""
+    inverse = None if diagonal is None else torch.where(diagonal > 0, 1 / diagonal,
+                                                        torch.zeros_like(diagonal))
+
+    def dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return per_frame((a * b).flatten(1).sum(1))
+
+    def precondition(r: torch.Tensor) -> torch.Tensor:
+        return r if inverse is None else r * inverse
+
+    residual = rhs - operator(x)
+    preconditioned = precondition(residual)
+    direction, norm = preconditioned.clone(), dot(residual, preconditioned)
+    floor = norm * tolerance ** 2
+    for _ in range(iterations):
+        product = operator(direction)
+        curvature = dot(direction, product)
+        active = (norm > floor) & (curvature > 0)
+        if not bool(active.any()):
+            break
+        step = torch.where(active, norm / torch.where(active, curvature, 1.0), 0.0)
+        x = x + step * direction
+        residual = residual - step * product
+        preconditioned = precondition(residual)
+        new = dot(residual, preconditioned)
+        direction = torch.where(active, preconditioned + new / torch.where(active, norm, 1.0)
+                                * direction, direction)
+        norm = torch.where(active, new, norm)
+    return x

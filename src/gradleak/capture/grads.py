@@ -65,7 +65,8 @@ def flatten(gradients: dict[str, torch.Tensor], layers: list[LayerInfo]) -> torc
 def per_step_gradients(victim: Victim, batch: StepBatch, coefficients: LossCoefficients,
                        layers: list[LayerInfo], ppo: bool = True, chunk: int = 32
                        ) -> torch.Tensor:
-    """(N, d) float32: one gradient per step, vmapped in chunks of `chunk` steps."""
+    """(N, d) in the victim's dtype (float32 as clients run): one gradient per step, vmapped in
+    chunks of `chunk` steps."""
     _check_frozen(victim)
     parameters = {name: p.detach() for name, p in victim.named_parameters()}
     buffers = {name: b.detach() for name, b in victim.named_buffers()}
@@ -80,7 +81,8 @@ def per_step_gradients(victim: Victim, batch: StepBatch, coefficients: LossCoeff
     goal_dim = None if batch.goals is None else 0
     hidden_dim = None if batch.hidden is None else 0
     batched = vmap(one_step, in_dims=(None, 0, 0, 0, 0, 0, goal_dim, hidden_dim))
-    output = torch.empty(len(batch), sum(layer.size for layer in layers))
+    dtype = next(iter(parameters.values())).dtype
+    output = torch.empty(len(batch), sum(layer.size for layer in layers), dtype=dtype)
     for start in range(0, len(batch), chunk):
         part = batch.slice(start, start + chunk)
         grads = batched(parameters, part.images, part.actions, part.advantages, part.returns,

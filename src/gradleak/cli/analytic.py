@@ -10,16 +10,19 @@ from gradleak.cli.common import common_flags, emit, nonfinite_flag
 
 
 def conv_stack_lines(conv: dict[str, Any]) -> list[str]:
-    layers = ", ".join(f"{name} {tuple(v['shape'])} {v['median_relative_error']:.1e}"
+    errors = ", ".join(f"{name} {v['median_relative_error']:.1e}"
                        for name, v in conv["layers"].items())
+    solves = conv["solves"]
     return [f"  through the conv stack ({conv['frames']} steps, "
             f"{1000 * conv['recovery_seconds_per_frame']:.0f} ms/frame), conv inputs (median "
-            f"relative error): {layers}",
-            f"  frames from {conv['frames_from']}'s input: PSNR {conv['psnr']:.2f} dB, SSIM "
-            f"{conv['ssim']:.3f} ({conv['frame_seconds_per_frame']:.2f} s/frame); from the true "
-            f"map {conv['psnr_from_true_map']:.2f} / {conv['ssim_from_true_map']:.3f}; their "
-            f"mean image {conv['psnr_of_their_mean_image']:.2f} / "
-            f"{conv['ssim_of_their_mean_image']:.3f}"]
+            f"relative error): {errors}",
+            f"  frames from the first conv's equations ({conv['equations_per_unknown']:.2f} per "
+            f"unknown): PSNR {conv['psnr']:.2f} dB, SSIM {conv['ssim']:.3f} "
+            f"({conv['frame_seconds_per_frame']:.2f} s/frame); from the true map "
+            f"{conv['psnr_from_true_map']:.2f} / {conv['ssim_from_true_map']:.3f}; without the "
+            f"weight-gradient equations {solves['without_weight_gradient']['psnr']:.2f}; the "
+            f"penalty solve {solves['penalty']['psnr']:.2f}; their mean image "
+            f"{conv['psnr_of_their_mean_image']:.2f} / {conv['ssim_of_their_mean_image']:.3f}"]
 
 
 def summary_lines(path: str, r: dict[str, Any]) -> list[str]:

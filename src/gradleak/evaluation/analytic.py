@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from gradleak.attacks.analytic import invert_features, module_input, recover_analytically
+from gradleak.attacks.conv_blocks import conv_blocks
 from gradleak.capture.reader import CaptureFile
 from gradleak.errors import ConfigError
 from gradleak.threat import Observation, Target
@@ -122,13 +123,12 @@ def score_inversion(observation: Observation, target: Target, count: int) -> dic
 def score_conv_stack(observation: Observation, target: Target, count: int,
                      frame_threshold: float = 3.0) -> dict[str, Any]:
     """Recovery through the conv stack on `count` evenly spaced steps: each determined conv
-    input against the truth, then frames from the deepest one (its gradient leaves the frame
-    under-determined, so a smoothness prior fills in), against frames from the true map."""
+    input against the truth, then frames from the first conv's own equations (its outputs and
+    its weight gradient), against the same solve from the true first-block output, the solve
+    without the weight-gradient equations, and the earlier penalty solve."""
     from dataclasses import replace
 
     from gradleak.attacks.conv_recovery import observed_conv_inputs
-    from gradleak.attacks.first_conv import frames_from_first_block
-    from gradleak.metrics.images import psnr, ssim, to_unit_tensor
 
     rows = np.linspace(0, len(observation) - 1, count).astype(int)
     subset = replace(observation, gradients=observation.gradients[rows],
@@ -139,35 +139,88 @@ def score_conv_stack(observation: Observation, target: Target, count: int,
     recovery_seconds = (time.perf_counter() - start) / count
     images = target.images[rows]
     victim = victim_at_theta0(observation)
-    layers = {}
     with torch.no_grad():
         truth = {name: module_input(victim, name, torch.from_numpy(images)).double()
                  for name in found.inputs}
-    for name, estimate in found.inputs.items():
-        known = torch.isfinite(found.noise[name])  # pixels no conv reads are unknown, not 0
-        errors = relative_errors((estimate * known).flatten(1).numpy(),
-                                 (truth[name] * known).flatten(1).numpy())
-        layers[name] = {"shape": list(estimate.shape[1:]),
-                        "median_relative_error": float(np.median(errors)),
-                        "max_relative_error": float(np.max(errors)),
-                        "unread_fraction": float(1 - known.double().mean())}
+    layers = {name: layer_errors(estimate, truth[name], found.noise[name])
+              for name, estimate in found.inputs.items()}
     deepest = list(found.inputs)[-1]
     double = victim_at_theta0(observation).double()
-    start = time.perf_counter()
-    frames = to_unit_tensor(frames_from_first_block(double, found.inputs[deepest],
-                                                    found.noise[deepest], frame_threshold) / 255)
-    frame_seconds = (time.perf_counter() - start) / count
-    ideal = to_unit_tensor(frames_from_first_block(double, truth[deepest],
-                                                   torch.zeros_like(truth[deepest]),
-                                                   frame_threshold) / 255)
+    first = conv_blocks(double)[0]
+    gradient = torch.from_numpy(subset.block(f"{first.name}.weight").astype(np.float64))
+    solves = frame_solves(double, found, deepest, truth[deepest], gradient, frame_threshold,
+                          images)
+    main = solves.pop("equations")
+    return {"frames": count, "layers": layers, "recovery_seconds_per_frame": recovery_seconds,
+            "frames_from": deepest, "psnr": main["psnr"], "ssim": main["ssim"],
+            "frame_seconds_per_frame": main["seconds_per_frame"],
+            "equation_residual_median": main["residual_median"],
+            "equations_per_unknown": main["equations_per_unknown"],
+            "psnr_from_true_map": solves["from_true_map"]["psnr"],
+            "ssim_from_true_map": solves["from_true_map"]["ssim"], "solves": solves,
+            **mean_image_scores(images)}
+
+
+def layer_errors(estimate: torch.Tensor, truth: torch.Tensor, noise: torch.Tensor
+                 ) -> dict[str, Any]:
+    known = torch.isfinite(noise)  # pixels no conv reads are unknown, not 0
+    errors = relative_errors((estimate * known).flatten(1).numpy(),
+                             (truth * known).flatten(1).numpy())
+    return {"shape": list(estimate.shape[1:]), "median_relative_error": float(np.median(errors)),
+            "max_relative_error": float(np.max(errors)),
+            "unread_fraction": float(1 - known.double().mean())}
+
+
+def frame_solves(victim: Any, found: Any, deepest: str, true_map: torch.Tensor,
+                 gradient: torch.Tensor, threshold: float, images: np.ndarray
+                 ) -> dict[str, dict[str, float]]:
+    """Each way of getting the frame under the first conv, scored against the real frames."""
+    from gradleak.attacks.first_conv import (
+        first_conv_equations,
+        frames_from_first_block,
+        solve_frames,
+    )
+
+    transform = victim.roles().transform
+    output, noise, upstream = found.inputs[deepest], found.noise[deepest], found.upstream[deepest]
+    exact = torch.where(torch.isfinite(noise), torch.zeros_like(noise), noise)
+    runs = {"equations": lambda: solve_frames(first_conv_equations(
+                victim, output, noise, upstream, gradient), transform),
+            "without_weight_gradient": lambda: solve_frames(first_conv_equations(
+                victim, output, noise, upstream, None), transform),
+            "from_true_map": lambda: solve_frames(first_conv_equations(
+                victim, true_map, exact, upstream, gradient), transform),
+            "penalty": lambda: (frames_from_first_block(victim, output, noise, threshold), None)}
+    scores = {}
+    for name, run in runs.items():
+        start = time.perf_counter()
+        frames, residuals = run()
+        seconds = (time.perf_counter() - start) / len(images)
+        scores[name] = {**frame_scores(frames, images), "seconds_per_frame": seconds}
+        if residuals is not None:
+            scores[name]["residual_median"] = {key: float(value.median())
+                                               for key, value in residuals.items()}
+    equations = first_conv_equations(victim, output, noise, upstream, gradient)
+    unknowns = int(np.prod(transform.frame_shape))
+    scores["equations"]["equations_per_unknown"] = float(
+        (equations.on.flatten(1).sum(1).double().mean() + gradient[0].numel()) / unknowns)
+    return scores
+
+
+def frame_scores(frames: torch.Tensor, images: np.ndarray) -> dict[str, float]:
+    from gradleak.metrics.images import psnr, ssim, to_unit_tensor
+
+    guess = to_unit_tensor(frames.clamp(0, 255).round().to(torch.uint8).numpy())
+    real = to_unit_tensor(images)
+    return {"psnr": float(psnr(guess, real).mean()), "ssim": float(ssim(guess, real).mean())}
+
+
+def mean_image_scores(images: np.ndarray) -> dict[str, float]:
+    from gradleak.metrics.images import psnr, ssim, to_unit_tensor
+
     real = to_unit_tensor(images)
     mean = real.mean(0, keepdim=True).expand_as(real)
-    return {"frames": count, "layers": layers, "recovery_seconds_per_frame": recovery_seconds,
-            "frames_from": deepest, "psnr": float(psnr(frames, real).mean()),
-            "ssim": float(ssim(frames, real).mean()), "frame_seconds_per_frame": frame_seconds,
-            "psnr_from_true_map": float(psnr(ideal, real).mean()),
-            "ssim_from_true_map": float(ssim(ideal, real).mean()),
-            "psnr_of_their_mean_image": float(psnr(mean, real).mean()),
+    return {"psnr_of_their_mean_image": float(psnr(mean, real).mean()),
             "ssim_of_their_mean_image": float(ssim(mean, real).mean())}
 
 

@@ -1,0 +1,146 @@
+"""The frame under the first conv from its own equations: exact algebra against autograd, a
+solve that fits them and errs only where they leave the frame free, and clear refusals."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from helpers import observe, smooth_frame
+
+from gradleak.attacks.conv_blocks import conv_blocks
+from gradleak.attacks.conv_recovery import observed_conv_inputs
+from gradleak.attacks.first_conv import (
+    FirstConvEquations,
+    first_conv_equations,
+    solve_frames,
+    solve_inputs,
+)
+from gradleak.errors import ConfigError
+from gradleak.rl.losses import LossCoefficients, actor_critic_loss
+from gradleak.victims import create_victim
+
+
+def victim_with_statistics(dtype: torch.dtype) -> torch.nn.Module:
+    """cnn-small at 32×32 whose BatchNorms are far from identity (a trained victim's)."""
+    torch.manual_seed(2)
+    victim = create_victim("cnn-small", frame_size=32).eval()
+    generator = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for module in victim.encoder:
+            if isinstance(module, torch.nn.BatchNorm2d):
+                module.weight.uniform_(0.5, 1.5, generator=generator)
+                module.bias.uniform_(-0.2, 0.2, generator=generator)
+                module.running_mean.uniform_(-0.1, 0.1, generator=generator)
+                module.running_var.uniform_(0.5, 2.0, generator=generator)
+    return victim.to(dtype)
+
+
+STEPS = dict(actions=torch.arange(6) % 5, advantages=torch.linspace(-1.5, 1.5, 6),
+             returns=torch.linspace(-0.5, 0.8, 6))
+
+
+@pytest.fixture(scope="module", params=[torch.float64, torch.float32])
+def steps(request: pytest.FixtureRequest):
+    return observed_steps(request.param)
+
+
+def observed_steps(dtype: torch.dtype):
+    """Six smooth frames, their per-step gradients (float64, or float32 as a client sends),
+    and autograd's δ₁ (the first conv's output gradient) and pre-activation for each."""
+    victim = victim_with_statistics(dtype)
+    images = torch.stack([smooth_frame(32, seed) for seed in range(6)])
+    frames = images.double() if dtype == torch.float64 else images
+    observation, _ = observe(victim, frames, STEPS["actions"],
+                             STEPS["advantages"].to(dtype), STEPS["returns"].to(dtype))
+    double = victim_with_statistics(torch.float64)
+    first = conv_blocks(double)[0]
+    kept = {}
+    hook = first.conv.register_forward_hook(lambda m, a, out: kept.update(z=out) or
+                                            out.retain_grad())
+    logits, values = double(images.double())
+    hook.remove()
+    log_probs = torch.log_softmax(logits, -1).gather(-1, STEPS["actions"][:, None])[:, 0]
+    loss = actor_critic_loss(logits, values, STEPS["actions"], STEPS["advantages"].double(),
+                             STEPS["returns"].double(), LossCoefficients(), log_probs.detach())
+    loss.sum().backward()  # eval mode: each step's loss reaches only its own activations
+    x = double.roles().transform.apply(images.double())
+    return observation, double, x, kept["z"].grad.detach(), kept["z"].detach()
+
+
+def recovered(observation, victim) -> FirstConvEquations:  # noqa: ANN001
+    found = observed_conv_inputs(observation)
+    deepest = list(found.inputs)[-1]
+    first = conv_blocks(victim)[0]
+    gradient = torch.from_numpy(observation.block(f"{first.name}.weight").astype(np.float64))
+    return first_conv_equations(victim, found.inputs[deepest], found.noise[deepest],
+                                found.upstream[deepest], gradient)
+
+
+def test_delta_from_the_recursion_is_autograds(steps) -> None:
+    """δ₁ = (gradient reaching the first block's output) · γ/σ · [on], from the gradients
+    alone, equals autograd's δ₁: to rounding on float64 gradients, to float32's precision on
+    what a client sends."""
+    observation, victim, _, delta, _ = steps
+    equations = recovered(observation, victim)
+    error = (equations.delta - delta).flatten(1).norm(dim=1) / delta.flatten(1).norm(dim=1)
+    limit = 1e-9 if observation.gradients.dtype == np.float64 else 1e-5
+    assert float(error.max()) <= limit
+
+
+def test_the_true_frame_satisfies_both_sets_of_equations(steps) -> None:
+    """Built from autograd's δ₁ and the true pre-activations, the output equations and the
+    observed ∇W₁ hold at the true frame to 1e-10 (float64 gradients); a frame one pixel off
+    breaks them."""
+    observation, victim, x, delta, z = steps
+    if observation.gradients.dtype != np.float64:
+        pytest.skip("exact to 1e-10 needs gradients stored in float64")
+    first = conv_blocks(victim)[0]
+    bias = first.conv.bias.detach()[:, None, None]
+    on = z > 0
+    gradient = torch.from_numpy(observation.block(f"{first.name}.weight"))
+    equations = FirstConvEquations(first, on, ~on, (z - bias) * on, delta, gradient)
+    assert all(float(r.max()) <= 1e-10 for r in equations.residuals(x).values())
+    nudged = x.clone()
+    nudged[:, :, 10, 10] += 0.05
+    assert float(equations.residuals(nudged)["weight_gradient"].min()) > 1e-6
+
+
+def test_without_a_prior_the_solve_fits_both_sets_and_errs_only_in_their_null_space(
+        steps) -> None:
+    """With no smoothness the solve reproduces every equation (to 1e-10 on the frames where it
+    converges within the budget, 2e-6 on all); where it does, its error e has A e = 0, and on
+    some frames e is far from 0: the equations leave part of the frame free (6,000 iterations;
+    measured when written: residuals 2e-14 on half the frames, 1e-6 at worst, errors 0.14-0.19
+    where converged)."""
+    observation, victim, x, _, _ = steps
+    if observation.gradients.dtype != np.float64:
+        pytest.skip("a residual of 1e-10 needs gradients stored in float64")
+    equations = recovered(observation, victim)
+    solution = solve_inputs(equations, torch.full_like(x, 0.5), smoothness=0.0,
+                            iterations=6000)
+    residual = torch.stack(list(equations.residuals(solution).values())).amax(0)
+    assert float(residual.max()) <= 2e-6
+    error = (solution - x).flatten(1).norm(dim=1) / x.flatten(1).norm(dim=1)
+    converged = residual <= 1e-10
+    assert int(converged.sum()) >= 2 and float(error[converged].max()) > 0.05
+
+
+def test_the_weight_gradient_equations_bring_the_frame_closer(steps) -> None:
+    """The same solve with ∇W₁'s equations added lands nearer the true frame on every step."""
+    observation, victim, x, _, _ = steps
+    with_gradient = recovered(observation, victim)
+    outputs_only = FirstConvEquations(with_gradient.block, with_gradient.on, with_gradient.off,
+                                      with_gradient.outputs, with_gradient.delta, None)
+    transform = victim.roles().transform
+    truth = transform.invert(x)
+    errors = [(solve_frames(equations, transform)[0] - truth).flatten(1).norm(dim=1)
+              for equations in (outputs_only, with_gradient)]
+    assert bool((errors[1] < errors[0]).all())
+
+
+def test_a_victim_without_a_conv_under_its_first_layer_is_refused() -> None:
+    victim = create_victim("mlp", frame_size=12, options={"hidden": 32}).double()
+    nothing = torch.zeros(1, 1, 1, 1)
+    with pytest.raises(ConfigError, match="needs conv layers"):
+        first_conv_equations(victim, nothing, nothing, nothing, None)
