@@ -27,13 +27,16 @@ def preset() -> Preset:
     return tiny_preset()
 
 
-def random_init_capture(factory: pytest.TempPathFactory, split: str, steps: int) -> Path:
+def random_init_capture(factory: pytest.TempPathFactory, split: str, steps: int,
+                        dtype: str = "float32") -> Path:
     """A capture of a random-init cnn-small; seed 3, so every such capture shares θ0."""
     from gradleak.capture.run import CaptureJob, run_capture
 
+    preset = tiny_preset()
+    preset.capture.gradient_dtype = dtype
     out = factory.mktemp("capture") / f"{split}.h5"
     run_capture(CaptureJob(victim="cnn-small", random_init=True, split=split, steps=steps,
-                           out=out, preset=tiny_preset(), progress=False, seed=3))
+                           out=out, preset=preset, progress=False, seed=3))
     return out
 
 
@@ -41,6 +44,12 @@ def random_init_capture(factory: pytest.TempPathFactory, split: str, steps: int)
 def random_capture(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Held-out scenes, 50 steps."""
     return random_init_capture(tmp_path_factory, "heldout", 50)
+
+
+@pytest.fixture(scope="session")
+def float16_capture(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`random_capture`'s steps, stored in float16 (the lossy storage option)."""
+    return random_init_capture(tmp_path_factory, "heldout", 50, "float16")
 
 
 @pytest.fixture(scope="session")

@@ -18,6 +18,7 @@ import typing
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from gradleak.attacks.exact import ExactConfig
 from gradleak.attacks.feature_decoder import DecoderConfig
 from gradleak.attacks.lti import LtiConfig
 from gradleak.attacks.optim.config import OptimConfig, deep_leakage, inverting_gradients
@@ -51,6 +52,8 @@ class AttackConfig:
     # The optimisation baselines; their probe-loss variants start from these too.
     ig: OptimConfig = field(default_factory=inverting_gradients)
     dlg: OptimConfig = field(default_factory=deep_leakage)
+    # The training-free attack: the conv stack, then the first conv's own equations.
+    exact: ExactConfig = field(default_factory=ExactConfig)
 
 
 @dataclass

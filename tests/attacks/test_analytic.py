@@ -30,8 +30,8 @@ def test_exact_on_float32_captures(float32_capture: Path) -> None:
     assert result["advantage_max_abs_error"] <= 1e-4 and result["returns_max_abs_error"] <= 1e-4
 
 
-def test_within_float16_rounding_on_float16_captures(random_capture: Path) -> None:
-    with CaptureFile(random_capture) as capture:
+def test_within_float16_rounding_on_float16_captures(float16_capture: Path) -> None:
+    with CaptureFile(float16_capture) as capture:
         result = score(capture.observation(), capture.target())
     assert result["action_accuracy"] == 1.0
     assert result["layer_inputs"]["fc"]["median_relative_error"] <= 1e-3
@@ -99,5 +99,6 @@ def test_scoring_in_chunks_equals_scoring_all_rows_at_once(random_capture) -> No
     assert pieces == whole  # actions, π, V, A, R: row by row, so exactly equal
     assert list(layers) == list(whole_layers)
     for name, scores in layers.items():
-        # the truth's forward passes run in other batch sizes: float32 sums in another order
-        assert scores == pytest.approx(whole_layers[name], rel=1e-3)
+        # the truth's forward passes run in other batch sizes: float32 sums in another order,
+        # which moves errors of float32's own size (~6e-8 on float32 captures) by up to 1e-8
+        assert scores == pytest.approx(whole_layers[name], rel=1e-3, abs=2e-7)

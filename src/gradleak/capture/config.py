@@ -18,8 +18,10 @@ class CaptureConfig:
     components: list[str] = field(default_factory=lambda: list(COMPONENTS))
     chunk: int = 32  # steps per vmap call: bounds memory
     gradient_method: str = "vmap"  # or "loop" (one autograd call per step; the reference)
-    # float16 halves the file; float32 keeps the gradient exact (gradient-matching checks)
-    gradient_dtype: str = "float16"
+    # what the client sends: float32, the wire format of a PPO/A2C client. float16 is a lossy
+    # storage option (it rounds every entry to 2^-11 relative, a quantisation that hides
+    # leakage: the recursion through a trained victim's conv stack fails on it)
+    gradient_dtype: str = "float32"
     seed: int = 0
 
 

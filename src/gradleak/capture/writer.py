@@ -34,7 +34,7 @@ def partial_path(path: Path) -> Path:
 class CaptureWriter:
     def __init__(self, path: Path, attrs: dict[str, Any], columns: tuple[Column, ...],
                  gradient_dim: int, theta0: dict[str, np.ndarray], resume: bool = False,
-                 overwrite: bool = False, gradient_dtype: str = "float16",
+                 overwrite: bool = False, gradient_dtype: str = "float32",
                  steps: int | None = None) -> None:
         """The caller holds the output's lock (capture.lock): opening "w" truncates."""
         self.path, self.partial = Path(path), partial_path(Path(path))

@@ -12,6 +12,7 @@ from gradleak.cli.common import (
     defense_from_args,
     emit,
     nonfinite_flag,
+    preset_from_args,
     progress,
 )
 from gradleak.cli.optim import optim_config, optim_flags
@@ -45,13 +46,36 @@ def baseline_names(args: argparse.Namespace) -> list[str]:
     from gradleak.attacks.optim.config import BASELINES
 
     names = [b for b in (args.baselines or "").split(",") if b]
+    known = [*BASELINES.names(), *TRAINING_FREE]
     for name in names:
         if name in NOT_BASELINES:
             raise ConfigError(f"--baselines {name!r}: {NOT_BASELINES[name]}")
-        if name not in BASELINES:
-            raise ConfigError(f"--baselines {name!r}: expected some of "
-                              f"{', '.join(BASELINES.names())}")
+        if name not in known:
+            raise ConfigError(f"--baselines {name!r}: expected some of {', '.join(known)}")
     return names
+
+
+def baseline_configs(args: argparse.Namespace) -> dict[str, object]:
+    """Display name → settings: the training-free attack's, or an optimisation baseline's."""
+    configs: dict[str, object] = {}
+    for name in baseline_names(args):
+        if name in TRAINING_FREE:
+            display, config = TRAINING_FREE[name](args)
+        else:
+            display = name.upper().replace("-PROBE", " (probe loss)")
+            config = optim_config(args, name)
+        configs[display] = config
+    return configs
+
+
+def exact_baseline(args: argparse.Namespace) -> tuple[str, object]:
+    from gradleak.attacks.exact import ExactAttack
+
+    return ExactAttack.name, preset_from_args(args).attack.exact
+
+
+# the baselines that need no optimisation settings
+TRAINING_FREE = {"exact": exact_baseline}
 
 
 def run_evaluate(args: argparse.Namespace) -> None:
@@ -59,10 +83,9 @@ def run_evaluate(args: argparse.Namespace) -> None:
     from gradleak.report.scores import table_columns, table_rows
     from gradleak.report.tables import text_table
 
-    optim = {name.upper().replace("-PROBE", " (probe loss)"): optim_config(args, name)
-             for name in baseline_names(args)}
+    baselines = baseline_configs(args)  # named before any attacker file is read
     result = evaluate(args.data, attackers_from_args(args), Path(args.out), args.lpips_weights,
-                      args.max_windows, baselines=optim,
+                      args.max_windows, baselines=baselines,
                       baseline_windows=args.baseline_windows, progress=progress(args),
                       defense=defense_from_args(args), skip_nonfinite=args.skip_nonfinite)
     rows = table_rows(result["methods"])
@@ -86,13 +109,14 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    help="an attacker run directory, or NAME=DIR (repeatable)")
     p.add_argument("--data", nargs="+", required=True, help="held-out capture files")
     p.add_argument("--baselines", default="",
-                   help="optimisation baselines on the first windows' frames: dlg, ig, "
-                   "dlg-probe, ig-probe (comma-separated; the action rule and the mean-image "
-                   "references are always scored)")
+                   help="single-step attacks on the first windows' frames: exact (training-"
+                   "free, the conv stack and the first conv's equations), dlg, ig, dlg-probe, "
+                   "ig-probe (comma-separated; the action rule and the mean-image references "
+                   "are always scored)")
     p.add_argument("--out", required=True)
     p.add_argument("--max-windows", type=int, default=None)
     p.add_argument("--baseline-windows", type=int, default=2,
-                   help="windows the optimisation baselines invert (they are slow)")
+                   help="windows the single-step attacks invert (DLG and IG are slow)")
     p.add_argument("--lpips-weights", default=None)
     defense_flags(p, required=False)
     optim_flags(p)

@@ -37,24 +37,43 @@ def optim_flags(parser: argparse.ArgumentParser, presets: bool = True) -> None:
         shorthand_flag(parser, flag, f"attack.ig.{field}", f"attack.dlg.{field}", help=text)
 
 
-def run(args: argparse.Namespace) -> None:
+def run_optimisation(args: argparse.Namespace) -> tuple[dict[str, Any], list[str], str]:
     from gradleak.evaluation.single_steps import attack_steps
-    from gradleak.report.tables import text_table
 
     result = attack_steps(args.data, args.index, args.method, optim_config(args, args.method),
                           Path(args.out), progress=progress(args))
-    columns = ["index", "psnr", "ssim", "action", "true_action", "matching_loss"]
+    return result, ["matching_loss"], "history.png"
+
+
+def run_exact(args: argparse.Namespace) -> tuple[dict[str, Any], list[str], str]:
+    from gradleak.evaluation.single_steps import exact_steps
+
+    result = exact_steps(args.data, args.index, preset_from_args(args).attack.exact,
+                         Path(args.out))
+    return result, ["residual_weight_gradient"], "reconstructions.png"
+
+
+# the methods that are not optimisation baselines (those take their names from BASELINES)
+METHODS = {"exact": run_exact}
+
+
+def run(args: argparse.Namespace) -> None:
+    from gradleak.report.tables import text_table
+
+    result, extra, picture = METHODS.get(args.method, run_optimisation)(args)
+    columns = ["index", "psnr", "ssim", "action", "true_action", *extra]
     rows = [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in step.items()}
             for step in result["steps"]]
     text = (text_table(rows, columns) + f"\n{result['seconds_per_frame']:.2f} s per frame; "
-            f"history: {Path(args.out) / 'history.png'}")
+            f"picture: {Path(args.out) / picture}")
     emit(args, result, text)
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("attack", help="invert single steps with DLG or IG; save the history")
+    p = sub.add_parser("attack", help="invert single steps: exact (training-free), DLG or IG")
     common_flags(p)
-    p.add_argument("method", help="dlg, ig, dlg-probe or ig-probe")
+    p.add_argument("method", help="exact (the conv stack and the first conv's equations, no "
+                   "training), dlg, ig, dlg-probe or ig-probe")
     p.add_argument("--data", required=True, help="a capture file")
     p.add_argument("--index", type=int, action="append", required=True,
                    help="a row of the capture (repeatable)")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from gradleak.attacks.action_rules import recover_actions
+from gradleak.attacks.exact import ExactAttack, ExactConfig
 from gradleak.attacks.optim.config import OptimConfig
 from gradleak.attacks.optim.solve import GradientMatchingAttack
 from gradleak.capture.reader import CaptureFile
@@ -44,14 +45,21 @@ from gradleak.threat import Observation, ObservedWindows
 from gradleak.training.checkpoint import fingerprint_from_dict, load_attacker
 from gradleak.training.data import WindowDataset, collate
 
+# A baseline inverts single steps from an Observation: its kind in the tables, and its attack
+SINGLE_STEP: dict[type, tuple[str, Callable[..., Any]]] = {
+    OptimConfig: ("optimisation", lambda observation, config, progress:
+                  GradientMatchingAttack(observation, config, progress)),
+    ExactConfig: ("training-free", lambda observation, config, progress:
+                  ExactAttack(observation, config))}
+
 
 class Evaluation:
     def __init__(self, data: Sequence[str | os.PathLike[str]], attackers: dict[str, str],
                  window: int | None = None, lpips_weights: str | None = None,
                  max_windows: int | None = None, samples: int = 4,
-                 baselines: dict[str, OptimConfig] | None = None, baseline_windows: int = 2,
-                 progress: bool = False, defense: Chain | None = None,
-                 skip_nonfinite: bool = False) -> None:
+                 baselines: dict[str, OptimConfig | ExactConfig] | None = None,
+                 baseline_windows: int = 2, progress: bool = False,
+                 defense: Chain | None = None, skip_nonfinite: bool = False) -> None:
         self.defense = defense
         if baselines and defense is not None and defense.span > 1:
             raise ConfigError(f"--defense {defense.spec!r} aggregates steps: the optimisation "
@@ -76,7 +84,7 @@ class Evaluation:
         self.progress = progress
         with CaptureFile(data[0]) as capture:  # θ0 and the loss: what the server knows
             self.theta0 = capture.theta0() if self.baselines else {}
-            self.hyperparameters = capture.hyperparameters
+            self.hyperparameters, self.roles = capture.hyperparameters, capture.roles
         self.lpips_note = unavailable_reason(lpips_weights)
         self.lpips = None if self.lpips_note else LPIPS(lpips_weights)
         self.max_windows, self.sample_count = max_windows, samples
@@ -106,7 +114,8 @@ class Evaluation:
                                       parameters=trainable_parameters(model),
                                       defense_mode=self._defense_mode(meta))
                    for name, (model, meta) in self.models.items()}
-        methods.update({name: MethodScores(name, "optimisation") for name in self.baselines})
+        methods.update({name: MethodScores(name, SINGLE_STEP[type(config)][0])
+                        for name, config in self.baselines.items()})
         methods["action rule (odd-sign)"] = MethodScores("action rule (odd-sign)", "rule")
         methods[MEAN_IMAGE] = MethodScores(MEAN_IMAGE, "reference")
         methods[MEAN_COLOUR] = MethodScores(MEAN_COLOUR, "reference")
@@ -173,7 +182,7 @@ class Evaluation:
         b, t = truth.shape[:2]
         flat = self._frames_observation(observed)
         for name, config in self.baselines.items():
-            result = GradientMatchingAttack(flat, config, self.progress).reconstruct()
+            result = SINGLE_STEP[type(config)][1](flat, config, self.progress).reconstruct()
             images = torch.from_numpy(result.images).view(b, t, *result.images.shape[1:])
             self._add(methods[name], images.permute(0, 1, 4, 2, 3).float() / 255.0, truth,
                       result.actions.reshape(b, t) == actions, result.extras["seconds"])
@@ -185,7 +194,8 @@ class Evaluation:
                            layers=self.layers, victim=self.dataset.fingerprint.victim,
                            hyperparameters=self.hyperparameters,
                            episode_ids=np.repeat(np.arange(b), t),
-                           step_in_episode=np.tile(np.arange(t), b), theta0=self.theta0)
+                           step_in_episode=np.tile(np.arange(t), b), theta0=self.theta0,
+                           roles=self.roles)
 
     def _add_rule(self, scores: MethodScores, observed: ObservedWindows,
                   actions: np.ndarray) -> None:
@@ -216,7 +226,8 @@ def _to_uint8(frames: torch.Tensor) -> np.ndarray:
 
 def evaluate(data: Sequence[str | os.PathLike[str]], attackers: dict[str, str], out: Path,
              lpips_weights: str | None = None, max_windows: int | None = None,
-             baselines: dict[str, OptimConfig] | None = None, baseline_windows: int = 2,
+             baselines: dict[str, OptimConfig | ExactConfig] | None = None,
+             baseline_windows: int = 2,
              progress: bool = False, defense: Chain | None = None,
              skip_nonfinite: bool = False) -> dict[str, Any]:
     from gradleak.report.scores import write_evaluation  # matplotlib is slow to import

@@ -1,5 +1,5 @@
-"""`gradleak attack`: invert chosen steps of a capture with DLG or IG, score them, and draw how
-the optimisation got there."""
+"""`gradleak attack`: invert chosen steps of a capture, score them and draw them: DLG or IG
+(with how the optimisation got there), or the training-free attack."""
 
 from __future__ import annotations
 
@@ -10,39 +10,54 @@ from typing import Any
 
 import numpy as np
 
+from gradleak.attacks.exact import ExactAttack, ExactConfig
 from gradleak.attacks.optim.config import OptimConfig
 from gradleak.attacks.optim.solve import GradientMatchingAttack
 from gradleak.capture.reader import CaptureFile
 from gradleak.errors import ConfigError
 from gradleak.io import check_output, write_json
 from gradleak.metrics.images import psnr, ssim, to_unit_tensor
+from gradleak.threat import Observation, Reconstruction, Target
 
 
-def attack_steps(data: str | os.PathLike[str], indices: list[int], name: str,
-                 config: OptimConfig, out: Path, progress: bool = False) -> dict[str, Any]:
-    from gradleak.report.plots import plot_optimisation_history  # matplotlib is slow to import
-
-    check_output(out, "--out", directory=True)
+def read_steps(data: str | os.PathLike[str], indices: list[int]
+               ) -> tuple[np.ndarray, Observation, Target]:
     with CaptureFile(data) as capture:
         bad = [i for i in indices if not 0 <= i < len(capture)]
         if bad:
             raise ConfigError(f"--index {bad[0]}: {data} has rows 0..{len(capture) - 1}")
         rows = np.array(sorted(set(indices)))
-        observation = capture.observation(rows)
-        target = capture.target(rows)  # scoring only: the attack never receives it
+        # the target is for scoring only: the attack never receives it
+        return rows, capture.observation(rows), capture.target(rows)
+
+
+def step_scores(rows: np.ndarray, result: Reconstruction, target: Target
+                ) -> list[dict[str, Any]]:
+    """Per step: the frame's PSNR and SSIM, the action, A and R beside their truth."""
+    truth, recovered = to_unit_tensor(target.images), to_unit_tensor(result.images)
+    return [{"index": int(row), "psnr": float(p), "ssim": float(s), "action": int(a),
+             "true_action": int(t), "advantage": float(adv), "true_advantage": float(true_adv),
+             "return": float(ret), "true_return": float(true_ret)}
+            for row, p, s, a, t, adv, true_adv, ret, true_ret in zip(
+                rows, psnr(recovered, truth), ssim(recovered, truth), result.actions,
+                target.actions, result.extras["advantages"], target.advantages,
+                result.extras["returns"], target.returns, strict=True)]
+
+
+def attack_steps(data: str | os.PathLike[str], indices: list[int], name: str,
+                 config: OptimConfig, out: Path, progress: bool = False) -> dict[str, Any]:
+    """DLG or IG on the chosen steps, with the picture of how the optimisation got there."""
+    from gradleak.report.plots import plot_optimisation_history  # matplotlib is slow to import
+
+    check_output(out, "--out", directory=True)
+    rows, observation, target = read_steps(data, indices)
     config.snapshots = config.snapshots or 6
     result = GradientMatchingAttack(observation, config, progress).reconstruct()
-    truth, recovered = to_unit_tensor(target.images), to_unit_tensor(result.images)
-    steps = [{"index": int(row), "psnr": float(p), "ssim": float(s),
-              "action": int(a), "true_action": int(t), "advantage": float(adv),
-              "true_advantage": float(true_adv), "return": float(ret),
-              "true_return": float(true_ret), "matching_loss": float(loss),
-              "matching_loss_after_first_step": float(start)}
-             for row, p, s, a, t, adv, true_adv, ret, true_ret, loss, start in zip(
-                 rows, psnr(recovered, truth), ssim(recovered, truth), result.actions,
-                 target.actions, result.extras["advantages"], target.advantages,
-                 result.extras["returns"], target.returns, result.extras["matching_loss"],
-                 result.extras["matching_loss_after_first_step"], strict=True)]
+    steps = [{**step, "matching_loss": float(loss), "matching_loss_after_first_step": float(start)}
+             for step, loss, start in zip(step_scores(rows, result, target),
+                                          result.extras["matching_loss"],
+                                          result.extras["matching_loss_after_first_step"],
+                                          strict=True)]
     summary = {"command": "attack", "method": name, "data": str(data), "config": asdict(config),
                "steps": steps, "seconds_per_frame": result.extras["seconds_per_frame"],
                "iterations": result.extras["iterations"]}
@@ -51,4 +66,26 @@ def attack_steps(data: str | os.PathLike[str], indices: list[int], name: str,
     plot_optimisation_history(target.images, result.extras["snapshots"],
                               result.extras["history"], result.extras["restart"],
                               config.restarts, out / "history.png", name)
+    return summary
+
+
+def exact_steps(data: str | os.PathLike[str], indices: list[int], config: ExactConfig,
+                out: Path) -> dict[str, Any]:
+    """The training-free attack on the chosen steps: frames, actions, A and R, and the first
+    conv's equation residuals; a picture of the private frames above the recovered ones."""
+    from gradleak.report.plots import plot_private_vs_reconstructed
+
+    check_output(out, "--out", directory=True)
+    rows, observation, target = read_steps(data, indices)
+    result = ExactAttack(observation, config).reconstruct()
+    steps = [{**step, **{f"residual_{key}": float(values[i])
+                         for key, values in result.extras["residuals"].items()}}
+             for i, step in enumerate(step_scores(rows, result, target))]
+    summary = {"command": "attack", "method": "exact", "data": str(data),
+               "config": asdict(config), "steps": steps,
+               "seconds_per_frame": result.extras["seconds_per_frame"]}
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "attack.json", summary)
+    plot_private_vs_reconstructed(to_unit_tensor(target.images), to_unit_tensor(result.images),
+                                  out / "reconstructions.png", f"exact (training-free): {data}")
     return summary

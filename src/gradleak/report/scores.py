@@ -14,7 +14,7 @@ from gradleak.report.tables import markdown_table
 TABLE_COLUMNS = ["method", "MSE", "PSNR (dB)", "gain vs mean image", "SSIM", "LPIPS",
                  "action acc.", "hist. TV", "ms / frame", "parameters", "frames"]
 OPTIONAL_COLUMNS = ("hist. TV",)  # shown only when some row has it (aggregated streams)
-KIND_ORDER = {"learned": 0, "optimisation": 1, "rule": 2, "reference": 3}
+KIND_ORDER = {"learned": 0, "training-free": 1, "optimisation": 2, "rule": 3, "reference": 4}
 
 
 def _pm(row: dict[str, Any], metric: str, digits: int) -> str | None:
@@ -145,6 +145,7 @@ def write_evaluation(out: Path, result: dict[str, Any], methods: dict[str, Any],
     with atomic_path(out / "metrics.md") as tmp:
         tmp.write_text(markdown_report(result))
     samples = {name: scores.samples for name, scores in methods.items()
-               if scores.kind in ("learned", "optimisation") or name.startswith("mean training")}
+               if scores.kind in ("learned", "training-free", "optimisation")
+               or name.startswith("mean training")}
     plot_reconstructions(truth, samples, out / "reconstructions.png")
     plot_psnr_by_t(result["methods"], out / "psnr_by_t.png")

@@ -1,0 +1,205 @@
+"""Training-free frames on held-out maps: the first conv's own equations, per victim and storage.
+
+For each victim (the paper's `cnn` at 84×84 and `cnn-small` at 64×64, random-init and trained
+with PPO or A2C) and each storage (float32, what the client sends, and float16), a held-out
+capture of --steps steps is scored on --frames evenly spaced steps, as `gradleak analytic
+--conv` scores it: each conv input's relative error, then frames from the first conv's
+equations (outputs and weight gradient, the default), the same without the weight-gradient
+equations, the same from the true first-block output (the prior's ceiling), the earlier
+penalty solve, and the frames' own mean image. The float32 captures are also scored zero-shot
+under --defenses. One held-out episode's frames go into a picture, truth above each method.
+Writes benchmarks/results/exact_frames.{json,md,png}.
+
+    python benchmarks/exact_frames.py [--work runs/exact-frames] [--steps 64] [--frames 16]
+        [--ppo-cnn runs/victims/cnn84-ppo] [--ppo-small runs/bench-victims/cnn-small/victim]
+        [--a2c-small runs/victims/small64-a2c] [--defenses "noise:0.001;quant:8;prune:0.1"]
+
+The trained victims: `gradleak train-victim --preset paper --updates 6 --set train.num_envs=4
+--out runs/victims/cnn84-ppo`, `gradleak train-victim --preset cpu-bench --algo a2c --updates 6
+--set train.num_envs=4 --out runs/victims/small64-a2c`, and benchmarks/victims.py's cnn-small.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from gradleak.attacks.exact import ExactAttack, ExactConfig
+from gradleak.attacks.first_conv import frames_from_first_block
+from gradleak.capture.plan import CaptureJob
+from gradleak.capture.reader import CaptureFile
+from gradleak.capture.run import run_capture
+from gradleak.defenses import parse_defense
+from gradleak.defenses.files import defend_capture
+from gradleak.evaluation.analytic import score_conv_stack
+from gradleak.io import atomic_path
+from gradleak.metrics.lpips import unavailable_reason
+from gradleak.presets import load_preset
+from gradleak.report.tables import markdown_table
+
+RESULTS = Path(__file__).parent / "results" / "exact_frames.json"
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    victim: str  # a registry name (random init) or a checkpoint directory
+    preset: str
+    random_init: bool
+
+
+def cases(args: argparse.Namespace) -> list[Case]:
+    return [Case("cnn 84×84, random init", "cnn", "paper", True),
+            Case("cnn 84×84, PPO", str(args.ppo_cnn), "paper", False),
+            Case("cnn-small 64×64, random init", "cnn-small", "cpu-bench", True),
+            Case("cnn-small 64×64, PPO", str(args.ppo_small), "cpu-bench", False),
+            Case("cnn-small 64×64, A2C", str(args.a2c_small), "cpu-bench", False)]
+
+
+def capture(case: Case, dtype: str, steps: int, work: Path) -> Path:
+    out = work / f"{case.name.split(',')[0].replace(' ', '-').replace('×', 'x')}-" \
+                 f"{'random' if case.random_init else Path(case.victim).name}-{dtype}.h5"
+    if not out.exists():
+        preset = load_preset(case.preset)
+        preset.capture.gradient_dtype = dtype
+        run_capture(CaptureJob(victim=case.victim, random_init=case.random_init,
+                               split="heldout", steps=steps, out=out, preset=preset,
+                               progress=False, seed=11))
+    return out
+
+
+def scores(path: Path, frames: int) -> dict[str, Any]:
+    with CaptureFile(path) as file:
+        observation, target = file.observation(), file.target()
+    return score_conv_stack(observation, target, frames)
+
+
+def row(case: Case, dtype: str, defense: str, result: dict[str, Any]) -> dict[str, Any]:
+    solves = result["solves"]
+    deepest = result["layers"][result["frames_from"]]
+    return {"victim": case.name, "storage": dtype, "defense": defense,
+            "map_error": deepest["median_relative_error"],
+            "equations_per_unknown": result["equations_per_unknown"],
+            "psnr": result["psnr"], "ssim": result["ssim"],
+            "psnr_without_weight_gradient": solves["without_weight_gradient"]["psnr"],
+            "psnr_from_true_map": result["psnr_from_true_map"],
+            "psnr_penalty": solves["penalty"]["psnr"],
+            "ssim_penalty": solves["penalty"]["ssim"],
+            "psnr_mean_image": result["psnr_of_their_mean_image"],
+            "ms_per_frame": 1000 * (result["recovery_seconds_per_frame"]
+                                    + result["frame_seconds_per_frame"]),
+            "penalty_ms_per_frame": 1000 * (result["recovery_seconds_per_frame"]
+                                            + solves["penalty"]["seconds_per_frame"]),
+            "detail": result}
+
+
+def picture(path: Path, out: Path, count: int = 8) -> None:
+    """Truth above each method's frames, for `count` consecutive steps of one episode."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with CaptureFile(path) as file:
+        episodes = file.column("episode_ids")
+        first = int(np.flatnonzero(episodes == episodes[0]).max() + 1) \
+            if (episodes == episodes[0]).sum() < count else 0
+        rows = np.arange(first, first + count)
+        observation, truth = file.observation(rows), file.target(rows).images
+    attack = ExactAttack(observation)
+    rows_of = {"private": truth, "equations (default)": attack.reconstruct().images,
+               "without ∇W₁": ExactAttack(observation, ExactConfig(weight_gradient=False))
+               .reconstruct().images}
+    from gradleak.attacks.conv_recovery import observed_conv_inputs
+
+    found = observed_conv_inputs(observation)
+    deepest = list(found.inputs)[-1]
+    rows_of["penalty solve"] = frames_from_first_block(
+        attack.victim, found.inputs[deepest], found.noise[deepest], 3.0).clamp(0, 255).round() \
+        .to(torch.uint8).numpy()
+    figure, axes = plt.subplots(len(rows_of), count, figsize=(1.1 * count + 1.2,
+                                                              1.15 * len(rows_of)))
+    for r, (label, images) in enumerate(rows_of.items()):
+        for c in range(count):
+            axes[r, c].imshow(images[c], interpolation="nearest")
+            axes[r, c].set_xticks([])
+            axes[r, c].set_yticks([])
+        axes[r, 0].set_ylabel(label, fontsize=7)
+    figure.suptitle(f"{path.stem}: one held-out episode, no attacker training", fontsize=8)
+    figure.tight_layout()
+    with atomic_path(out) as temporary:
+        figure.savefig(temporary, format="png", dpi=110)
+    plt.close(figure)
+
+
+COLUMNS = ["victim", "storage", "defense", "map_error", "equations_per_unknown", "psnr", "ssim",
+           "psnr_without_weight_gradient", "psnr_from_true_map", "psnr_penalty",
+           "psnr_mean_image", "ms_per_frame", "penalty_ms_per_frame"]
+
+
+def markdown(result: dict[str, Any]) -> str:
+    def cell(value: Any) -> Any:
+        if isinstance(value, float):
+            return f"{value:.1e}" if abs(value) < 1e-2 else f"{value:.2f}"
+        return value
+
+    table = markdown_table([{k: cell(r[k]) for k in COLUMNS} for r in result["rows"]], COLUMNS)
+    return (f"# Training-free frames (`benchmarks/exact_frames.py`)\n\n{result['frames']} evenly "
+            f"spaced steps of a {result['steps']}-step held-out capture per row; "
+            f"{result['machine']}. `psnr`/`ssim`: the first conv's equations (outputs and "
+            "weight gradient, the default); `map_error`: the recovered first-block output's "
+            "median relative error; `equations_per_unknown`: (on-units + weight-gradient "
+            "entries) / frame entries, an upper bound on the fraction the equations pin down. "
+            f"LPIPS: {result['lpips']}.\n\n{table}\n\n![frames](exact_frames.png)\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--work", type=Path, default=Path("runs/exact-frames"))
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--frames", type=int, default=16)
+    parser.add_argument("--ppo-cnn", type=Path, default=Path("runs/victims/cnn84-ppo"))
+    parser.add_argument("--ppo-small", type=Path,
+                        default=Path("runs/bench-victims/cnn-small/victim"))
+    parser.add_argument("--a2c-small", type=Path, default=Path("runs/victims/small64-a2c"))
+    parser.add_argument("--defenses", default="noise:0.001;quant:8;prune:0.1")
+    parser.add_argument("--results", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    args.work.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for case in cases(args):
+        for dtype in ("float32", "float16"):
+            path = capture(case, dtype, args.steps, args.work)
+            rows.append(row(case, dtype, "none", scores(path, args.frames)))
+            print(json.dumps({k: rows[-1][k] for k in COLUMNS}), flush=True)
+            if dtype != "float32" or not case.random_init and "PPO" not in case.name:
+                continue
+            for spec in filter(None, args.defenses.split(";")):
+                defended = path.with_name(f"{path.stem}-{spec.replace(':', '')}.h5")
+                if not defended.exists():
+                    defend_capture(path, parse_defense(spec), defended)
+                rows.append(row(case, dtype, spec, scores(defended, args.frames)))
+                print(json.dumps({k: rows[-1][k] for k in COLUMNS}), flush=True)
+    result = {"benchmark": "exact_frames", "steps": args.steps, "frames": args.frames,
+              "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch "
+                         f"{torch.__version__}, no GPU",
+              "lpips": unavailable_reason() or "available", "rows": rows}
+    args.results.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(args.results) as temporary:
+        temporary.write_text(json.dumps(result, indent=2, default=float))
+    with atomic_path(args.results.with_suffix(".md")) as temporary:
+        temporary.write_text(markdown(result))
+    picture(capture(cases(args)[1], "float32", args.steps, args.work),
+            args.results.with_suffix(".png"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""The training-free attack: every step's frame and action from its own gradient and θ0 alone.
+
+The action, A and R come from the closed form on the heads (`attacks.analytic`); the frame from
+the recursion down the conv stack (`attacks.conv_recovery`) and then the first conv's own
+equations (`attacks.first_conv`). Nothing is learned and nothing but the observation is read,
+so it is a method like DLG or IG: `gradleak attack exact`, `evaluate --baselines exact`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+
+from gradleak.attacks.analytic import recover_analytically
+from gradleak.attacks.conv_blocks import conv_blocks, deepest_inputs
+from gradleak.attacks.conv_recovery import observed_conv_inputs
+from gradleak.attacks.first_conv import first_conv_equations, solve_frames
+from gradleak.errors import ConfigError
+from gradleak.threat import Observation, Reconstruction
+from gradleak.victims.base import victim_at_theta0
+
+
+@dataclass
+class ExactConfig:
+    threshold: float = 20.0  # a first-block unit counts as on this many noise deviations above 0
+    smoothness: float = 1e-3  # weight of ‖∇x‖² for what the equations leave free
+    iterations: int = 400  # conjugate-gradient iterations of the frame solve
+    weight_gradient: bool = True  # use the first conv's weight-gradient equations
+    chunk: int = 16  # steps solved together
+
+    def check(self) -> None:
+        for name in ("iterations", "chunk"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} {getattr(self, name)}: expected >= 1")
+        if not (self.threshold >= 0 and self.smoothness >= 0):
+            raise ConfigError("threshold and smoothness must be non-negative")
+
+
+class ExactAttack:
+    name = "exact (training-free)"
+
+    def __init__(self, observation: Observation, config: ExactConfig | None = None) -> None:
+        self.observation, self.config = observation, config or ExactConfig()
+        self.config.check()
+        self.victim = victim_at_theta0(observation).double()
+        blocks = conv_blocks(self.victim)  # refuses a victim without a conv stack
+        reached = deepest_inputs(self.victim)[-1]
+        if len(blocks) < 2 or reached != blocks[1].name:
+            raise ConfigError(f"victim {observation.victim.name}: the recursion reaches the "
+                              f"input of {reached} only; the first conv's equations need the "
+                              "first block's output (the second conv's input)")
+        self.first = blocks[0]
+
+    def reconstruct(self) -> Reconstruction:
+        start = time.perf_counter()
+        closed = recover_analytically(self.observation)
+        frames, residuals = [], []
+        for begin in range(0, len(self.observation), self.config.chunk):
+            rows = np.arange(begin, min(begin + self.config.chunk, len(self.observation)))
+            images, fit = self._frames(rows)
+            frames.append(images)
+            residuals.append(fit)
+        images = torch.cat(frames).clamp(0, 255).round().to(torch.uint8).numpy()
+        return Reconstruction(actions=closed.actions, images=images, extras={
+            "advantages": closed.extras["advantages"], "returns": closed.extras["returns"],
+            "residuals": {key: torch.cat([r[key] for r in residuals]).numpy()
+                          for key in residuals[0]},
+            "seconds": time.perf_counter() - start,
+            "seconds_per_frame": (time.perf_counter() - start) / max(1, len(self.observation))})
+
+    def _frames(self, rows: np.ndarray) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        observation = self.observation
+        part = replace(observation, gradients=observation.gradients[rows],
+                       episode_ids=observation.episode_ids[rows],
+                       step_in_episode=observation.step_in_episode[rows])
+        found = observed_conv_inputs(part)
+        deepest = list(found.inputs)[-1]
+        gradient = torch.from_numpy(part.block(f"{self.first.name}.weight").astype(np.float64)) \
+            if self.config.weight_gradient else None
+        equations = first_conv_equations(self.victim, found.inputs[deepest],
+                                         found.noise[deepest], found.upstream[deepest],
+                                         gradient, self.config.threshold)
+        return solve_frames(equations, self.victim.roles().transform, self.config.smoothness,
+                            self.config.iterations)

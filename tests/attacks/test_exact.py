@@ -1,0 +1,53 @@
+"""The training-free attack: from the observation alone, exact actions and frames far above
+their mean image on what a client sends (float32), and a clear refusal where it cannot apply."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gradleak.attacks.exact import ExactAttack, ExactConfig
+from gradleak.capture.reader import CaptureFile
+from gradleak.errors import ConfigError
+from gradleak.metrics.images import psnr, to_unit_tensor
+
+
+def test_frames_and_actions_from_one_gradient_each(float32_capture: Path) -> None:
+    """PPO and A2C captures: every action exact, and every frame closer to the truth than the
+    frames' own mean image is, by 5 dB on average (no attacker training, no private input;
+    measured when written: 30.0-31.3 dB against 22.6-25.0 for the mean image)."""
+    with CaptureFile(float32_capture) as capture:
+        observation, target = capture.observation(), capture.target()
+    result = ExactAttack(observation, ExactConfig(chunk=5)).reconstruct()
+    np.testing.assert_array_equal(result.actions, target.actions)
+    truth, frames = to_unit_tensor(target.images), to_unit_tensor(result.images)
+    mean = truth.mean(0, keepdim=True).expand_as(truth)
+    gain = psnr(frames, truth) - psnr(mean, truth)
+    assert bool((gain > 0).all()) and float(gain.mean()) >= 5.0
+    assert result.images.dtype == np.uint8 and result.images.shape == target.images.shape
+
+
+def test_chunks_change_nothing(float32_capture: Path) -> None:
+    """Steps are independent problems: solving them 3 or 12 at a time gives the same frames."""
+    with CaptureFile(float32_capture) as capture:
+        observation = capture.observation()
+    small = ExactAttack(observation, ExactConfig(chunk=3)).reconstruct().images
+    whole = ExactAttack(observation, ExactConfig(chunk=12)).reconstruct().images
+    assert np.abs(small.astype(int) - whole.astype(int)).max() <= 1
+
+
+def test_a_victim_the_recursion_cannot_descend_is_refused() -> None:
+    from helpers import mlp_observation
+
+    observation, _ = mlp_observation()
+    with pytest.raises(ConfigError, match="needs conv layers"):
+        ExactAttack(observation)
+
+
+def test_settings_are_checked() -> None:
+    with pytest.raises(ConfigError, match="iterations 0"):
+        ExactConfig(iterations=0).check()
+    with pytest.raises(ConfigError, match="non-negative"):
+        ExactConfig(smoothness=-1.0).check()
