@@ -146,3 +146,18 @@ def mlp_observation(frames: int = 2, size: int = 12) -> tuple[Observation, torch
                              torch.tensor([1.2, -0.7] * (frames // 2))[:frames],
                              torch.tensor([0.4, -0.3] * (frames // 2))[:frames])
     return observation, images
+
+
+def victim_with_statistics(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """cnn-small at 32×32 whose BatchNorms are far from identity (as a trained victim's are)."""
+    torch.manual_seed(2)
+    victim = create_victim("cnn-small", frame_size=32).eval()
+    generator = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for module in victim.encoder:
+            if isinstance(module, torch.nn.BatchNorm2d):
+                module.weight.uniform_(0.5, 1.5, generator=generator)
+                module.bias.uniform_(-0.2, 0.2, generator=generator)
+                module.running_mean.uniform_(-0.1, 0.1, generator=generator)
+                module.running_var.uniform_(0.5, 2.0, generator=generator)
+    return victim.to(dtype)

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import mlp_observation, observe, smooth_frame
+from helpers import mlp_observation, observe, smooth_frame, victim_with_statistics
 
 from gradleak.attacks.analytic import module_input
 from gradleak.attacks.conv_blocks import deepest_inputs
@@ -28,18 +28,7 @@ def relative_error(estimate: torch.Tensor, truth: torch.Tensor) -> torch.Tensor:
 def trained_statistics():
     """cnn-small whose BatchNorms are far from identity, on 10 smooth 32×32 frames, with the
     per-step gradients stored exactly."""
-    torch.manual_seed(2)
-    victim = create_victim("cnn-small", frame_size=32).eval()
-    generator = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for module in victim.encoder:
-            if isinstance(module, torch.nn.BatchNorm2d):
-                size = module.num_features
-                module.weight.uniform_(0.5, 1.5, generator=generator)
-                module.bias.uniform_(-0.2, 0.2, generator=generator)
-                module.running_mean.uniform_(-0.1, 0.1, generator=generator)
-                module.running_var.uniform_(0.5, 2.0, generator=generator)
-                assert size == len(module.weight)
+    victim = victim_with_statistics()
     images = torch.stack([smooth_frame(32, seed) for seed in range(10)])
     observation, _ = observe(victim, images, torch.arange(10) % 5,
                              torch.linspace(-1.5, 1.5, 10), torch.linspace(-0.5, 0.8, 10))

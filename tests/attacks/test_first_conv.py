@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import observe, smooth_frame
+from helpers import observe, smooth_frame, victim_with_statistics
 
 from gradleak.attacks.conv_blocks import conv_blocks
 from gradleak.attacks.conv_recovery import observed_conv_inputs
@@ -19,22 +19,6 @@ from gradleak.attacks.first_conv import (
 from gradleak.errors import ConfigError
 from gradleak.rl.losses import LossCoefficients, actor_critic_loss
 from gradleak.victims import create_victim
-
-
-def victim_with_statistics(dtype: torch.dtype) -> torch.nn.Module:
-    """cnn-small at 32×32 whose BatchNorms are far from identity (a trained victim's)."""
-    torch.manual_seed(2)
-    victim = create_victim("cnn-small", frame_size=32).eval()
-    generator = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for module in victim.encoder:
-            if isinstance(module, torch.nn.BatchNorm2d):
-                module.weight.uniform_(0.5, 1.5, generator=generator)
-                module.bias.uniform_(-0.2, 0.2, generator=generator)
-                module.running_mean.uniform_(-0.1, 0.1, generator=generator)
-                module.running_var.uniform_(0.5, 2.0, generator=generator)
-    return victim.to(dtype)
-
 
 STEPS = dict(actions=torch.arange(6) % 5, advantages=torch.linspace(-1.5, 1.5, 6),
              returns=torch.linspace(-0.5, 0.8, 6))
