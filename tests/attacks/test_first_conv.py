@@ -29,6 +29,12 @@ def steps(request: pytest.FixtureRequest):
     return observed_steps(request.param)
 
 
+@pytest.fixture(scope="module")
+def exact_steps():
+    """The same steps with float64 gradients: exact to rounding."""
+    return observed_steps(torch.float64)
+
+
 def observed_steps(dtype: torch.dtype):
     """Six smooth frames, their per-step gradients (float64, or float32 as a client sends),
     and autograd's δ₁ (the first conv's output gradient) and pre-activation for each."""
@@ -72,13 +78,11 @@ def test_delta_from_the_recursion_is_autograds(steps) -> None:
     assert float(error.max()) <= limit
 
 
-def test_the_true_frame_satisfies_both_sets_of_equations(steps) -> None:
+def test_the_true_frame_satisfies_both_sets_of_equations(exact_steps) -> None:
     """Built from autograd's δ₁ and the true pre-activations, the output equations and the
     observed ∇W₁ hold at the true frame to 1e-10 (float64 gradients); a frame one pixel off
     breaks them."""
-    observation, victim, x, delta, z = steps
-    if observation.gradients.dtype != np.float64:
-        pytest.skip("exact to 1e-10 needs gradients stored in float64")
+    observation, victim, x, delta, z = exact_steps
     first = conv_blocks(victim)[0]
     bias = first.conv.bias.detach()[:, None, None]
     on = z > 0
@@ -91,15 +95,13 @@ def test_the_true_frame_satisfies_both_sets_of_equations(steps) -> None:
 
 
 def test_without_a_prior_the_solve_fits_both_sets_and_errs_only_in_their_null_space(
-        steps) -> None:
+        exact_steps) -> None:
     """With no smoothness the solve reproduces every equation (to 1e-10 on the frames where it
     converges within the budget, 2e-6 on all); where it does, its error e has A e = 0, and on
     some frames e is far from 0: the equations leave part of the frame free (6,000 iterations;
     measured when written: residuals 2e-14 on half the frames, 1e-6 at worst, errors 0.14-0.19
     where converged)."""
-    observation, victim, x, _, _ = steps
-    if observation.gradients.dtype != np.float64:
-        pytest.skip("a residual of 1e-10 needs gradients stored in float64")
+    observation, victim, x, _, _ = exact_steps
     equations = recovered(observation, victim)
     solution = solve_inputs(equations, torch.full_like(x, 0.5), smoothness=0.0,
                             iterations=6000)

@@ -109,6 +109,7 @@ class FirstConvEquations:
         return F.fold(columns, shape[-2:], self.kernel, padding=conv.padding,
                       stride=conv.stride)
 
+    @torch.no_grad()
     def residuals(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         """(N,) relative residuals of each set of equations at x; ≈ 0 for the true input."""
         out = {"outputs": relative(self.conv(x) * self.on - self.outputs, self.outputs)}
