@@ -90,6 +90,9 @@ def test_demo_runs_end_to_end_and_reports_heldout_recovery(capsys, tmp_path: Pat
     assert recovery["sign-aware"]["oracle_advantage_sign"] is True
     methods = data["evaluation"]["methods"]
     assert {"TRACE", "LtI", "mean training image", "mean colour (oracle)"} <= set(methods)
+    exact = methods["exact (training-free)"]  # the demo leads with the attack needing no training
+    assert exact["kind"] == "training-free" and exact["action_accuracy"] == 1.0
+    assert exact["psnr"] > methods["mean training image"]["psnr"]
     for name in ("config.json", "results.json", "train.h5", "heldout.h5", "train.h5.json",
                  "eval/heldout_actions.png", "eval/report.html", "eval/metrics.md",
                  "trace/attacker.safetensors", "lti/attacker.safetensors",

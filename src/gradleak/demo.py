@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from gradleak.attacks.action_rules import policy_weight, recover_actions
+from gradleak.attacks.exact import ExactAttack
 from gradleak.capture.reader import CaptureFile
 from gradleak.capture.run import CaptureJob, run_capture
 from gradleak.envs.actions import action_set
@@ -31,6 +32,8 @@ from gradleak.report.scores import table_columns, table_rows
 from gradleak.report.tables import text_table
 from gradleak.rl.trainer import train_victim
 from gradleak.training.fit import fit_attacker
+
+EXACT_WINDOWS = 4  # windows the training-free attack inverts (about 0.8 s per frame)
 
 DEMO_RULES = ("odd-sign", "sign-agnostic", "sign-aware")
 MARKER = ".gradleak-demo.json"  # says: this directory is a demo's output, these names its own
@@ -93,9 +96,11 @@ def run_demo(preset: Preset, out: Path, progress: bool = True) -> dict[str, Any]
         attackers[label] = fit_attacker(kind, getattr(preset.attack, kind),
                                         getattr(preset.attack, f"{kind}_fit"),
                                         [str(out / "train.h5")], out / kind, progress=progress)
+    # the training-free attack leads: one gradient and θ0 per frame, no attacker training
     evaluation = evaluate([out / "heldout.h5"], {label: str(out / kind) for kind, label in
                                                  (("trace", "TRACE"), ("lti", "LtI"))},
-                          evaluation_dir)
+                          evaluation_dir, baselines={ExactAttack.name: preset.attack.exact},
+                          baseline_windows=EXACT_WINDOWS)
     report = write_report(evaluation_dir)
     result = {"preset": preset.name, "out": str(out), "training": training,
               "captures": captures, "action_recovery_heldout": recovery,
