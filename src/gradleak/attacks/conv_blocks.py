@@ -146,16 +146,14 @@ def weight_gradient_matrix(block: ConvBlock, delta: torch.Tensor,
 def least_squares(block: ConvBlock, delta: torch.Tensor, weight_gradient: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """D(δ) (N, R, Q') over the read pixels, the right-hand sides (N, R, C_in) and the solution
-    (N, Q, C_in), zero at the pixels no output reads (their columns are zero). The SVD-based
-    solver gives the minimum-norm solution where a step's D is rank-deficient (on a trained
-    paper cnn, 5 of 16 held-out steps lose one direction at the top block): exact outside that
-    direction, where gelsy's answer was off by 0.2-0.4 elsewhere too."""
+    (N, Q, C_in), zero at the pixels no output reads (rank-deficient columns otherwise, which
+    gelsy does not solve)."""
     count, channels_in = len(delta), block.conv.in_channels
     read = covered_pixels(block)
     matrix = weight_gradient_matrix(block, delta, unfold_identity(block)[read])
     rhs = weight_gradient.permute(0, 1, 3, 4, 2).reshape(count, -1, channels_in)
     solution = torch.zeros(count, len(read), channels_in, dtype=matrix.dtype)
-    solution[:, read] = torch.linalg.lstsq(matrix, rhs, driver="gelsd").solution
+    solution[:, read] = torch.linalg.lstsq(matrix, rhs, driver="gelsy").solution
     return matrix, rhs, solution
 
 
