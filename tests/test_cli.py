@@ -230,3 +230,11 @@ def test_evaluate_scores_the_training_free_attack_beside_the_learned_ones(
     assert exact["action_accuracy"] == 1.0
     assert exact["psnr"] >= rows["mean training image"]["psnr"] + 5.0
     assert exact["psnr"] >= rows["LtI"]["psnr"] + 5.0
+
+
+def test_attack_exact_checks_its_settings_before_reading_or_writing(capsys, tmp_path: Path,
+                                                                    random_capture: Path) -> None:
+    assert main(["attack", "exact", "--data", str(random_capture), "--index", "0", "--out",
+                 str(tmp_path / "exact"), "--set", "attack.exact.iterations=0"]) == 2
+    assert "attack.exact.iterations=0" in capsys.readouterr().err
+    assert not (tmp_path / "exact").exists()

@@ -175,6 +175,8 @@ def frame_solves(victim: Any, found: Any, deepest: str, true_map: torch.Tensor,
                  gradient: torch.Tensor, threshold: float, images: np.ndarray
                  ) -> dict[str, dict[str, float]]:
     """Each way of getting the frame under the first conv, scored against the real frames."""
+    from dataclasses import replace
+
     from gradleak.attacks.first_conv import (
         first_conv_equations,
         frames_from_first_block,
@@ -184,10 +186,10 @@ def frame_solves(victim: Any, found: Any, deepest: str, true_map: torch.Tensor,
     transform = victim.roles().transform
     output, noise, upstream = found.inputs[deepest], found.noise[deepest], found.upstream[deepest]
     exact = torch.where(torch.isfinite(noise), torch.zeros_like(noise), noise)
-    runs = {"equations": lambda: solve_frames(first_conv_equations(
-                victim, output, noise, upstream, gradient), transform),
-            "without_weight_gradient": lambda: solve_frames(first_conv_equations(
-                victim, output, noise, upstream, None), transform),
+    equations = first_conv_equations(victim, output, noise, upstream, gradient)
+    runs = {"equations": lambda: solve_frames(equations, transform),
+            "without_weight_gradient": lambda: solve_frames(
+                replace(equations, weight_gradient=None), transform),
             "from_true_map": lambda: solve_frames(first_conv_equations(
                 victim, true_map, exact, upstream, gradient), transform),
             "penalty": lambda: (frames_from_first_block(victim, output, noise, threshold), None)}
@@ -200,7 +202,6 @@ def frame_solves(victim: Any, found: Any, deepest: str, true_map: torch.Tensor,
         if residuals is not None:
             scores[name]["residual_median"] = {key: float(value.median())
                                                for key, value in residuals.items()}
-    equations = first_conv_equations(victim, output, noise, upstream, gradient)
     unknowns = int(np.prod(transform.frame_shape))
     scores["equations"]["equations_per_unknown"] = float(
         (equations.on.flatten(1).sum(1).double().mean() + gradient[0].numel()) / unknowns)

@@ -75,6 +75,7 @@ def exact_steps(data: str | os.PathLike[str], indices: list[int], config: ExactC
     conv's equation residuals; a picture of the private frames above the recovered ones."""
     from gradleak.report.plots import plot_private_vs_reconstructed
 
+    config.check()  # settings, then the output, before any row is read
     check_output(out, "--out", directory=True)
     rows, observation, target = read_steps(data, indices)
     result = ExactAttack(observation, config).reconstruct()
