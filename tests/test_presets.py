@@ -29,3 +29,5 @@ def test_overrides_take_the_declared_type_of_the_field() -> None:
         load_preset("cpu-quick", ["attack.decoder.feature_shape=16,x"])
     with pytest.raises(ConfigError, match="max_train_windows='many'"):
         load_preset("cpu-quick", ["attack.trace_fit.max_train_windows=many"])
+    with pytest.raises(ConfigError, match="perceptual='resnet': expected one of vgg, alex, ssim"):
+        load_preset("cpu-quick", ["attack.trace_fit.perceptual=resnet"]).validate()

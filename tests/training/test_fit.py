@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -17,6 +18,7 @@ from gradleak.attacks.trace import Trace, TraceConfig
 from gradleak.errors import CheckpointError, ConfigError
 from gradleak.io import load_tensors
 from gradleak.metrics.images import psnr
+from gradleak.metrics.lpips import PIP_COMMAND, package_weights
 from gradleak.training.checkpoint import load_attacker
 from gradleak.training.data import WindowDataset, collate
 from gradleak.training.fit import (
@@ -54,7 +56,7 @@ def test_a_tiny_trace_overfits_a_tiny_capture(train_capture: Path) -> None:
     with torch.no_grad():
         before = psnr(model.decode(batch.observed.gradients)[0].flatten(0, 1),
                       batch.images.flatten(0, 1)).mean()
-    first, last = overfit(TraceObjective(model, MSE_ONLY, Perceptual(), 0), batch, 150, 3e-3)
+    first, last = overfit(TraceObjective(model, MSE_ONLY, Perceptual("ssim"), 0), batch, 150, 3e-3)
     with torch.no_grad():
         after = psnr(model.decode(batch.observed.gradients)[0].flatten(0, 1),
                      batch.images.flatten(0, 1)).mean()
@@ -67,8 +69,26 @@ def test_a_tiny_lti_overfits_a_tiny_capture(train_capture: Path) -> None:
     torch.manual_seed(0)
     model = LearningToInvert(LtiConfig(gradient_dim=data.gradient_dim, frame_size=32, hidden=128))
     model.input.fit(data.gradient_rows(64))
-    first, last = overfit(LtiObjective(model, MSE_ONLY, Perceptual()), batch, 150, 1e-3)
+    first, last = overfit(LtiObjective(model, MSE_ONLY, Perceptual("ssim")), batch, 150, 1e-3)
     assert first / last >= 10
+
+
+def test_the_perceptual_term_is_the_named_lpips_or_says_why_it_fell_back(monkeypatch) -> None:
+    g = torch.Generator().manual_seed(0)
+    a = torch.rand(2, 4, 3, 32, 32, generator=g, requires_grad=True)
+    b = torch.rand(2, 4, 3, 32, 32, generator=g)
+    ssim_term = Perceptual("ssim")
+    assert ssim_term.name == "1-ssim" and ssim_term.reason is None
+    if package_weights("alex") is not None:
+        alex = Perceptual("alex")
+        assert alex.name == "lpips-alex"
+        alex(a, b).backward()  # a training loss: gradients reach the prediction
+        assert a.grad is not None and a.grad.abs().sum() > 0
+        assert alex(b, b).item() == pytest.approx(0.0, abs=1e-6)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    fallback = Perceptual("vgg")
+    assert fallback.name == "1-ssim" and PIP_COMMAND in fallback.reason
+    assert fallback(a, b).item() == pytest.approx(ssim_term(a, b).item())
 
 
 def test_resume_reproduces_the_uninterrupted_run(train_capture: Path, tmp_path: Path) -> None:

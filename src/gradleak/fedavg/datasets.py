@@ -13,9 +13,7 @@
 from __future__ import annotations
 
 import gzip
-import io
 import json
-import pickle
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from gradleak.errors import ConfigError, DataFileError
+from gradleak.safe_pickle import load_arrays
 
 EMBEDDED = ("digits", "photos")
 SKIMAGE_PHOTOS = ("astronaut", "chelsea", "coffee", "hubble_deep_field", "immunohistochemistry",
@@ -156,31 +155,15 @@ def _emnist_idx(folder: Path) -> ImageSet:
     return ImageSet(tensor, targets_tensor, int(targets_tensor.max()) + 1, "EMNIST")
 
 
-class _ArraysOnly(pickle.Unpickler):
-    """Admits numpy arrays and plain containers; anything else is refused, not executed."""
-
-    ALLOWED = {("numpy.core.multiarray", "_reconstruct"), ("numpy", "ndarray"),
-               ("numpy", "dtype"), ("numpy._core.multiarray", "_reconstruct"),
-               ("numpy.core.multiarray", "scalar"), ("numpy._core.multiarray", "scalar")}
-
-    def find_class(self, module: str, name: str) -> type:
-        if (module, name) not in self.ALLOWED:
-            raise DataFileError(f"the CIFAR-100 pickle refers to {module}.{name}; only numpy "
-                                "arrays and plain containers are read")
-        return super().find_class(module, name)
-
-
 def cifar100(path: Path) -> ImageSet:
     file = path / "train" if path.is_dir() else path
     if not file.is_file():
         raise DataFileError(f"cifar100:{path}: no 'train' file there: put the python version "
                             "of CIFAR-100 (cifar-100-python/train) at that path")
+    data = load_arrays(file, f"the CIFAR-100 pickle {file}", DataFileError)
     try:
-        data = _ArraysOnly(io.BytesIO(file.read_bytes()), encoding="bytes").load()
         pixels = np.asarray(data[b"data"], dtype=np.uint8)
         labels = np.asarray(data[b"fine_labels"], dtype=np.int64)
-    except (pickle.UnpicklingError, EOFError):
-        raise DataFileError(f"{file}: not a CIFAR-100 python pickle (truncated?)") from None
     except (KeyError, TypeError):
         raise DataFileError(f"{file}: expected a dict with b'data' and b'fine_labels'") from None
     if pixels.ndim != 2 or pixels.shape[1] != 3072 or len(pixels) != len(labels):

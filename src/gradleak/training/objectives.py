@@ -19,6 +19,7 @@ from torch import nn
 
 from gradleak.attacks.lti import LearningToInvert
 from gradleak.attacks.trace import Trace
+from gradleak.errors import ConfigError
 from gradleak.metrics.images import ssim
 from gradleak.metrics.lpips import LPIPS, unavailable_reason
 
@@ -35,14 +36,20 @@ class LossWeights:
         return asdict(self)
 
 
-class Perceptual(nn.Module):
-    """LPIPS (AlexNet) when its backbone file is available, else 1 − SSIM — never silently 0."""
+PERCEPTUAL_TERMS = ("vgg", "alex", "ssim")
 
-    def __init__(self, lpips_weights: str | None = None) -> None:
+
+class Perceptual(nn.Module):
+    """LPIPS with the VGG16 (the paper's) or AlexNet backbone, or 1 − SSIM: the named term, and
+    1 − SSIM with a one-line reason when the LPIPS weights are missing — never silently 0."""
+
+    def __init__(self, term: str = "vgg", lpips_weights: str | None = None) -> None:
         super().__init__()
-        self.reason = unavailable_reason(lpips_weights)
-        self.lpips = None if self.reason else LPIPS(lpips_weights)
-        self.name = "lpips" if self.lpips is not None else "1-ssim"
+        if term not in PERCEPTUAL_TERMS:
+            raise ConfigError(f"perceptual term '{term}' is not one of {PERCEPTUAL_TERMS}")
+        self.reason = None if term == "ssim" else unavailable_reason(lpips_weights, term)
+        self.lpips = None if term == "ssim" or self.reason else LPIPS(lpips_weights, term)
+        self.name = f"lpips-{term}" if self.lpips is not None else "1-ssim"
 
     def forward(self, prediction: torch.Tensor, truth: torch.Tensor) -> torch.Tensor:
         prediction, truth = prediction.flatten(0, -4), truth.flatten(0, -4)  # (N, 3, H, W)
