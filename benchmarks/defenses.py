@@ -28,9 +28,9 @@ from gradleak.training.checkpoint import META
 from gradleak.training.fit import fine_tune_under_defense
 
 RESULTS = Path(__file__).parent / "results" / "defenses.json"
-GRID = ["none", "quant:8", "quant:4", "quant:2", "prune:0.9", "prune:0.5", "prune:0.1",
-        "noise:0.001", "noise:0.01", "noise:0.1", "dpsgd:eps=10", "dpsgd:eps=5", "dpsgd:eps=1",
-        "agg:4", "agg:8"]
+GRID = ["none", "cast:bfloat16", "cast:float16", "quant:8", "quant:4", "quant:2", "prune:0.9",
+        "prune:0.5", "prune:0.1", "noise:0.001", "noise:0.01", "noise:0.1", "dpsgd:eps=10",
+        "dpsgd:eps=5", "dpsgd:eps=1", "agg:4", "agg:8"]
 ATTACKERS = {"TRACE": ("trace", "TRACE-T=8"), "LtI": ("lti", "LtI")}
 METRICS = ("mse", "psnr", "ssim", "action_accuracy", "histogram_tv")
 

@@ -12,7 +12,8 @@ Writes benchmarks/results/exact_frames.{json,md,png}.
 
     python benchmarks/exact_frames.py [--work runs/exact-frames] [--steps 64] [--frames 16]
         [--ppo-cnn runs/victims/cnn84-ppo] [--ppo-small runs/bench-victims/cnn-small/victim]
-        [--a2c-small runs/victims/small64-a2c] [--defenses "noise:0.001;quant:8;prune:0.1"]
+        [--a2c-small runs/victims/small64-a2c] [--rank-frames 1]
+        [--defenses "cast:bfloat16;noise:0.001;quant:8;prune:0.1"]
 
 The trained victims: `gradleak train-victim --preset paper --updates 6 --set train.num_envs=4
 --out runs/victims/cnn84-ppo`, `gradleak train-victim --preset cpu-bench --algo a2c --updates 6
@@ -75,10 +76,10 @@ def capture(case: Case, dtype: str, steps: int, work: Path) -> Path:
     return out
 
 
-def scores(path: Path, frames: int) -> dict[str, Any]:
+def scores(path: Path, frames: int, rank_frames: int = 0) -> dict[str, Any]:
     with CaptureFile(path) as file:
         observation, target = file.observation(), file.target()
-    return score_conv_stack(observation, target, frames)
+    return score_conv_stack(observation, target, frames, rank_frames=rank_frames)
 
 
 def row(case: Case, dtype: str, defense: str, result: dict[str, Any]) -> dict[str, Any]:
@@ -87,12 +88,14 @@ def row(case: Case, dtype: str, defense: str, result: dict[str, Any]) -> dict[st
     return {"victim": case.name, "storage": dtype, "defense": defense,
             "map_error": deepest["median_relative_error"],
             "equations_per_unknown": result["equations_per_unknown"],
-            "psnr": result["psnr"], "ssim": result["ssim"],
+            "rank_fraction": result.get("rank_fraction"),
+            "psnr": result["psnr"], "ssim": result["ssim"], "lpips": result.get("lpips"),
             "psnr_without_weight_gradient": solves["without_weight_gradient"]["psnr"],
             "psnr_from_true_map": result["psnr_from_true_map"],
             "psnr_penalty": solves["penalty"]["psnr"],
             "ssim_penalty": solves["penalty"]["ssim"],
             "psnr_mean_image": result["psnr_of_their_mean_image"],
+            "lpips_mean_image": result.get("lpips_of_their_mean_image"),
             "ms_per_frame": 1000 * (result["recovery_seconds_per_frame"]
                                     + result["frame_seconds_per_frame"]),
             "penalty_ms_per_frame": 1000 * (result["recovery_seconds_per_frame"]
@@ -139,16 +142,17 @@ def picture(path: Path, out: Path, count: int = 8) -> None:
     plt.close(figure)
 
 
-COLUMNS = ["victim", "storage", "defense", "map_error", "equations_per_unknown", "psnr", "ssim",
-           "psnr_without_weight_gradient", "psnr_from_true_map", "psnr_penalty",
-           "psnr_mean_image", "ms_per_frame", "penalty_ms_per_frame"]
+COLUMNS = ["victim", "storage", "defense", "map_error", "equations_per_unknown", "rank_fraction",
+           "psnr", "ssim", "lpips", "psnr_without_weight_gradient", "psnr_from_true_map",
+           "psnr_penalty", "psnr_mean_image", "lpips_mean_image", "ms_per_frame",
+           "penalty_ms_per_frame"]
 
 
 def markdown(result: dict[str, Any]) -> str:
     def cell(value: Any) -> Any:
         if isinstance(value, float):
             return f"{value:.1e}" if abs(value) < 1e-2 else f"{value:.2f}"
-        return value
+        return "-" if value is None else value
 
     table = markdown_table([{k: cell(r[k]) for k in COLUMNS} for r in result["rows"]], COLUMNS)
     return (f"# Training-free frames (`benchmarks/exact_frames.py`)\n\n{result['frames']} evenly "
@@ -156,8 +160,12 @@ def markdown(result: dict[str, Any]) -> str:
             f"{result['machine']}. `psnr`/`ssim`: the first conv's equations (outputs and "
             "weight gradient, the default); `map_error`: the recovered first-block output's "
             "median relative error; `equations_per_unknown`: (on-units + weight-gradient "
-            "entries) / frame entries, an upper bound on the fraction the equations pin down. "
-            f"LPIPS: {result['lpips']}.\n\n{table}\n\n![frames](exact_frames.png)\n")
+            "entries) / frame entries, an upper bound on the fraction the equations pin down; "
+            f"`rank_fraction`: the rank of those equations / frame entries, on the first "
+            f"{result['rank_frames']} scored frame(s) of each undefended float32 capture (what "
+            "they do pin down; the prior decides the rest). LPIPS (AlexNet, v0.1): "
+            f"{result['lpips']}; `cast:bfloat16` is what a mixed-precision client sends, and "
+            f"float16 storage is `cast:float16`.\n\n{table}\n\n![frames](exact_frames.png)\n")
 
 
 def main() -> None:
@@ -169,7 +177,10 @@ def main() -> None:
     parser.add_argument("--ppo-small", type=Path,
                         default=Path("runs/bench-victims/cnn-small/victim"))
     parser.add_argument("--a2c-small", type=Path, default=Path("runs/victims/small64-a2c"))
-    parser.add_argument("--defenses", default="noise:0.001;quant:8;prune:0.1")
+    parser.add_argument("--defenses", default="cast:bfloat16;noise:0.001;quant:8;prune:0.1")
+    parser.add_argument("--rank-frames", type=int, default=1,
+                        help="frames whose equations' rank is computed (about a minute each "
+                        "at 84×84)")
     parser.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args()
     torch.set_num_threads(2)
@@ -178,7 +189,8 @@ def main() -> None:
     for case in cases(args):
         for dtype in ("float32", "float16"):
             path = capture(case, dtype, args.steps, args.work)
-            rows.append(row(case, dtype, "none", scores(path, args.frames)))
+            ranked = args.rank_frames if dtype == "float32" else 0
+            rows.append(row(case, dtype, "none", scores(path, args.frames, ranked)))
             print(json.dumps({k: rows[-1][k] for k in COLUMNS}), flush=True)
             if dtype != "float32" or not case.random_init and "PPO" not in case.name:
                 continue
@@ -189,6 +201,7 @@ def main() -> None:
                 rows.append(row(case, dtype, spec, scores(defended, args.frames)))
                 print(json.dumps({k: rows[-1][k] for k in COLUMNS}), flush=True)
     result = {"benchmark": "exact_frames", "steps": args.steps, "frames": args.frames,
+              "rank_frames": args.rank_frames,
               "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch "
                          f"{torch.__version__}, no GPU",
               "lpips": unavailable_reason() or "available", "rows": rows}

@@ -10,6 +10,7 @@ from helpers import observe, smooth_frame, victim_with_statistics
 
 from gradleak.attacks.conv_blocks import conv_blocks
 from gradleak.attacks.conv_recovery import observed_conv_inputs
+from gradleak.attacks.equation_rank import equation_rank, equation_space
 from gradleak.attacks.first_conv import (
     FirstConvEquations,
     first_conv_equations,
@@ -58,6 +59,16 @@ def observed_steps(dtype: torch.dtype):
     return observation, double, x, kept["z"].grad.detach(), kept["z"].detach()
 
 
+@pytest.fixture(scope="module")
+def unprioritised(exact_steps):
+    """The solve with no smoothness from a flat start (6,000 iterations), and the truth."""
+    observation, victim, x, _, _ = exact_steps
+    equations = recovered(observation, victim)
+    solution = solve_inputs(equations, torch.full_like(x, 0.5), smoothness=0.0,
+                            iterations=6000)
+    return equations, solution, x
+
+
 def recovered(observation, victim) -> FirstConvEquations:  # noqa: ANN001
     found = observed_conv_inputs(observation)
     deepest = list(found.inputs)[-1]
@@ -95,21 +106,42 @@ def test_the_true_frame_satisfies_both_sets_of_equations(exact_steps) -> None:
 
 
 def test_without_a_prior_the_solve_fits_both_sets_and_errs_only_in_their_null_space(
-        exact_steps) -> None:
+        unprioritised) -> None:
     """With no smoothness the solve reproduces every equation (to 1e-10 on the frames where it
     converges within the budget, 2e-6 on all); where it does, its error e has A e = 0, and on
     some frames e is far from 0: the equations leave part of the frame free (6,000 iterations;
     measured when written: residuals 2e-14 on half the frames, 1e-6 at worst, errors 0.14-0.19
     where converged)."""
-    observation, victim, x, _, _ = exact_steps
-    equations = recovered(observation, victim)
-    solution = solve_inputs(equations, torch.full_like(x, 0.5), smoothness=0.0,
-                            iterations=6000)
+    equations, solution, x = unprioritised
     residual = torch.stack(list(equations.residuals(solution).values())).amax(0)
     assert float(residual.max()) <= 2e-6
     error = (solution - x).flatten(1).norm(dim=1) / x.flatten(1).norm(dim=1)
     converged = residual <= 1e-10
     assert int(converged.sum()) >= 2 and float(error[converged].max()) > 0.05
+
+
+def test_the_solve_errs_only_in_the_computed_null_space(unprioritised) -> None:
+    """The computed row space of each frame's equations: the unprioritised solve has the true
+    input's row-space part (P x̂ = P x, P the row-space projector) on frames where it
+    converged, so its error lies wholly in the null space, and a frame moved along the row
+    space breaks the equations; the rank is below the unknowns and the per-pixel leverages are
+    in [0, 1] and add up to it."""
+    equations, solution, x = unprioritised
+    converged = torch.stack(list(equations.residuals(solution).values())).amax(0) <= 1e-10
+    assert int(converged.sum()) >= 2
+    for frame in map(int, torch.nonzero(converged).flatten()):
+        space = equation_space(equations, frame, x.shape)
+        assert 0 < space.rank < space.unknowns == x[0].numel()
+        assert equation_rank(equations, frame, x.shape) == space.rank  # eigenvalues alone
+        leverage = space.leverage(tuple(x.shape[1:]))
+        assert float(leverage.min()) >= -1e-9 and float(leverage.max()) <= 1 + 1e-9
+        assert float(leverage.sum()) == pytest.approx(space.rank, rel=1e-9)
+        error = solution[frame] - x[frame]
+        assert float(space.row_space_part(error).norm() / error.norm()) <= 1e-5
+        assert float(error.norm() / x[frame].norm()) > 0.05  # and there is an error to place
+        moved = solution.clone()
+        moved[frame] += space.basis[0].view(x[frame].shape)  # one unit along the row space
+        assert float(equations.residuals(moved)["outputs"][frame]) > 1e-3
 
 
 def test_the_weight_gradient_equations_bring_the_frame_closer(steps) -> None:

@@ -19,6 +19,25 @@ from gradleak.evaluation.reconstructions import evaluate
 from gradleak.training.data import WindowDataset
 
 
+def test_casting_to_float16_is_what_a_float16_capture_stores(random_capture: Path,
+                                                            float16_capture: Path,
+                                                            tmp_path: Path) -> None:
+    """Storing float16 is the cast:float16 defense applied to the float32 stream, bit for bit;
+    bfloat16 keeps float32's range with coarser rounding."""
+    out = tmp_path / "cast.h5"
+    defend_capture(random_capture, parse_defense("cast:float16"), out)
+    with CaptureFile(out) as cast, CaptureFile(float16_capture) as stored, \
+            CaptureFile(random_capture) as clean:
+        np.testing.assert_array_equal(cast.read("gradients"),
+                                      stored.read("gradients").astype(np.float32))
+        wide = clean.read("gradients")
+    narrow = parse_defense("cast:bfloat16").gradients(wide)
+    assert not np.array_equal(narrow, wide)
+    np.testing.assert_allclose(narrow, wide, rtol=2**-8, atol=0)
+    with pytest.raises(ConfigError, match="cast:float8: expected one of float16, bfloat16"):
+        parse_defense("cast:float8")
+
+
 def test_a_defended_copy_changes_only_the_gradients(random_capture: Path, tmp_path: Path,
                                                     capsys) -> None:
     out = tmp_path / "defended.h5"

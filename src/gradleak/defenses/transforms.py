@@ -44,6 +44,30 @@ class Quantize(Defense):
         return with_gradients(stream, torch.round((g - low) / scale) * scale + low)
 
 
+CAST_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@register_defense
+class Cast(Defense):
+    """Send the gradient in a lower-precision float: float16 (2^-11 relative rounding, and
+    underflow below 6e-8) or bfloat16 (2^-8, float32's range), as a mixed-precision client
+    would. A quantisation that keeps each entry's scale; it is also what a float16 capture
+    stores, so storing float16 is this defense applied to the stream."""
+
+    name = "cast"
+    arguments = {"dtype": str}
+    usage = "cast:DTYPE, e.g. cast:bfloat16 (float16 or bfloat16)"
+
+    def __init__(self, dtype: str) -> None:
+        if dtype not in CAST_DTYPES:
+            raise ConfigError(f"defense cast:{dtype}: expected one of {', '.join(CAST_DTYPES)}")
+        self.dtype = dtype
+
+    def __call__(self, stream: Stream, generator_seed: int) -> Stream:
+        g = stream.gradients
+        return with_gradients(stream, g.to(CAST_DTYPES[self.dtype]).to(g.dtype))
+
+
 @register_defense
 class Prune(Defense):
     """Keep the top `keep` fraction of entries by magnitude, zero the rest (Zhu et al. 2019)."""

@@ -119,11 +119,13 @@ def score_inversion(observation: Observation, target: Target, count: int) -> dic
 
 
 def score_conv_stack(observation: Observation, target: Target, count: int,
-                     frame_threshold: float = 3.0) -> dict[str, Any]:
+                     frame_threshold: float = 3.0, rank_frames: int = 0) -> dict[str, Any]:
     """Recovery through the conv stack on `count` evenly spaced steps: each determined conv
     input against the truth, then frames from the first conv's own equations (its outputs and
     its weight gradient), against the same solve from the true first-block output, the solve
-    without the weight-gradient equations, and the earlier penalty solve."""
+    without the weight-gradient equations, and the earlier penalty solve. With `rank_frames`,
+    the rank of the equations of that many frames as a fraction of the unknowns (minutes per
+    84×84 frame)."""
     from dataclasses import replace
 
     from gradleak.attacks.conv_recovery import observed_conv_inputs
@@ -147,7 +149,7 @@ def score_conv_stack(observation: Observation, target: Target, count: int,
     first = conv_blocks(double)[0]
     gradient = torch.from_numpy(subset.block(f"{first.name}.weight").astype(np.float64))
     solves = frame_solves(double, found, deepest, truth[deepest], gradient, frame_threshold,
-                          images)
+                          images, rank_frames)
     main = solves.pop("equations")
     return {"frames": count, "layers": layers, "recovery_seconds_per_frame": recovery_seconds,
             "frames_from": deepest, "psnr": main["psnr"], "ssim": main["ssim"],
@@ -155,6 +157,7 @@ def score_conv_stack(observation: Observation, target: Target, count: int,
             "frame_seconds_per_frame": main["seconds_per_frame"],
             "equation_residual_median": main["residual_median"],
             "equations_per_unknown": main["equations_per_unknown"],
+            **{key: main[key] for key in ("rank_fraction", "rank_frames") if key in main},
             "psnr_from_true_map": solves["from_true_map"]["psnr"],
             "ssim_from_true_map": solves["from_true_map"]["ssim"], "solves": solves,
             **mean_image_scores(images)}
@@ -171,8 +174,8 @@ def layer_errors(estimate: torch.Tensor, truth: torch.Tensor, noise: torch.Tenso
 
 
 def frame_solves(victim: Any, found: Any, deepest: str, true_map: torch.Tensor,
-                 gradient: torch.Tensor, threshold: float, images: np.ndarray
-                 ) -> dict[str, dict[str, float]]:
+                 gradient: torch.Tensor, threshold: float, images: np.ndarray,
+                 rank_frames: int = 0) -> dict[str, dict[str, float]]:
     """Each way of getting the frame under the first conv, scored against the real frames."""
     from dataclasses import replace
 
@@ -204,6 +207,15 @@ def frame_solves(victim: Any, found: Any, deepest: str, true_map: torch.Tensor,
     unknowns = int(np.prod(transform.frame_shape))
     scores["equations"]["equations_per_unknown"] = float(
         (equations.on.flatten(1).sum(1).double().mean() + gradient[0].numel()) / unknowns)
+    if rank_frames:
+        from gradleak.attacks.equation_rank import equation_rank
+
+        height, width, channels = transform.frame_shape
+        shape = torch.Size((1, channels, height, width))
+        fractions = [equation_rank(equations, frame, shape) / unknowns
+                     for frame in range(min(rank_frames, len(images)))]
+        scores["equations"].update(rank_fraction=float(np.mean(fractions)),
+                                   rank_frames=len(fractions))
     return scores
 
 
