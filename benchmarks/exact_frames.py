@@ -149,12 +149,17 @@ COLUMNS = ["victim", "storage", "defense", "map_error", "equations_per_unknown",
 
 
 def markdown(result: dict[str, Any]) -> str:
-    def cell(value: Any) -> Any:
+    def cell(key: str, value: Any) -> Any:
+        if isinstance(value, float) and key.startswith("lpips"):
+            return f"{value:.3f}"
+        if isinstance(value, float) and key == "rank_fraction":
+            return f"{value:.2f}"
         if isinstance(value, float):
             return f"{value:.1e}" if abs(value) < 1e-2 else f"{value:.2f}"
         return "-" if value is None else value
 
-    table = markdown_table([{k: cell(r[k]) for k in COLUMNS} for r in result["rows"]], COLUMNS)
+    table = markdown_table([{k: cell(k, r[k]) for k in COLUMNS} for r in result["rows"]],
+                           COLUMNS)
     return (f"# Training-free frames (`benchmarks/exact_frames.py`)\n\n{result['frames']} evenly "
             f"spaced steps of a {result['steps']}-step held-out capture per row; "
             f"{result['machine']}. `psnr`/`ssim`: the first conv's equations (outputs and "
@@ -166,6 +171,12 @@ def markdown(result: dict[str, Any]) -> str:
             "they do pin down; the prior decides the rest). LPIPS (AlexNet, v0.1): "
             f"{result['lpips']}; `cast:bfloat16` is what a mixed-precision client sends, and "
             f"float16 storage is `cast:float16`.\n\n{table}\n\n![frames](exact_frames.png)\n")
+
+
+def rewrite_markdown(results: Path = RESULTS) -> None:
+    """The table again from the results JSON (after a change to its layout, without rerunning)."""
+    with atomic_path(results.with_suffix(".md")) as temporary:
+        temporary.write_text(markdown(json.loads(results.read_text())))
 
 
 def main() -> None:

@@ -166,15 +166,24 @@ def conv_recovery() -> tuple[str, str]:
 def exact_frames() -> tuple[str, str]:
     data = load("exact_frames.json")
     rows = [r for r in data["rows"] if r["defense"] == "none"]
+
+    def extras(r: dict) -> str:
+        lpips = f", LPIPS {r['lpips']:.3f} vs {r['lpips_mean_image']:.3f}" \
+            if r.get("lpips") is not None else ""
+        rank = f", rank {r['rank_fraction']:.2f} of the pixels" \
+            if r.get("rank_fraction") is not None else ""
+        return f"{lpips}{rank}"
+
     exact = [f"{r['victim']}: {db(r['psnr'])} / {r['ssim']:.3f} (penalty solve "
-             f"{db(r['psnr_penalty'])}, mean image {db(r['psnr_mean_image'])}, "
+             f"{db(r['psnr_penalty'])}, mean image {db(r['psnr_mean_image'])}{extras(r)}, "
              f"{r['ms_per_frame']:.0f} ms)" for r in rows if r["storage"] == "float32"]
     rounded = [r["psnr"] for r in rows if r["storage"] == "float16"]
+    defenses = sorted({r["defense"] for r in data["rows"] if r["defense"] != "none"})
     defended = [r["psnr"] for r in data["rows"] if r["defense"] != "none"]
     return (f"training-free frames from the first conv's equations, float32, {data['frames']} "
-            "held-out steps per victim (PSNR / SSIM)",
+            "held-out steps per victim (PSNR / SSIM; LPIPS against the mean image's)",
             "; ".join(exact) + f"; stored as float16 {min(rounded):.2f}–{max(rounded):.2f} dB; "
-            f"zero-shot under noise, quant:8, prune:0.1 at most {max(defended):.2f} dB")
+            f"zero-shot under {', '.join(defenses)} at most {max(defended):.2f} dB")
 
 
 def layer_ablation() -> tuple[str, str]:

@@ -90,6 +90,17 @@ def test_a_tiny_decoder_overfits_a_tiny_set(train_capture: Path) -> None:
     assert learned > start + 8 and learned > mean + 5
 
 
+def validation_grids(run: Path) -> list[int]:
+    """The epochs at which TensorBoard holds a validation image grid."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run / "tensorboard"), size_guidance={"images": 0})
+    events.Reload()
+    if "validation/truth_then_reconstruction" not in events.Tags()["images"]:
+        return []
+    return [e.step for e in events.Images("validation/truth_then_reconstruction")]
+
+
 def tiny_fit(**changes: object) -> DecoderFitConfig:
     return replace(DecoderFitConfig(epochs=2, batch_size=32, extra_frames=40, max_val_frames=16,
                                     lr=1e-3), **changes)
@@ -118,6 +129,7 @@ def test_resuming_gives_the_uninterrupted_weights(context: str, train_capture: P
         torch.testing.assert_close(split[name], value, rtol=0, atol=0, msg=name)
     decoder, meta = load_attacker(tmp_path / "split")
     assert meta["kind"] == "decoder" and isinstance(decoder, FeatureDecoder)
+    assert validation_grids(tmp_path / "whole") == [1, 2]  # truth above the frames, each epoch
     # a finished run resumes to its summary without rendering or training anything again
     monkeypatch.setattr("gradleak.training.decoder_fit.DecoderFit", None)
     again = fit_decoder(model, tiny_fit(epochs=2), [str(train_capture)], tmp_path / "split",

@@ -183,6 +183,10 @@ class DecoderFit(FitLoop):
             psnrs.append(psnr(attacked, batch.truth))
             ssims.append(ssim(attacked, batch.truth))
             free_psnrs.append(psnr(free, batch.truth))
+            if writer is not None and start == 0:  # the same first frames every epoch
+                writer.add_images("validation/truth_then_reconstruction",
+                                  torch.cat([batch.truth[:8], attacked[:8]]).clamp(0, 1),
+                                  self.epochs_done + 1)
         count = max(1, len(rows))
         record = {"val_loss": sum(losses) / count, "val_psnr": float(torch.cat(psnrs).mean()),
                   "val_ssim": float(torch.cat(ssims).mean())}
