@@ -45,6 +45,7 @@ class EquationSpace:
         return (self.basis.T @ (self.basis @ flat)).view(x.shape)
 
 
+@torch.no_grad()
 def equation_matrix(equations: FirstConvEquations, frame: int, shape: torch.Size
                     ) -> torch.Tensor:
     """The row-scaled equations of frame `frame` as a dense (rows, C·H·W) float64 matrix:
@@ -91,6 +92,7 @@ def rank_above(singular: torch.Tensor, tolerance: float) -> int:
     return int((singular > tolerance * singular[0]).sum()) if len(singular) else 0
 
 
+@torch.no_grad()
 def equation_rank(equations: FirstConvEquations, frame: int, shape: torch.Size,
                   tolerance: float = 1e-6) -> int:
     """The rank alone, from eigenvalues without eigenvectors (a third of `equation_space`'s
@@ -98,6 +100,7 @@ def equation_rank(equations: FirstConvEquations, frame: int, shape: torch.Size,
     return rank_above(singular_values(equation_matrix(equations, frame, shape)), tolerance)
 
 
+@torch.no_grad()
 def equation_space(equations: FirstConvEquations, frame: int, shape: torch.Size,
                    tolerance: float = 1e-6) -> EquationSpace:
     """A's row space for one frame: singular values above `tolerance` × the largest count
