@@ -103,11 +103,10 @@ def equation_rank(equations: FirstConvEquations, frame: int, shape: torch.Size,
 @torch.no_grad()
 def equation_space(equations: FirstConvEquations, frame: int, shape: torch.Size,
                    tolerance: float = 1e-6) -> EquationSpace:
-    """A's row space for one frame: singular values above `tolerance` × the largest count
-    (through a Gram matrix, whose eigenvalues resolve singular values down to ~1e-8 of the
-    largest; below that a direction counts as free).
-    Through the Gram matrix of the shorter side, so the cost is set by the fewer of rows and
-    unknowns."""
+    """A's row space for one frame: singular values above `tolerance` × the largest count.
+    They come from the Gram matrix of the shorter side (the cost is set by the fewer of rows
+    and unknowns), whose eigenvalues resolve singular values down to ~1e-8 of the largest;
+    below that a direction counts as free."""
     matrix = equation_matrix(equations, frame, shape)
     rows, unknowns = matrix.shape
     values, vectors = torch.linalg.eigh(gram(matrix))
