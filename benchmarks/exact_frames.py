@@ -13,7 +13,7 @@ Writes benchmarks/results/exact_frames.{json,md,png}.
     python benchmarks/exact_frames.py [--work runs/exact-frames] [--steps 64] [--frames 16]
         [--ppo-cnn runs/victims/cnn84-ppo] [--ppo-small runs/bench-victims/cnn-small/victim]
         [--a2c-small runs/victims/small64-a2c] [--rank-frames 1]
-        [--defenses "cast:bfloat16;noise:0.001;quant:8;prune:0.1"]
+        [--defenses "cast:bfloat16;noise:0.001;quant:8;prune:0.1"] [--only "VICTIM;..."]
 
 The trained victims: `gradleak train-victim --preset paper --updates 6 --set train.num_envs=4
 --out runs/victims/cnn84-ppo`, `gradleak train-victim --preset cpu-bench --algo a2c --updates 6
@@ -170,7 +170,10 @@ def markdown(result: dict[str, Any]) -> str:
             f"{result['rank_frames']} scored frame(s) of each undefended float32 capture (what "
             "they do pin down; the prior decides the rest). LPIPS (AlexNet, v0.1): "
             f"{result['lpips']}; `cast:bfloat16` is what a mixed-precision client sends, and "
-            f"float16 storage is `cast:float16`.\n\n{table}\n\n![frames](exact_frames.png)\n")
+            f"float16 storage is `cast:float16`."
+            + (f" Measured again with `--only` after a change to the code: {'; '.join(rerun)}."
+               if (rerun := result.get("rerun")) else "")
+            + f"\n\n{table}\n\n![frames](exact_frames.png)\n")
 
 
 def rewrite_markdown(results: Path = RESULTS) -> None:
@@ -193,11 +196,18 @@ def main() -> None:
                         help="frames whose equations' rank is computed (about a minute each "
                         "at 84×84)")
     parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument("--only", default="",
+                        help="';'-separated victim names (as in the table) to measure again; "
+                        "the other rows are kept from --results")
     args = parser.parse_args()
     torch.set_num_threads(2)
     args.work.mkdir(parents=True, exist_ok=True)
+    chosen = [case for case in cases(args)
+              if not args.only or case.name in args.only.split(";")]
+    if args.only and len(chosen) != len(args.only.split(";")):
+        parser.error(f"--only: the victims are {'; '.join(c.name for c in cases(args))}")
     rows = []
-    for case in cases(args):
+    for case in chosen:
         for dtype in ("float32", "float16"):
             path = capture(case, dtype, args.steps, args.work)
             ranked = args.rank_frames if dtype == "float32" else 0
@@ -211,8 +221,16 @@ def main() -> None:
                     defend_capture(path, parse_defense(spec), defended)
                 rows.append(row(case, dtype, spec, scores(defended, args.frames)))
                 print(json.dumps({k: rows[-1][k] for k in COLUMNS}), flush=True)
+    reruns: list[str] = []
+    if args.only:  # keep the other victims' rows, in the table's order
+        kept = json.loads(args.results.read_text())
+        fresh = {case.name for case in chosen}
+        rows = [old for old in kept["rows"] if old["victim"] not in fresh] + rows
+        order = [case.name for case in cases(args)]
+        rows.sort(key=lambda r: order.index(r["victim"]))
+        reruns = sorted(set(kept.get("rerun", [])) | fresh)
     result = {"benchmark": "exact_frames", "steps": args.steps, "frames": args.frames,
-              "rank_frames": args.rank_frames,
+              "rank_frames": args.rank_frames, "rerun": reruns,
               "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch "
                          f"{torch.__version__}, no GPU",
               "lpips": unavailable_reason() or "available", "rows": rows}

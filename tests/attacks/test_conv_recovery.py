@@ -12,7 +12,15 @@ import torch
 from helpers import mlp_observation, observe, smooth_frame, victim_with_statistics
 
 from gradleak.attacks.analytic import module_input
-from gradleak.attacks.conv_blocks import deepest_inputs
+from gradleak.attacks.conv_blocks import (
+    KnownOutputs,
+    as_map,
+    block_forward,
+    conv_blocks,
+    deepest_inputs,
+    least_squares,
+    solve_input_with_noise,
+)
 from gradleak.attacks.conv_recovery import ConvInputs, observed_conv_inputs
 from gradleak.capture.reader import CaptureFile
 from gradleak.errors import ConfigError
@@ -135,3 +143,73 @@ def test_blocks_without_batchnorm_are_walked_exactly() -> None:
     # its 4×4 stride-2 conv never reads the last row and column of the 15×15 map: unknown
     unread = ~torch.isfinite(found.noise["encoder.2"][0, 0])
     assert unread[14].all() and unread[:, 14].all() and int(unread.sum()) == 29
+
+
+@pytest.fixture(scope="module")
+def dead_top_channels():
+    """The paper's top conv (64 → 64, 3×3, stride 2, on 10×10) with 40 output channels off
+    everywhere, as after a few PPO updates: the 25 input pixels only the centre tap reads meet
+    24 live channels, so D(δ) has a null space. Float32-stored weight gradients of 3 steps."""
+    torch.manual_seed(0)
+    victim = create_victim("cnn", frame_size=84).eval().double()
+    *_, below, top = conv_blocks(victim)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        top.conv.bias[:40] = -1e3
+        size = below.input_size
+        inputs = block_forward(below, torch.randn(3, below.conv.in_channels, size, size,
+                                                  generator=generator, dtype=torch.float64))
+        pre = top.conv(inputs)
+        delta = torch.randn(pre.shape, generator=generator, dtype=torch.float64) * (pre > 0)
+        gradient = torch.stack([torch.nn.grad.conv2d_weight(
+            inputs[i:i + 1], top.conv.weight.shape, delta[i:i + 1], stride=top.conv.stride,
+            padding=top.conv.padding) for i in range(3)]).float().double()
+    return top, below, inputs, pre, delta, gradient
+
+
+def test_the_weight_gradients_null_space_is_fixed_by_the_outputs_and_the_relu_below(
+        dead_top_channels) -> None:
+    top, below, inputs, pre, delta, gradient = dead_top_channels
+
+    def error(fit) -> torch.Tensor:  # noqa: ANN001
+        return relative_error(as_map(top, fit.solution), inputs)
+
+    alone = least_squares(top, delta, gradient)
+    completed = least_squares(top, delta, gradient, KnownOutputs(pre.relu(), pre > 0, below))
+    assert bool(completed.completed.all())
+    assert float(error(alone).min()) > 1e-2
+    assert float(error(completed).max()) <= 1e-5
+    assert not bool(completed.undetermined.any())
+
+
+def test_what_no_equation_fixes_is_left_undecided_for_the_block_below(
+        dead_top_channels) -> None:
+    """Without the ReLU below, the live outputs fix only part of the null space: the rest is
+    marked, and its noise is large enough that the block below leaves those units undecided."""
+    top, _, inputs, pre, delta, gradient = dead_top_channels
+    outputs = KnownOutputs(pre.relu(), pre > 0)
+    fit = least_squares(top, delta, gradient, outputs)
+    free = as_map(top, fit.undetermined)
+    assert 0.1 < float(free.double().mean()) < 0.5
+    recovered, noise, completed = solve_input_with_noise(top, delta, gradient, outputs)
+    assert bool(completed.all())
+    assert bool((noise[free] > inputs.abs().amax()).all())
+    assert float(relative_error(recovered * ~free, inputs * ~free).max()) <= 1e-5
+
+
+def test_a_completed_input_is_replaced_by_the_forward_pass_of_the_exact_one_below() -> None:
+    from gradleak.attacks.conv_recovery import refresh_upward
+
+    torch.manual_seed(0)
+    blocks = conv_blocks(create_victim("cnn", frame_size=84).eval().double())
+    lower_block = blocks[-2]
+    size = lower_block.input_size
+    lower = torch.randn(2, lower_block.conv.in_channels, size, size, dtype=torch.float64)
+    upper = block_forward(lower_block, lower)
+    wrong = upper + 0.1
+    found = ConvInputs({"encoder.9": wrong.clone(), "encoder.6": lower}, {}, {},
+                       completed={"encoder.9": torch.tensor([True, False]),
+                                  "encoder.6": torch.tensor([False, False])})
+    refreshed = refresh_upward(found, blocks).inputs["encoder.9"]
+    assert torch.equal(refreshed[0], upper[0])
+    assert torch.equal(refreshed[1], wrong[1])

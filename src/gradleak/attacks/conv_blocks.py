@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -106,11 +107,7 @@ def unit_states(block: ConvBlock, y: torch.Tensor, noise: torch.Tensor, threshol
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """BN⁻¹ of the block's output: the ReLU output, which units are surely on, which are
     undecided (within `threshold` noise deviations of 0), and BN's gain γ/σ (C, 1, 1)."""
-    norm = block.norm
-    sd = (norm.running_var.double() + norm.eps).sqrt()
-    gain = (norm.weight.double() / sd)[:, None, None]
-    shift = norm.bias.double()[:, None, None] / gain
-    mean = norm.running_mean.double()[:, None, None]
+    gain, shift, mean = bn_affine(block)
     relu = y / gain - shift + mean
     # The victim computed BN in float32: an off unit comes back as ±1e-7 of the terms summed.
     rounding = 1e-6 * (relu.flatten(1).abs().amax(1)[:, None, None, None] + shift.abs()
@@ -143,19 +140,246 @@ def weight_gradient_matrix(block: ConvBlock, delta: torch.Tensor,
 
 
 
-def least_squares(block: ConvBlock, delta: torch.Tensor, weight_gradient: torch.Tensor
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """D(δ) (N, R, Q') over the read pixels, the right-hand sides (N, R, C_in) and the solution
-    (N, Q, C_in), zero at the pixels no output reads (rank-deficient columns otherwise, which
-    gelsy does not solve)."""
+@dataclass(frozen=True)
+class KnownOutputs:
+    """What the block above says of this block's output: its pre-activation where the unit is
+    on (the ReLU output, BN⁻¹ of what that block received). Each is an equation in the input
+    that couples its channels, unlike the weight gradient's."""
+
+    relu: torch.Tensor  # (N, C_out, h, w)
+    on: torch.Tensor  # (N, C_out, h, w) bool: only these units' values are equations
+    below: ConvBlock | None = None  # the block whose ReLU → BN output this block's input is
+
+
+# D(δ)'s singular values below this fraction of its largest are its null space: on the paper's
+# CNN the top block's D has one exact null direction (σ ≈ 1e-15 against 1e-2 for the next) on
+# 5 of 16 trained-PPO steps, where the stride-2 conv's on-units leave a checkerboard unread.
+NULL_TOLERANCE = 1e-9
+# a row of the inequalities within this fraction of their median bound is taken as active
+ACTIVE_TOLERANCE = 1e-4
+# a linear programme for more free coefficients than this is not tried (their inputs are
+# marked undetermined instead): measured up to 50 (paper cnn, PPO) and 107 (cnn-small, random
+# init); at 250 one programme takes 2 s
+MAX_FREE = 160
+# nor is the completion for more null-space coefficients (C_in · nullity) than this
+MAX_COEFFICIENTS = 512
+# D's null space is looked for only on blocks with at most this many input pixels a channel:
+# the check costs as much as the solve itself (0.26 s per 16 steps at 441 pixels, 14 ms at
+# 100), and the null spaces measured are all on the top block (100 pixels)
+NULL_CHECK_PIXELS = 256
+# the noise given to input units no equation fixes, times the map's largest value
+UNDETERMINED_SPREAD = 1e3
+
+
+@dataclass
+class InputFit:
+    """One block's input from its weight gradient (and, given, its known outputs)."""
+
+    matrix: torch.Tensor  # D(δ) (N, R, Q') over the read pixels
+    rhs: torch.Tensor  # (N, R, C_in)
+    solution: torch.Tensor  # (N, Q, C_in), zero at the pixels no output reads
+    undetermined: torch.Tensor | None = None  # (N, Q, C_in) bool: no equation fixes these
+    completed: torch.Tensor | None = None  # (N,) bool: D(δ) had a null space on these steps
+
+    def __post_init__(self) -> None:
+        if self.completed is None:
+            self.completed = torch.zeros(len(self.solution), dtype=torch.bool)
+
+
+def least_squares(block: ConvBlock, delta: torch.Tensor, weight_gradient: torch.Tensor,
+                  outputs: KnownOutputs | None = None) -> InputFit:
+    """The input by least squares on D(δ), zero at the pixels no output reads (rank-deficient
+    columns otherwise, which gelsy does not solve). Where D itself is rank-deficient,
+    `outputs` sets the part of the input in its null space (`complete_from_outputs`)."""
     count, channels_in = len(delta), block.conv.in_channels
     read = covered_pixels(block)
     matrix = weight_gradient_matrix(block, delta, unfold_identity(block)[read])
     rhs = weight_gradient.permute(0, 1, 3, 4, 2).reshape(count, -1, channels_in)
     solution = torch.zeros(count, len(read), channels_in, dtype=matrix.dtype)
     solution[:, read] = torch.linalg.lstsq(matrix, rhs, driver="gelsy").solution
-    return matrix, rhs, solution
+    fit = InputFit(matrix, rhs, solution)
+    if outputs is None or matrix.shape[-1] > NULL_CHECK_PIXELS:
+        return fit
+    nullity = null_space_size(matrix)
+    # a δ this sparse means the masks above collapsed (a defense's noise): the outputs cannot
+    # fix so many directions; those steps keep the minimum-norm solve
+    fixable = (nullity > 0) & (nullity * channels_in <= MAX_COEFFICIENTS)
+    if not bool(fixable.any()):
+        return fit
+    return complete_from_outputs(block, fit, outputs, fixable)
 
+
+def null_space_size(matrix: torch.Tensor) -> torch.Tensor:
+    """(N,) D's nullity from its Gram matrix's eigenvalues, at a quarter of an SVD's cost
+    (σ² squares the gap: 1e-32 against 1e-7 relative on the paper's CNN; floor 1e-16)."""
+    eigenvalues = torch.linalg.eigvalsh(matrix.transpose(1, 2) @ matrix)
+    return (eigenvalues < NULL_TOLERANCE ** 1.5 * eigenvalues[:, -1:]).sum(1)
+
+
+@torch.no_grad()
+def complete_from_outputs(block: ConvBlock, fit: InputFit, outputs: KnownOutputs,
+                          steps: torch.Tensor) -> InputFit:
+    """The weight gradient fixes each input channel up to D(δ)'s null space, the same for every
+    channel: a_i = a_i* + Σ_j c_ij n_j. The on-units' pre-activations are linear in the c_ij,
+    so one small least squares per step fixes those the live output channels reach; the rest
+    are marked undetermined. Only `steps` (where gelsy found D rank-deficient) are looked at;
+    gelsy's a* is not the minimum-norm one there, so the SVD's is used instead."""
+    read = covered_pixels(block)
+    solution = fit.solution.clone()
+    undetermined = torch.zeros_like(solution, dtype=torch.bool)
+    completed = torch.zeros(len(solution), dtype=torch.bool)
+    for step in steps.nonzero().flatten().tolist():
+        left, singular, right = torch.linalg.svd(fit.matrix[step], full_matrices=False)
+        null = singular < NULL_TOLERANCE * singular[0]
+        if not bool(null.any()):
+            continue
+        completed[step] = True
+        solution[step, read] = right[~null].T @ (
+            left[:, ~null].T @ fit.rhs[step] / singular[~null][:, None])
+        directions = torch.zeros(int(null.sum()), len(read), dtype=solution.dtype)
+        directions[:, read] = right[null]  # (J, Q)
+        part, free = null_space_part(block, directions, solution[step], outputs, step)
+        if not plausible(part, solution[step]):  # wrong masks above: nothing to trust here
+            undetermined[step] = in_every_channel(reaches(directions), block)
+            continue
+        solution[step] += part
+        if not len(free):
+            continue
+        resolved = None if outputs.below is None else resolve_free_part(
+            block, outputs.below, solution[step], free, outputs, step)
+        if resolved is None or not plausible(resolved - solution[step], solution[step]):
+            undetermined[step] = reaches(free)
+        else:
+            solution[step] = resolved
+    return InputFit(fit.matrix, fit.rhs, solution, undetermined, completed)
+
+
+def null_space_part(block: ConvBlock, directions: torch.Tensor, solution: torch.Tensor,
+                    outputs: KnownOutputs, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Q, C_in) Σ_j c_ij n_j with c fitted to the on-units' pre-activations, and the c that
+    stay free as (F, Q, C_in) maps: a trained victim's top conv has output channels that are
+    off everywhere on a frame (40 of 64 on the paper's CNN after 6 PPO updates), and those say
+    nothing of the input channels they would read."""
+    channels_in = block.conv.in_channels
+    columns = direction_outputs(block, directions)  # (C_out, P, C_in, J)
+    on = outputs.on[step].flatten(1)  # (C_out, P)
+    missing = (outputs.relu[step] - block_output(block, solution)).flatten(1)[on]
+    system = columns[on].flatten(1)  # (on-units, C_in·J)
+    if len(system) < system.shape[1]:  # zero rows: the reduced SVD then spans every column
+        system = torch.cat([system, system.new_zeros(system.shape[1] - len(system),
+                                                     system.shape[1])])
+        missing = torch.cat([missing, missing.new_zeros(len(system) - len(missing))])
+    left, singular, right = torch.linalg.svd(system, full_matrices=False)
+    rank = int((singular > NULL_TOLERANCE * singular[:1]).sum())
+    coefficients = right[:rank].T @ (left[:, :rank].T @ missing / singular[:rank])
+
+    def as_maps(c: torch.Tensor) -> torch.Tensor:  # (F, C_in·J) → (F, Q, C_in)
+        return (c.reshape(-1, channels_in, len(directions)) @ directions).transpose(1, 2)
+
+    return as_maps(coefficients)[0], as_maps(right[rank:])
+
+
+def direction_outputs(block: ConvBlock, directions: torch.Tensor) -> torch.Tensor:
+    """(C_out, P, C_in, J): the conv's output (no bias) with direction j in input channel i."""
+    conv, size = block.conv, block.input_size
+    channels_out, channels_in, kernel, _ = conv.weight.shape
+    per_channel = F.conv2d(directions.view(-1, 1, size, size),
+                           conv.weight.double().reshape(-1, 1, kernel, kernel),
+                           stride=conv.stride, padding=conv.padding)  # (J, C_out·C_in, h, w)
+    return per_channel.view(len(directions), channels_out, channels_in, -1).permute(1, 3, 2, 0)
+
+
+def block_output(block: ConvBlock, columns: torch.Tensor, bias: bool = True) -> torch.Tensor:
+    """(C_out, h, w): the conv applied to one input given as (Q, C_in) columns."""
+    conv, size = block.conv, block.input_size
+    return F.conv2d(columns.T.reshape(1, conv.in_channels, size, size), conv.weight.double(),
+                    conv.bias.double() if bias else None, stride=conv.stride,
+                    padding=conv.padding)[0]
+
+
+def resolve_free_part(block: ConvBlock, below: ConvBlock, solution: torch.Tensor,
+                      free: torch.Tensor, outputs: KnownOutputs, step: int
+                      ) -> torch.Tensor | None:
+    """(Q, C_in) the input within `solution` + span(free) that best satisfies the inequalities
+    left: the input is a ReLU → BatchNorm output of the block `below` (BN⁻¹ of it is ≥ 0, and
+    about half of it exactly 0), and this block's off-units have pre-activations ≤ 0. Hundreds
+    of those are active at the truth against tens of free coefficients, so it is the only point
+    that violates none; a linear programme (HiGHS) finds it, minimising the total violation so
+    that noise leaves it near the truth. None when there are too many free coefficients or the
+    programme fails."""
+    from scipy.optimize import linprog
+    from scipy.sparse import csr_matrix, hstack, identity
+
+    if len(free) > MAX_FREE:
+        return None
+    rows, bounds = inequalities(block, below, solution, free, ~outputs.on[step])
+    count, dims = rows.shape
+    # variables: z (free coefficients, unbounded), t ≥ 0 (each row's violation)
+    result = linprog(np.concatenate([np.zeros(dims), np.ones(count)]),
+                     A_ub=hstack([csr_matrix(rows), -identity(count, format="csr")]),
+                     b_ub=bounds, bounds=[(None, None)] * dims + [(0, None)] * count,
+                     method="highs")
+    if result.status != 0:
+        return None
+    z = result.x[:dims]
+    # The programme stops at a vertex: F active rows, each off by its own rounding. Every row
+    # near-active there is active at the truth (a unit exactly off), so least squares on all
+    # of them averages the rounding out.
+    active = np.abs(bounds - rows @ z) <= ACTIVE_TOLERANCE * np.median(np.abs(bounds))
+    if np.linalg.matrix_rank(rows[active]) == dims:
+        z = np.linalg.lstsq(rows[active], bounds[active], rcond=None)[0]
+    return solution + torch.einsum("f,fqc->qc", torch.from_numpy(z), free)
+
+
+def in_every_channel(pixels: torch.Tensor, block: ConvBlock) -> torch.Tensor:
+    """(Q,) → (Q, C_in): D(δ) is the same for every input channel, so is its null space."""
+    return pixels[:, None].expand(-1, block.conv.in_channels)
+
+
+def plausible(change: torch.Tensor, solution: torch.Tensor) -> bool:
+    """A null-space part larger than the map it completes means inconsistent equations (the
+    masks above were wrong), not a solution: on the paper's CNN it is 2% of the map."""
+    return bool(change.norm() <= solution.norm())
+
+
+def reaches(maps: torch.Tensor) -> torch.Tensor:
+    """Where some of (F, ...) maps is not zero; the SVD leaves 1e-17 where it is."""
+    return maps.abs().amax(0) > 1e-12 * maps.abs().max()
+
+
+def inequalities(block: ConvBlock, below: ConvBlock, solution: torch.Tensor,
+                 free: torch.Tensor, off: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """rows z ≤ bounds, each row of unit norm, over the units span(free) reaches: the floor of
+    the ReLU below (−BN⁻¹ change ≤ BN⁻¹ of `solution`) and the off-units above."""
+    gain, shift, mean = (value.flatten()[None, :] for value in bn_affine(below))
+    reached = reaches(free)  # (Q, C_in)
+    floor_rows = (-free[:, reached] / gain.expand_as(solution)[reached]).T  # (units, F)
+    floor_bounds = (solution / gain - shift + mean)[reached]
+    changes = torch.stack([block_output(block, basis, bias=False) for basis in free])
+    off = off & reaches(changes)
+    rows = torch.cat([floor_rows, changes[:, off].T])
+    bounds = torch.cat([floor_bounds, -block_output(block, solution)[off]])
+    scale = rows.norm(dim=1).clamp_min(1e-300)
+    return (rows / scale[:, None]).numpy(), (bounds / scale).numpy()
+
+
+def block_forward(block: ConvBlock, inputs: torch.Tensor) -> torch.Tensor:
+    """Conv → ReLU → BN (eval mode) in float64: what the block above received."""
+    conv = block.conv
+    relu = F.relu(F.conv2d(inputs, conv.weight.double(), conv.bias.double(),
+                           stride=conv.stride, padding=conv.padding))
+    gain, shift, mean = bn_affine(block)
+    return gain * (relu - mean + shift)
+
+
+def bn_affine(block: ConvBlock) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """BN (eval mode) as y = gain · (r − mean + shift): (C, 1, 1) gain, shift and mean."""
+    norm = block.norm
+    sd = (norm.running_var.double() + norm.eps).sqrt()
+    gain = (norm.weight.double() / sd)[:, None, None]
+    shift = norm.bias.double()[:, None, None] / gain
+    mean = norm.running_mean.double()[:, None, None]
+    return gain, shift, mean
 
 
 def as_map(block: ConvBlock, columns: torch.Tensor) -> torch.Tensor:
@@ -165,22 +389,30 @@ def as_map(block: ConvBlock, columns: torch.Tensor) -> torch.Tensor:
 
 
 
-def solve_input(block: ConvBlock, delta: torch.Tensor, weight_gradient: torch.Tensor
-                ) -> torch.Tensor:
+def solve_input(block: ConvBlock, delta: torch.Tensor, weight_gradient: torch.Tensor,
+                outputs: KnownOutputs | None = None) -> torch.Tensor:
     """The conv's input by least squares."""
-    return as_map(block, least_squares(block, delta, weight_gradient)[2])
+    return as_map(block, least_squares(block, delta, weight_gradient, outputs).solution)
 
 
 
-def solve_input_with_noise(block: ConvBlock, delta: torch.Tensor, weight_gradient: torch.Tensor
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
+def solve_input_with_noise(block: ConvBlock, delta: torch.Tensor, weight_gradient: torch.Tensor,
+                           outputs: KnownOutputs | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The conv's input and its per-pixel noise standard deviation, from the fit's residual;
-    infinite at the pixels no output reads (unknown, not zero)."""
-    matrix, rhs, solution = least_squares(block, delta, weight_gradient)
+    infinite at the pixels no output reads (unknown, not zero); and (N,) bool, the steps where
+    D(δ) had a null space (completed from `outputs`: the block below may be more exact)."""
+    fit = least_squares(block, delta, weight_gradient, outputs)
+    matrix, rhs, solution = fit.matrix, fit.rhs, fit.solution
     read = covered_pixels(block)
     residual = (matrix @ solution[:, read] - rhs).pow(2).sum(1)  # (N, C_in)
     sigma = (residual / max(1, matrix.shape[1] - matrix.shape[2])).sqrt()
     spread = torch.linalg.pinv(matrix.transpose(1, 2) @ matrix).diagonal(dim1=1, dim2=2)
     std = torch.full_like(solution, float("inf"))
     std[:, read] = sigma[:, None, :] * spread.clamp_min(0).sqrt()[:, :, None]  # (N, Q', C_in)
-    return as_map(block, solution), as_map(block, std)
+    if fit.undetermined is not None:
+        # free along a null direction: any value is consistent, so the block below must
+        # treat these units as undecided (finite, unlike the pixels no output reads)
+        scale = UNDETERMINED_SPREAD * solution.abs().flatten(1).amax(1)[:, None, None]
+        std = torch.where(fit.undetermined, scale.expand_as(std), std)
+    return as_map(block, solution), as_map(block, std), fit.completed

@@ -12,6 +12,14 @@ block at a time:
    (C_out·k²) as a channel has pixels, a is its least-squares solution: exact without noise.
 3. The gradient reaching a is conv_transpose(δ, W), exact given δ; then the block below.
 
+Where D(δ) is rank-deficient (a trained victim's top conv has output channels off on the whole
+frame, and under a stride-2 conv the pixels only the centre tap reads then meet fewer live
+channels than there are of them), the input is fixed in D's null space by the block's own
+outputs (the on-units' pre-activations, linear in the input and coupling its channels) and then
+by inequalities: the input is a ReLU → BN output of the block below (BN⁻¹ of it ≥ 0, half of it
+exactly 0) and the off-units' pre-activations are ≤ 0 (`conv_blocks.complete_from_outputs`).
+What stays free is marked undetermined, so the block below leaves those units undecided.
+
 So errors do not compound through the activations, only through the on/off masks: a unit whose
 recovered r is within `threshold` noise standard deviations of zero (the noise estimated from
 the fit's residual) is undecided. Alternating rounds settle it: fit δ to the weight gradient
@@ -37,6 +45,8 @@ import torch.nn.functional as F
 from gradleak.attacks.closed_form import linear_input
 from gradleak.attacks.conv_blocks import (
     ConvBlock,
+    KnownOutputs,
+    block_forward,
     conv_blocks,
     deepest_inputs,
     solve_input,
@@ -61,6 +71,8 @@ class ConvInputs:
     # conv name → (N, C_in, H, W) the loss gradient reaching that input: with the block below's
     # BN gain and on-units it is that block's output gradient δ
     upstream: dict[str, torch.Tensor] = field(default_factory=dict)
+    # conv name → (N,) bool: the steps where that input's D(δ) had a null space
+    completed: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def relative_noise(self, name: str) -> torch.Tensor:
         """(N,) ‖estimated noise‖ / ‖recovered input‖ over the pixels the gradient determines:
@@ -82,7 +94,8 @@ class ConvInputs:
                     for key in getattr(self, field)}
 
         return ConvInputs(choose("inputs"), choose("noise"), choose("masks"),
-                          torch.tensor(thresholds, dtype=torch.float64)[best], choose("upstream"))
+                          torch.tensor(thresholds, dtype=torch.float64)[best], choose("upstream"),
+                          choose("completed"))
 
 
 @torch.no_grad()
@@ -133,19 +146,37 @@ def walk_down(gradient_of: GradientOf, victim: Victim, down_to: str | None, thre
     y, noise = y.view(count, last, side, side), noise.view(count, last, side, side)
     upstream = (fc_bias @ victim.get_submodule(feature_linear).weight.double()).view_as(y)
     found = ConvInputs({}, {}, {})
-    for block in reversed(blocks):
+    for index in reversed(range(len(blocks))):
+        block, below = blocks[index], blocks[index - 1] if index else None
         weight_gradient = gradient_of(f"{block.name}.weight")
-        delta, mask = output_gradient(block, y, noise, upstream, weight_gradient, threshold,
-                                      rounds)
-        y, noise = solve_input_with_noise(block, delta, weight_gradient)
-        found.inputs[block.name], found.noise[block.name], found.masks[block.name] = y, noise, mask
+        delta, outputs = output_gradient(block, below, y, noise, upstream, weight_gradient,
+                                         threshold, rounds)
+        y, noise, completed = solve_input_with_noise(block, delta, weight_gradient, outputs)
+        found.inputs[block.name], found.noise[block.name] = y, noise
+        found.masks[block.name], found.completed[block.name] = outputs.on, completed
         upstream = torch.nn.grad.conv2d_input(y.shape, block.conv.weight.double(), delta,
                                               stride=block.conv.stride,
                                               padding=block.conv.padding)
         found.upstream[block.name] = upstream
         if block.name == target:
-            return found
+            return refresh_upward(found, blocks)
     raise AssertionError("unreachable: the target is one of the blocks")
+
+
+def refresh_upward(found: ConvInputs, blocks: list[ConvBlock]) -> ConvInputs:
+    """Where a block's D(δ) had a null space its input may keep an error the inequalities did
+    not remove, while the block below, solved with the right masks, is exact: there the input is
+    the forward pass of the input below (on 3 of 16 trained-PPO steps of the paper's CNN, the
+    top conv's input goes from 5e-2 to 1e-6)."""
+    names = [block.name for block in blocks]
+    reached = [name for name in names if name in found.inputs]  # bottom-up
+    for lower, upper in zip(reached, reached[1:]):
+        steps = found.completed[upper]
+        if steps.any():
+            block = blocks[names.index(lower)]
+            forward = block_forward(block, found.inputs[lower][steps])
+            found.inputs[upper][steps] = forward
+    return found
 
 
 def linear_input_with_noise(weight_gradient: torch.Tensor, bias_gradient: torch.Tensor
@@ -162,28 +193,31 @@ def linear_input_with_noise(weight_gradient: torch.Tensor, bias_gradient: torch.
     return x, sigma[:, None].expand_as(x)
 
 
-def output_gradient(block: ConvBlock, y: torch.Tensor, noise: torch.Tensor,
-                    upstream: torch.Tensor, weight_gradient: torch.Tensor, threshold: float,
-                    rounds: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """δ at the conv's output (before ReLU) and the on/off mask it used."""
-    _, sure, undecided, gain = unit_states(block, y, noise, threshold)
+def output_gradient(block: ConvBlock, below: ConvBlock | None, y: torch.Tensor,
+                    noise: torch.Tensor, upstream: torch.Tensor, weight_gradient: torch.Tensor,
+                    threshold: float, rounds: int) -> tuple[torch.Tensor, KnownOutputs]:
+    """δ at the conv's output (before ReLU), and the ReLU output with the on-units it used."""
+    relu, sure, undecided, gain = unit_states(block, y, noise, threshold)
     full = upstream * gain  # δ where the unit is on
     mask = sure.clone()
     rows = undecided.flatten(1).any(1).nonzero().flatten()
     if rounds and len(rows):
-        mask[rows] = settle_masks(block, full[rows], sure[rows], undecided[rows],
-                                  weight_gradient[rows], rounds)
-    return full * mask, mask
+        # without `below`: the rounds need the masks right, not every null direction fixed
+        # (the linear programme, 0.1 s a step, is left to the final solve)
+        mask[rows] = settle_masks(block, full[rows], KnownOutputs(relu[rows], sure[rows]),
+                                  undecided[rows], weight_gradient[rows], rounds)
+    return full * mask, KnownOutputs(relu, mask, below)
 
 
-def settle_masks(block: ConvBlock, full: torch.Tensor, sure: torch.Tensor,
+def settle_masks(block: ConvBlock, full: torch.Tensor, surely_on: KnownOutputs,
                  undecided: torch.Tensor, weight_gradient: torch.Tensor,
                  rounds: int) -> torch.Tensor:
     """Alternate: input from δ, δ from input; keep an undecided unit on where the fitted δ is
-    nearer the on-value than 0."""
-    mask, kernel = sure.clone(), block.conv.kernel_size[0]
+    nearer the on-value than 0. Only the surely-on units' values are trusted as equations."""
+    sure, kernel = surely_on.on, block.conv.kernel_size[0]
+    mask = sure.clone()
     for _ in range(rounds):
-        a = solve_input(block, full * mask, weight_gradient)
+        a = solve_input(block, full * mask, weight_gradient, surely_on)
         patches = F.unfold(a, kernel, padding=block.conv.padding, stride=block.conv.stride)
         fitted = torch.linalg.lstsq(patches, weight_gradient.flatten(2).transpose(1, 2)
                                     ).solution  # (N, P, C_out)
