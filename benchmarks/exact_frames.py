@@ -206,6 +206,9 @@ def main() -> None:
               if not args.only or case.name in args.only.split(";")]
     if args.only and len(chosen) != len(args.only.split(";")):
         parser.error(f"--only: the victims are {'; '.join(c.name for c in cases(args))}")
+    if args.only and not args.results.is_file():
+        parser.error(f"--only keeps the other rows of --results, and {args.results} is not a "
+                     "file: run without --only first")
     rows = []
     for case in chosen:
         for dtype in ("float32", "float16"):
