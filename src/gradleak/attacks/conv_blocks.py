@@ -290,12 +290,17 @@ def direction_outputs(block: ConvBlock, directions: torch.Tensor) -> torch.Tenso
     return per_channel.view(len(directions), channels_out, channels_in, -1).permute(1, 3, 2, 0)
 
 
+def convolve(block: ConvBlock, maps: torch.Tensor, bias: bool = True) -> torch.Tensor:
+    """The block's conv in float64 on (N, C_in, H, W) maps."""
+    conv = block.conv
+    return F.conv2d(maps, conv.weight.double(), conv.bias.double() if bias else None,
+                    stride=conv.stride, padding=conv.padding)
+
+
 def block_output(block: ConvBlock, columns: torch.Tensor, bias: bool = True) -> torch.Tensor:
     """(C_out, h, w): the conv applied to one input given as (Q, C_in) columns."""
-    conv, size = block.conv, block.input_size
-    return F.conv2d(columns.T.reshape(1, conv.in_channels, size, size), conv.weight.double(),
-                    conv.bias.double() if bias else None, stride=conv.stride,
-                    padding=conv.padding)[0]
+    size = block.input_size
+    return convolve(block, columns.T.reshape(1, block.conv.in_channels, size, size), bias)[0]
 
 
 def resolve_free_part(block: ConvBlock, below: ConvBlock, solution: torch.Tensor,
@@ -366,9 +371,7 @@ def inequalities(block: ConvBlock, below: ConvBlock, solution: torch.Tensor,
 
 def block_forward(block: ConvBlock, inputs: torch.Tensor) -> torch.Tensor:
     """Conv → ReLU → BN (eval mode) in float64: what the block above received."""
-    conv = block.conv
-    relu = F.relu(F.conv2d(inputs, conv.weight.double(), conv.bias.double(),
-                           stride=conv.stride, padding=conv.padding))
+    relu = F.relu(convolve(block, inputs))
     gain, shift, mean = bn_affine(block)
     return gain * (relu - mean + shift)
 
