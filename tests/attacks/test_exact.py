@@ -51,3 +51,6 @@ def test_settings_are_checked() -> None:
         ExactConfig(iterations=0).check()
     with pytest.raises(ConfigError, match="non-negative"):
         ExactConfig(smoothness=-1.0).check()
+    with pytest.raises(ConfigError, match="must be positive"):
+        ExactConfig(gradient_tolerance=0.0).check()
+    assert ExactConfig(noise_aware=False).noise_model() is None

@@ -3,6 +3,8 @@ solve that fits them and errs only where they leave the frame free, and clear re
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -13,6 +15,7 @@ from gradleak.attacks.conv_recovery import observed_conv_inputs
 from gradleak.attacks.equation_rank import equation_rank, equation_space
 from gradleak.attacks.first_conv import (
     FirstConvEquations,
+    NoiseModel,
     first_conv_equations,
     solve_frames,
     solve_inputs,
@@ -162,3 +165,65 @@ def test_a_victim_without_a_conv_under_its_first_layer_is_refused() -> None:
     nothing = torch.zeros(1, 1, 1, 1)
     with pytest.raises(ConfigError, match="needs conv layers"):
         first_conv_equations(victim, nothing, nothing, nothing, None)
+
+
+def with_bias_check(observation, victim) -> FirstConvEquations:  # noqa: ANN001
+    found = observed_conv_inputs(observation)
+    deepest = list(found.inputs)[-1]
+    first = conv_blocks(victim)[0]
+
+    def block(name: str) -> torch.Tensor:
+        return torch.from_numpy(observation.block(f"{first.name}.{name}").astype(np.float64))
+
+    return first_conv_equations(victim, found.inputs[deepest], found.noise[deepest],
+                                found.upstream[deepest], block("weight"),
+                                bias_gradient=block("bias"))
+
+
+def test_on_what_a_client_sends_the_noise_model_changes_nothing(steps) -> None:
+    """float32 gradients: Σ_p δ₁(p) meets the observed ∇b₁ to float32's precision, so the
+    weight-gradient equations keep their full weight and the frames are those of the solve
+    that takes every equation as exact."""
+    observation, victim, _, _, _ = steps
+    equations = with_bias_check(observation, victim)
+    assert float(equations.bias_check.max()) <= 1e-5
+    assert float(NoiseModel().gradient_weight(equations).min()) >= 1 - 1e-4
+    transform = victim.roles().transform
+    aware, exact = (solve_frames(equations, transform, noise=noise)[0]
+                    for noise in (NoiseModel(), None))
+    assert float((aware - exact).abs().max()) <= 1e-3
+
+
+def test_a_wrong_delta_is_caught_by_the_bias_gradient_and_weighed_down(exact_steps) -> None:
+    """δ₁ with a twentieth of its on-units dropped (as a wrong mask drops them): the ∇b₁ check
+    sees an error of the size the weight-gradient equations now have at the true frame
+    (within a factor 2), and the solve that weighs them by it lands nearer the truth than the
+    one that fits them exactly, on every step."""
+    observation, victim, x, _, _ = exact_steps
+    equations = with_bias_check(observation, victim)
+    generator = torch.Generator().manual_seed(0)
+    dropped = equations.on & (torch.rand(equations.on.shape, generator=generator) < 0.05)
+    delta = torch.where(dropped, 0.0, equations.delta)
+    bias = torch.from_numpy(observation.block(f"{equations.block.name}.bias")).double()
+    wrong = replace(equations, delta=delta,
+                    bias_check=(delta.sum((2, 3)) - bias).norm(dim=1) / bias.norm(dim=1))
+    residual = wrong.residuals(x)["weight_gradient"]
+    ratio = wrong.bias_check / residual
+    assert float(residual.min()) > 1e-3 and bool(((ratio > 0.5) & (ratio < 2)).all())
+    transform = victim.roles().transform
+    truth = transform.invert(x)
+    errors = [(solve_frames(wrong, transform, noise=noise)[0] - truth).flatten(1).norm(dim=1)
+              for noise in (NoiseModel(), None)]
+    assert bool((errors[0] < errors[1]).all())
+
+
+def test_noisier_outputs_get_more_smoothness() -> None:
+    """The smoothness grows with the on-units' noise past the reference, never below the
+    configured weight."""
+    on = torch.ones(3, 1, 1, 1, dtype=torch.bool)
+    block = conv_blocks(victim_with_statistics(torch.float64))[0]
+    equations = FirstConvEquations(block, on, ~on, on.double(), on.double(), None,
+                                   output_noise=torch.tensor([0.0, 0.01, 0.1],
+                                                             dtype=torch.float64))
+    weights = NoiseModel(noise_reference=0.01).smoothness(equations, 1e-3).flatten()
+    assert torch.allclose(weights, torch.tensor([1e-3, 1e-3, 1e-1], dtype=torch.float64))

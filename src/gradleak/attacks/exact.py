@@ -15,9 +15,15 @@ import numpy as np
 import torch
 
 from gradleak.attacks.analytic import recover_analytically
-from gradleak.attacks.conv_blocks import conv_blocks, deepest_inputs
+from gradleak.attacks.conv_blocks import ConvBlock, conv_blocks, deepest_inputs
 from gradleak.attacks.conv_recovery import observed_conv_inputs
-from gradleak.attacks.first_conv import first_conv_equations, solve_frames
+from gradleak.attacks.first_conv import (
+    GRADIENT_TOLERANCE,
+    NOISE_REFERENCE,
+    NoiseModel,
+    first_conv_equations,
+    solve_frames,
+)
 from gradleak.errors import ConfigError
 from gradleak.threat import Observation, Reconstruction
 from gradleak.victims.base import victim_at_theta0
@@ -30,6 +36,10 @@ class ExactConfig:
     iterations: int = 400  # conjugate-gradient iterations of the frame solve
     weight_gradient: bool = True  # use the first conv's weight-gradient equations
     chunk: int = 16  # steps solved together
+    # weigh the equations by how exact they are (first_conv.NoiseModel); off: as if exact
+    noise_aware: bool = True
+    gradient_tolerance: float = GRADIENT_TOLERANCE  # ∇b₁ check at which ∇W₁ counts half
+    noise_reference: float = NOISE_REFERENCE  # on-unit noise above which smoothness grows
 
     def check(self) -> None:
         for name in ("iterations", "chunk"):
@@ -37,6 +47,12 @@ class ExactConfig:
                 raise ConfigError(f"{name} {getattr(self, name)}: expected >= 1")
         if not (self.threshold >= 0 and self.smoothness >= 0):
             raise ConfigError("threshold and smoothness must be non-negative")
+        if not (self.gradient_tolerance > 0 and self.noise_reference > 0):
+            raise ConfigError("gradient_tolerance and noise_reference must be positive")
+
+    def noise_model(self) -> NoiseModel | None:
+        return NoiseModel(self.gradient_tolerance, self.noise_reference) \
+            if self.noise_aware else None
 
 
 class ExactAttack:
@@ -82,6 +98,16 @@ class ExactAttack:
             if self.config.weight_gradient else None
         equations = first_conv_equations(self.victim, found.inputs[deepest],
                                          found.noise[deepest], found.upstream[deepest],
-                                         gradient, self.config.threshold)
+                                         gradient, self.config.threshold,
+                                         bias_gradient(part, self.first))
         return solve_frames(equations, self.victim.roles().transform, self.config.smoothness,
-                            self.config.iterations)
+                            self.config.iterations, self.config.noise_model())
+
+
+def bias_gradient(observation: Observation, first: ConvBlock) -> torch.Tensor | None:
+    """(N, O) the first conv's observed bias gradient: it checks δ₁. None where the conv has
+    no bias or the capture left it out (the solve then weighs ∇W₁'s equations as exact)."""
+    name = f"{first.name}.bias"
+    if first.conv.bias is None or name not in {layer.name for layer in observation.layers}:
+        return None
+    return torch.from_numpy(observation.block(name).astype(np.float64))

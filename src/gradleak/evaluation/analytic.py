@@ -129,6 +129,7 @@ def score_conv_stack(observation: Observation, target: Target, count: int,
     from dataclasses import replace
 
     from gradleak.attacks.conv_recovery import observed_conv_inputs
+    from gradleak.attacks.exact import bias_gradient
 
     rows = np.linspace(0, len(observation) - 1, count).astype(int)
     subset = replace(observation, gradients=observation.gradients[rows],
@@ -148,8 +149,8 @@ def score_conv_stack(observation: Observation, target: Target, count: int,
     double = victim_at_theta0(observation).double()
     first = conv_blocks(double)[0]
     gradient = torch.from_numpy(subset.block(f"{first.name}.weight").astype(np.float64))
-    solves = frame_solves(double, found, deepest, truth[deepest], gradient, frame_threshold,
-                          images, rank_frames)
+    solves = frame_solves(double, found, deepest, truth[deepest], gradient,
+                          bias_gradient(subset, first), frame_threshold, images, rank_frames)
     main = solves.pop("equations")
     return {"frames": count, "layers": layers, "recovery_seconds_per_frame": recovery_seconds,
             "frames_from": deepest, "psnr": main["psnr"], "ssim": main["ssim"],
@@ -174,8 +175,8 @@ def layer_errors(estimate: torch.Tensor, truth: torch.Tensor, noise: torch.Tenso
 
 
 def frame_solves(victim: Any, found: Any, deepest: str, true_map: torch.Tensor,
-                 gradient: torch.Tensor, threshold: float, images: np.ndarray,
-                 rank_frames: int = 0) -> dict[str, dict[str, float]]:
+                 gradient: torch.Tensor, bias: torch.Tensor | None, threshold: float,
+                 images: np.ndarray, rank_frames: int = 0) -> dict[str, dict[str, float]]:
     """Each way of getting the frame under the first conv, scored against the real frames."""
     from dataclasses import replace
 
@@ -188,12 +189,14 @@ def frame_solves(victim: Any, found: Any, deepest: str, true_map: torch.Tensor,
     transform = victim.roles().transform
     output, noise, upstream = found.inputs[deepest], found.noise[deepest], found.upstream[deepest]
     exact = torch.where(torch.isfinite(noise), torch.zeros_like(noise), noise)
-    equations = first_conv_equations(victim, output, noise, upstream, gradient)
+    equations = first_conv_equations(victim, output, noise, upstream, gradient,
+                                     bias_gradient=bias)
     runs = {"equations": lambda: solve_frames(equations, transform),
             "without_weight_gradient": lambda: solve_frames(
                 replace(equations, weight_gradient=None), transform),
+            "as_if_exact": lambda: solve_frames(equations, transform, noise=None),
             "from_true_map": lambda: solve_frames(first_conv_equations(
-                victim, true_map, exact, upstream, gradient), transform),
+                victim, true_map, exact, upstream, gradient, bias_gradient=bias), transform),
             "penalty": lambda: (frames_from_first_block(victim, output, noise, threshold), None)}
     scores = {}
     for name, run in runs.items():
