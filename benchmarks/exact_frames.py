@@ -145,6 +145,67 @@ def picture(path: Path, out: Path, count: int = 8) -> None:
     plt.close(figure)
 
 
+def leverage_picture(path: Path, out: Path, frames: int = 2) -> dict[str, Any]:
+    """Where the equations decide and where the prior does, for the first `frames` steps: the
+    private frame, the training-free one, its error and the equations' leverage per pixel
+    (the row-space projector's diagonal, averaged over colour channels: 1 = fixed by the
+    equations, 0 = left to the prior). Returns the leverage's quartiles and the mean error in
+    the pixels of its top and bottom quarter."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from gradleak.attacks.conv_recovery import observed_conv_inputs
+    from gradleak.attacks.equation_rank import equation_space
+    from gradleak.attacks.exact import bias_gradient
+    from gradleak.attacks.first_conv import first_conv_equations
+
+    rows = np.arange(frames)
+    with CaptureFile(path) as file:
+        observation, truth = file.observation(rows), file.target(rows).images
+    attack = ExactAttack(observation)
+    images = attack.reconstruct().images
+    found = observed_conv_inputs(observation)
+    deepest = list(found.inputs)[-1]
+    equations = first_conv_equations(
+        attack.victim, found.inputs[deepest], found.noise[deepest], found.upstream[deepest],
+        torch.from_numpy(observation.block(f"{attack.first.name}.weight").astype(np.float64)),
+        bias_gradient=bias_gradient(observation, attack.first))
+    height, width, channels = observation.roles.transform.frame_shape
+    shape = torch.Size((1, channels, height, width))
+    error = np.abs(images.astype(float) - truth.astype(float)).mean(-1) / 255
+    figure, axes = plt.subplots(frames, 4, figsize=(8.4, 2.2 * frames), squeeze=False)
+    leverages = []
+    for frame in range(frames):
+        leverage = equation_space(equations, frame, shape).leverage(tuple(shape[1:])) \
+            .mean(0).numpy()
+        leverages.append(leverage)
+        panels = [(truth[frame], "private"), (images[frame], "training-free"),
+                  (error[frame], "|error|"), (leverage, "leverage")]
+        for column, (panel, title) in enumerate(panels):
+            axis = axes[frame, column]
+            axis.imshow(panel, interpolation="nearest", **(
+                {"cmap": "magma", "vmin": 0, "vmax": 1 if title == "leverage" else 0.25}
+                if panel.ndim == 2 else {}))
+            axis.set_xticks([])
+            axis.set_yticks([])
+            axis.set_title(title, fontsize=8)
+    figure.suptitle(f"{path.stem}: where the equations fix the frame (leverage 1) and where "
+                    "the prior does (0)", fontsize=8)
+    figure.tight_layout()
+    with atomic_path(out) as temporary:
+        figure.savefig(temporary, format="png", dpi=110)
+    plt.close(figure)
+    leverage, errors = np.stack(leverages), error[:frames]
+    quartiles = np.quantile(leverage, [0.25, 0.5, 0.75])
+    return {"capture": path.stem, "frames": frames,
+            "leverage_quartiles": [float(q) for q in quartiles],
+            "mean_abs_error_top_quarter": float(errors[leverage >= quartiles[2]].mean()),
+            "mean_abs_error_bottom_quarter": float(errors[leverage <= quartiles[0]].mean()),
+            "mean_abs_error": float(errors.mean())}
+
+
 COLUMNS = ["victim", "storage", "defense", "map_error", "equations_per_unknown", "rank_fraction",
            "psnr", "ssim", "lpips", "psnr_without_weight_gradient", "psnr_as_if_exact",
            "psnr_from_true_map",
@@ -174,12 +235,29 @@ def markdown(result: dict[str, Any]) -> str:
             "entries) / frame entries, an upper bound on the fraction the equations pin down; "
             f"`rank_fraction`: the rank of those equations / frame entries, on the first "
             f"{result['rank_frames']} scored frame(s) of each undefended float32 capture (what "
-            "they do pin down; the prior decides the rest). LPIPS (AlexNet, v0.1): "
+            "they do pin down; the prior decides the rest"
+            + ("; computed by an earlier run on the same captures, since the rank depends on "
+               "the equations, not on the solve" if result.get("rank_from") else "")
+            + "). LPIPS (AlexNet, v0.1): "
             f"{result['lpips']}; `cast:bfloat16` is what a mixed-precision client sends, and "
             f"float16 storage is `cast:float16`."
             + (f" Measured again with `--only` after a change to the code: {'; '.join(rerun)}."
                if (rerun := result.get("rerun")) else "")
-            + f"\n\n{table}\n\n![frames](exact_frames.png)\n")
+            + f"\n\n{table}\n\n![frames](exact_frames.png)\n" + leverage_text(result))
+
+
+def leverage_text(result: dict[str, Any]) -> str:
+    if "leverage" not in result:
+        return ""
+    figures = result["leverage"]
+    low, middle, high = figures["leverage_quartiles"]
+    return (f"\nWhere the equations decide ({figures['capture']}, first {figures['frames']} "
+            f"frame(s)): the per-pixel leverage (1 = fixed by the equations, 0 = left to the "
+            f"prior) has quartiles {low:.2f} / {middle:.2f} / {high:.2f}; the mean absolute "
+            f"error is {figures['mean_abs_error_top_quarter']:.4f} of the range in the top "
+            f"quarter, {figures['mean_abs_error_bottom_quarter']:.4f} in the bottom one "
+            f"({figures['mean_abs_error']:.4f} overall).\n\n"
+            "![leverage](exact_frames_leverage.png)\n")
 
 
 def rewrite_markdown(results: Path = RESULTS) -> None:
@@ -203,12 +281,26 @@ def main() -> None:
                         help="frames whose equations' rank is computed (about a minute each "
                         "at 84×84)")
     parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument("--leverage-frames", type=int, default=2,
+                        help="frames of the leverage picture (minutes each at 84×84)")
+    parser.add_argument("--pictures-only", action="store_true",
+                        help="redraw the pictures from the existing captures and add the "
+                        "leverage figures to --results, scoring nothing")
+    parser.add_argument("--rank-from", type=Path,
+                        help="with --rank-frames 0: take each row's rank fraction from this "
+                        "earlier results file (the rank depends on the equations, not on the "
+                        "solve, so a change to the solve leaves it as it was)")
     parser.add_argument("--only", default="",
                         help="';'-separated victim names (as in the table) to measure again; "
                         "the other rows are kept from --results")
     args = parser.parse_args()
     torch.set_num_threads(2)
     args.work.mkdir(parents=True, exist_ok=True)
+    if args.pictures_only:
+        if not args.results.is_file():
+            parser.error(f"--pictures-only adds to {args.results}, which is not a file")
+        draw(args, json.loads(args.results.read_text()))
+        return
     chosen = [case for case in cases(args)
               if not args.only or case.name in args.only.split(";")]
     if args.only and len(chosen) != len(args.only.split(";")):
@@ -232,25 +324,54 @@ def main() -> None:
                 rows.append(row(case, dtype, spec, scores(defended, args.frames)))
                 print(json.dumps({k: rows[-1][k] for k in COLUMNS}), flush=True)
     reruns: list[str] = []
+    result_extras: dict[str, Any] = {}
     if args.only:  # keep the other victims' rows, in the table's order
         kept = json.loads(args.results.read_text())
         fresh = {case.name for case in chosen}
         rows = [old for old in kept["rows"] if old["victim"] not in fresh] + rows
+        if not args.leverage_frames and "leverage" in kept:
+            result_extras["leverage"] = kept["leverage"]
         order = [case.name for case in cases(args)]
         rows.sort(key=lambda r: order.index(r["victim"]))
         reruns = sorted(set(kept.get("rerun", [])) | fresh)
+    rank_frames = args.rank_frames
+    if args.rank_from:
+        rank_frames = carry_ranks(rows, json.loads(args.rank_from.read_text()))
     result = {"benchmark": "exact_frames", "steps": args.steps, "frames": args.frames,
-              "rank_frames": args.rank_frames, "rerun": reruns,
+              "rank_frames": rank_frames, "rerun": reruns,
+              **({"rank_from": str(args.rank_from)} if args.rank_from else {}),
               "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch "
                          f"{torch.__version__}, no GPU",
-              "lpips": unavailable_reason() or "available", "rows": rows}
+              "lpips": unavailable_reason() or "available", "rows": rows, **result_extras}
     args.results.parent.mkdir(parents=True, exist_ok=True)
+    draw(args, result)
+
+
+def carry_ranks(rows: list[dict[str, Any]], earlier: dict[str, Any]) -> int:
+    """Each row's rank fraction from the earlier run's row of the same victim, storage and
+    defense; returns the number of frames it was computed on."""
+    def key(row: dict[str, Any]) -> tuple[str, str, str]:
+        return row["victim"], row["storage"], row["defense"]
+
+    ranks = {key(old): old.get("rank_fraction") for old in earlier["rows"]}
+    for row in rows:
+        if row.get("rank_fraction") is None:
+            row["rank_fraction"] = ranks.get(key(row))
+    return int(earlier.get("rank_frames", 0))
+
+
+def draw(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    """The pictures, then the results (with the leverage figures) and their table."""
+    path = capture(cases(args)[1], "float32", args.steps, args.work)
+    picture(path, args.results.with_suffix(".png"))
+    if args.leverage_frames:
+        result["leverage"] = leverage_picture(
+            path, args.results.with_name(f"{args.results.stem}_leverage.png"),
+            args.leverage_frames)
     with atomic_path(args.results) as temporary:
         temporary.write_text(json.dumps(result, indent=2, default=float))
     with atomic_path(args.results.with_suffix(".md")) as temporary:
         temporary.write_text(markdown(result))
-    picture(capture(cases(args)[1], "float32", args.steps, args.work),
-            args.results.with_suffix(".png"))
 
 
 if __name__ == "__main__":

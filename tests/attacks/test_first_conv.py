@@ -17,6 +17,7 @@ from gradleak.attacks.first_conv import (
     FirstConvEquations,
     NoiseModel,
     first_conv_equations,
+    mean_colour,
     solve_frames,
     solve_inputs,
 )
@@ -227,3 +228,38 @@ def test_noisier_outputs_get_more_smoothness() -> None:
                                                              dtype=torch.float64))
     weights = NoiseModel(noise_reference=0.01).smoothness(equations, 1e-3).flatten()
     assert torch.allclose(weights, torch.tensor([1e-3, 1e-3, 1e-1], dtype=torch.float64))
+
+
+def test_the_mean_colour_of_a_constant_input_comes_from_the_gradients_alone() -> None:
+    """For a constant input, ∇W₁ = m ⊗ ∇b₁ tap by tap whatever δ₁ is, so the colour comes
+    back exactly with no δ₁ (δ₁ is zero on the border, where a padded tap reads zeros)."""
+    block = conv_blocks(victim_with_statistics(torch.float64))[0]
+    generator = torch.Generator().manual_seed(3)
+    colour = torch.tensor([[0.2, -0.4, 0.7], [1.0, 0.5, 0.0]], dtype=torch.float64)
+    x = colour[:, :, None, None].expand(-1, -1, 32, 32)
+    side = block.conv(x).shape[-1]
+    on = torch.ones(2, block.conv.out_channels, side, side, dtype=torch.bool)
+    delta = torch.randn(on.shape, generator=generator, dtype=torch.float64)
+    delta[..., :1, :], delta[..., -1:, :], delta[..., :, :1], delta[..., :, -1:] = 0, 0, 0, 0
+    equations = FirstConvEquations(block, on, ~on, delta, delta, None)
+    gradient = equations.weight_gradient_of(x).view(2, block.conv.out_channels, 3,
+                                                    *block.conv.kernel_size)
+    recovered = mean_colour(gradient, delta.sum((2, 3)))
+    assert torch.allclose(recovered, colour, atol=1e-12)
+
+
+def test_a_step_whose_recursion_failed_keeps_the_mean_colour_frame(exact_steps) -> None:
+    """Where δ₁ misses all of ∇b₁ (here: every on-unit dropped) the equations say nothing
+    reliable: the frame is the mean-colour one, not whatever the wrong equations fit."""
+    observation, victim, x, _, _ = exact_steps
+    equations = with_bias_check(observation, victim)
+    bias = torch.from_numpy(observation.block(f"{equations.block.name}.bias")).double()
+    failed = replace(equations, delta=torch.zeros_like(equations.delta),
+                     bias_check=torch.ones(len(bias), dtype=torch.float64))
+    transform = victim.roles().transform
+    frames = solve_frames(failed, transform)[0]
+    low, high = (transform.apply(torch.full((1, 32, 32, 3), value, dtype=torch.float64))
+                 for value in (0.0, 255.0))
+    colour = transform.invert(torch.maximum(torch.minimum(
+        failed.colour[:, :, None, None].expand_as(x), high), low))
+    assert float((frames - colour).abs().max()) <= 1e-9
