@@ -94,12 +94,13 @@ class ExactAttack:
                        step_in_episode=observation.step_in_episode[rows])
         found = observed_conv_inputs(part)
         deepest = list(found.inputs)[-1]
-        gradient = torch.from_numpy(part.block(f"{self.first.name}.weight").astype(np.float64)) \
-            if self.config.weight_gradient else None
+        gradient = torch.from_numpy(part.block(f"{self.first.name}.weight").astype(np.float64))
         equations = first_conv_equations(self.victim, found.inputs[deepest],
                                          found.noise[deepest], found.upstream[deepest],
                                          gradient, self.config.threshold,
                                          bias_gradient(part, self.first))
+        if not self.config.weight_gradient:  # its mean colour still starts the solve
+            equations = replace(equations, weight_gradient=None)
         return solve_frames(equations, self.victim.roles().transform, self.config.smoothness,
                             self.config.iterations, self.config.noise_model())
 
