@@ -296,6 +296,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(2)
     args.work.mkdir(parents=True, exist_ok=True)
+    if args.rank_from and not args.rank_from.is_file():
+        parser.error(f"--rank-from {args.rank_from}: not a file (an earlier results JSON)")
     if args.pictures_only:
         if not args.results.is_file():
             parser.error(f"--pictures-only adds to {args.results}, which is not a file")
