@@ -20,6 +20,8 @@ from typing import Any
 
 from gradleak.attacks.exact import ExactConfig
 from gradleak.attacks.feature_decoder import DecoderConfig
+from gradleak.attacks.frame_refiner import RefinerConfig
+from gradleak.attacks.frame_solve import PRECISIONS
 from gradleak.attacks.lti import LtiConfig
 from gradleak.attacks.optim.config import OptimConfig, deep_leakage, inverting_gradients
 from gradleak.attacks.trace import TraceConfig
@@ -33,6 +35,7 @@ from gradleak.rl.config import TrainConfig
 from gradleak.training.decoder_config import DecoderFitConfig
 from gradleak.training.fit import FitConfig
 from gradleak.training.objectives import PERCEPTUAL_TERMS, LossWeights
+from gradleak.training.refiner_fit import RefinerFitConfig
 from gradleak.victims.base import COMPONENTS
 
 
@@ -54,6 +57,9 @@ class AttackConfig:
     dlg: OptimConfig = field(default_factory=deep_leakage)
     # The training-free attack: the conv stack, then the first conv's own equations.
     exact: ExactConfig = field(default_factory=ExactConfig)
+    # Its learned prior, fitted on the attack's frames of the attacker's own captures.
+    refiner: RefinerConfig = field(default_factory=RefinerConfig)
+    refiner_fit: RefinerFitConfig = field(default_factory=RefinerFitConfig)
 
 
 @dataclass
@@ -238,7 +244,7 @@ AT_LEAST = {"env.doomnav.frame_size": 16, "env.doomnav.max_steps": 1,
             "capture.steps_train": 1, "capture.steps_heldout": 1, "capture.chunk": 1}
 POSITIVE_FIELDS = ("epochs", "batch_size", "accumulation", "chunk", "iterations", "window",
                      "restarts", "batch", "validate_every")
-CHOICES = {"perceptual": PERCEPTUAL_TERMS}  # named settings that are strings
+CHOICES = {"perceptual": PERCEPTUAL_TERMS, "precision": tuple(PRECISIONS)}  # named strings
 
 
 def validate_preset(preset: Preset, source: str = "preset") -> Preset:

@@ -22,8 +22,9 @@ from gradleak.attacks.first_conv import (
     NOISE_REFERENCE,
     NoiseModel,
     first_conv_equations,
-    solve_frames,
 )
+from gradleak.attacks.frame_refiner import FrameRefiner
+from gradleak.attacks.frame_solve import FrameSolve, project_frames, solve_frames
 from gradleak.errors import ConfigError
 from gradleak.threat import Observation, Reconstruction
 from gradleak.victims.base import victim_at_theta0
@@ -32,35 +33,69 @@ from gradleak.victims.base import victim_at_theta0
 @dataclass
 class ExactConfig:
     threshold: float = 20.0  # a first-block unit counts as on this many noise deviations above 0
-    smoothness: float = 1e-3  # weight of ‖∇x‖² for what the equations leave free
-    iterations: int = 400  # conjugate-gradient iterations of the frame solve
+    # the frame solve (attacks.frame_solve.FrameSolve, whose defaults these are): the
+    # smoothness weight, CG iterations of the quadratic solve, then reweighting rounds that
+    # weigh edges as total variation (edge_scale: its ε, a fraction of the input range; 0:
+    # off) and enforce the off-units and the input range the frame violates (inequalities)
+    smoothness: float = FrameSolve.smoothness
+    iterations: int = FrameSolve.iterations
+    rounds: int = FrameSolve.rounds
+    round_iterations: int = FrameSolve.round_iterations
+    edge_scale: float = FrameSolve.edge_scale
+    inequalities: bool = FrameSolve.inequalities
+    precision: str = FrameSolve.precision  # float32 or float64
     weight_gradient: bool = True  # use the first conv's weight-gradient equations
     chunk: int = 16  # steps solved together
     # weigh the equations by how exact they are (first_conv.NoiseModel); off: as if exact
     noise_aware: bool = True
     gradient_tolerance: float = GRADIENT_TOLERANCE  # ∇b₁ check at which ∇W₁ counts half
     noise_reference: float = NOISE_REFERENCE  # on-unit noise above which smoothness grows
+    # a learned prior: the directory of a refiner fitted by `gradleak train-prior` on the
+    # attacker's own captures at the same θ0 ("": none); its frame goes back through the
+    # equations for `prior_projection` CG iterations (0: taken as it is)
+    prior: str = ""
+    prior_projection: int = 30
 
     def check(self) -> None:
-        for name in ("iterations", "chunk"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} {getattr(self, name)}: expected >= 1")
-        if not (self.threshold >= 0 and self.smoothness >= 0):
-            raise ConfigError("threshold and smoothness must be non-negative")
+        self.frame_solve().check()
+        if self.chunk < 1:
+            raise ConfigError(f"chunk {self.chunk}: expected >= 1")
+        if not self.threshold >= 0:
+            raise ConfigError("threshold must be non-negative")
         if not (self.gradient_tolerance > 0 and self.noise_reference > 0):
             raise ConfigError("gradient_tolerance and noise_reference must be positive")
+        if self.prior_projection < 0:
+            raise ConfigError(f"prior_projection {self.prior_projection}: expected >= 0")
+
+    def frame_solve(self) -> FrameSolve:
+        return FrameSolve(self.smoothness, self.iterations, self.rounds, self.round_iterations,
+                          self.edge_scale, self.inequalities, self.precision)
 
     def noise_model(self) -> NoiseModel | None:
         return NoiseModel(self.gradient_tolerance, self.noise_reference) \
             if self.noise_aware else None
 
 
-class ExactAttack:
-    name = "exact (training-free)"
+NAME, WITH_PRIOR = "exact (training-free)", "exact + learned prior"
 
-    def __init__(self, observation: Observation, config: ExactConfig | None = None) -> None:
+
+class ExactAttack:
+    """`prior`: the refiner `config.prior` names, loaded by the caller (a fitted model is read
+    from its checkpoint by `training.refiner_fit.exact_attack`, which checks its θ0)."""
+
+    name = NAME
+
+    def __init__(self, observation: Observation, config: ExactConfig | None = None,
+                 prior: FrameRefiner | None = None) -> None:
         self.observation, self.config = observation, config or ExactConfig()
         self.config.check()
+        if bool(self.config.prior) != (prior is not None):
+            raise ConfigError(f"attack.exact.prior={self.config.prior!r}: the refiner it names "
+                              "must be loaded and passed with it (training.refiner_fit."
+                              "exact_attack does both)")
+        self.prior = prior
+        if prior is not None:
+            self.name = WITH_PRIOR
         self.victim = victim_at_theta0(observation).double()
         blocks = conv_blocks(self.victim)  # refuses a victim without a conv stack
         reached = deepest_inputs(self.victim)[-1]
@@ -101,8 +136,15 @@ class ExactAttack:
                                          bias_gradient(part, self.first))
         if not self.config.weight_gradient:  # its mean colour still starts the solve
             equations = replace(equations, weight_gradient=None)
-        return solve_frames(equations, self.victim.roles().transform, self.config.smoothness,
-                            self.config.iterations, self.config.noise_model())
+        transform, noise = self.victim.roles().transform, self.config.noise_model()
+        frames, residuals = solve_frames(equations, transform, self.config.frame_solve(), noise)
+        if self.prior is None:
+            return frames, residuals
+        with torch.no_grad():  # the refiner saw the attack's stored (rounded) frames
+            stored = frames.clamp(0, 255).round().permute(0, 3, 1, 2).float() / 255
+            refined = self.prior(stored).permute(0, 2, 3, 1).double() * 255
+        return project_frames(equations, transform, refined, self.config.prior_projection,
+                              self.config.frame_solve(), noise)
 
 
 def bias_gradient(observation: Observation, first: ConvBlock) -> torch.Tensor | None:

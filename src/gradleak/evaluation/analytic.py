@@ -180,11 +180,8 @@ def frame_solves(victim: Any, found: Any, deepest: str, true_map: torch.Tensor,
     """Each way of getting the frame under the first conv, scored against the real frames."""
     from dataclasses import replace
 
-    from gradleak.attacks.first_conv import (
-        first_conv_equations,
-        frames_from_first_block,
-        solve_frames,
-    )
+    from gradleak.attacks.first_conv import first_conv_equations, frames_from_first_block
+    from gradleak.attacks.frame_solve import FrameSolve, solve_frames
 
     transform = victim.roles().transform
     output, noise, upstream = found.inputs[deepest], found.noise[deepest], found.upstream[deepest]
@@ -192,6 +189,8 @@ def frame_solves(victim: Any, found: Any, deepest: str, true_map: torch.Tensor,
     equations = first_conv_equations(victim, output, noise, upstream, gradient,
                                      bias_gradient=bias)
     runs = {"equations": lambda: solve_frames(equations, transform),
+            "quadratic_prior": lambda: solve_frames(equations, transform,
+                                                    FrameSolve(rounds=0)),
             "without_weight_gradient": lambda: solve_frames(
                 replace(equations, weight_gradient=None), transform),
             "as_if_exact": lambda: solve_frames(equations, transform, noise=None),

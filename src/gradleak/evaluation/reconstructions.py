@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from gradleak.attacks.action_rules import recover_actions
-from gradleak.attacks.exact import ExactAttack, ExactConfig
+from gradleak.attacks.exact import ExactConfig
 from gradleak.attacks.optim.config import OptimConfig
 from gradleak.attacks.optim.solve import GradientMatchingAttack
 from gradleak.capture.reader import CaptureFile
@@ -44,13 +44,14 @@ from gradleak.metrics.lpips import LPIPS, unavailable_reason
 from gradleak.threat import Observation, ObservedWindows
 from gradleak.training.checkpoint import fingerprint_from_dict, load_attacker
 from gradleak.training.data import WindowDataset, collate
+from gradleak.training.refiner_fit import check_prior, exact_attack
 
 # A baseline inverts single steps from an Observation: its kind in the tables, and its attack
 SINGLE_STEP: dict[type, tuple[str, Callable[..., Any]]] = {
     OptimConfig: ("optimisation", lambda observation, config, progress:
                   GradientMatchingAttack(observation, config, progress)),
     ExactConfig: ("training-free", lambda observation, config, progress:
-                  ExactAttack(observation, config))}
+                  exact_attack(observation, config))}
 
 
 class Evaluation:
@@ -61,6 +62,9 @@ class Evaluation:
                  baseline_windows: int = 2, progress: bool = False,
                  defense: Chain | None = None, skip_nonfinite: bool = False) -> None:
         self.defense = defense
+        for config in (baselines or {}).values():  # a missing prior is named before any work
+            if isinstance(config, ExactConfig):
+                check_prior(config)
         if baselines and defense is not None and defense.span > 1:
             raise ConfigError(f"--defense {defense.spec!r} aggregates steps: the optimisation "
                               "baselines invert single steps and are not run on it")

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from gradleak.attacks.exact import ExactAttack, ExactConfig
+from gradleak.attacks.exact import ExactConfig
 from gradleak.attacks.optim.config import OptimConfig
 from gradleak.attacks.optim.solve import GradientMatchingAttack
 from gradleak.capture.reader import CaptureFile
@@ -18,6 +18,7 @@ from gradleak.errors import ConfigError
 from gradleak.io import check_output, write_json
 from gradleak.metrics.images import psnr, ssim, to_unit_tensor
 from gradleak.threat import Observation, Reconstruction, Target
+from gradleak.training.refiner_fit import check_prior, exact_attack
 
 
 def read_steps(data: str | os.PathLike[str], indices: list[int]
@@ -75,10 +76,12 @@ def exact_steps(data: str | os.PathLike[str], indices: list[int], config: ExactC
     conv's equation residuals; a picture of the private frames above the recovered ones."""
     from gradleak.report.plots import plot_private_vs_reconstructed
 
-    config.check()  # settings, then the output, before any row is read
+    config.check()  # settings, the prior, then the output, before any row is read
+    check_prior(config)
     check_output(out, "--out", directory=True)
     rows, observation, target = read_steps(data, indices)
-    result = ExactAttack(observation, config).reconstruct()
+    attack = exact_attack(observation, config)
+    result = attack.reconstruct()
     steps = [{**step, **{f"residual_{key}": float(values[i])
                          for key, values in result.extras["residuals"].items()}}
              for i, step in enumerate(step_scores(rows, result, target))]
@@ -88,5 +91,5 @@ def exact_steps(data: str | os.PathLike[str], indices: list[int], config: ExactC
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "attack.json", summary)
     plot_private_vs_reconstructed(to_unit_tensor(target.images), to_unit_tensor(result.images),
-                                  out / "reconstructions.png", f"exact (training-free): {data}")
+                                  out / "reconstructions.png", f"{attack.name}: {data}")
     return summary

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from gradleak.attacks.feature_decoder import DecoderConfig, FeatureDecoder
+from gradleak.attacks.frame_refiner import FrameRefiner, RefinerConfig
 from gradleak.attacks.lti import LearningToInvert, LtiConfig
 from gradleak.attacks.trace import Trace, TraceConfig
 from gradleak.errors import CheckpointError, ConfigError, TrainingError
@@ -28,6 +29,7 @@ MODELS: Registry[tuple[type, type]] = Registry("learned attacker")
 MODELS.register("trace")((Trace, TraceConfig))
 MODELS.register("lti")((LearningToInvert, LtiConfig))
 MODELS.register("decoder")((FeatureDecoder, DecoderConfig))
+MODELS.register("refiner")((FrameRefiner, RefinerConfig))  # the training-free attack's prior
 
 
 def display_name(kind: str) -> str:
