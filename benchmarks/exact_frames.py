@@ -4,8 +4,9 @@ For each victim (the paper's `cnn` at 84×84 and `cnn-small` at 64×64, random-i
 with PPO or A2C) and each storage (float32, what the client sends, and float16), a held-out
 capture of --steps steps is scored on --frames evenly spaced steps, as `gradleak analytic
 --conv` scores it: each conv input's relative error, then frames from the first conv's
-equations (outputs and weight gradient, weighed by how exact they are: the default), the same
-without the weight-gradient equations, the same fitted as if exact, the same from the true
+equations (outputs and weight gradient, weighed by how exact they are, with the total-variation
+rounds and the inequalities: the default), the same with the quadratic prior alone (the solve
+before the rounds), the same without the weight-gradient equations, the same fitted as if exact, the same from the true
 first-block output (the prior's ceiling), the earlier penalty solve, and the frames' own mean
 image. The float32 captures are also scored zero-shot under --defenses, a grid from weak to
 strong so the table shows where the attack gives way. One held-out episode's frames go into a
@@ -92,6 +93,8 @@ def row(case: Case, dtype: str, defense: str, result: dict[str, Any]) -> dict[st
             "equations_per_unknown": result["equations_per_unknown"],
             "rank_fraction": result.get("rank_fraction"),
             "psnr": result["psnr"], "ssim": result["ssim"], "lpips": result.get("lpips"),
+            "psnr_quadratic_prior": solves["quadratic_prior"]["psnr"],
+            "ssim_quadratic_prior": solves["quadratic_prior"]["ssim"],
             "psnr_without_weight_gradient": solves["without_weight_gradient"]["psnr"],
             "psnr_as_if_exact": solves["as_if_exact"]["psnr"],
             "psnr_from_true_map": result["psnr_from_true_map"],
@@ -121,6 +124,8 @@ def picture(path: Path, out: Path, count: int = 8) -> None:
         observation, truth = file.observation(rows), file.target(rows).images
     attack = ExactAttack(observation)
     rows_of = {"private": truth, "equations (default)": attack.reconstruct().images,
+               "quadratic prior": ExactAttack(observation, ExactConfig(rounds=0))
+               .reconstruct().images,
                "without ∇W₁": ExactAttack(observation, ExactConfig(weight_gradient=False))
                .reconstruct().images}
     from gradleak.attacks.conv_recovery import observed_conv_inputs
@@ -207,7 +212,8 @@ def leverage_picture(path: Path, out: Path, frames: int = 2) -> dict[str, Any]:
 
 
 COLUMNS = ["victim", "storage", "defense", "map_error", "equations_per_unknown", "rank_fraction",
-           "psnr", "ssim", "lpips", "psnr_without_weight_gradient", "psnr_as_if_exact",
+           "psnr", "ssim", "lpips", "psnr_quadratic_prior", "ssim_quadratic_prior",
+           "psnr_without_weight_gradient", "psnr_as_if_exact",
            "psnr_from_true_map",
            "psnr_penalty", "psnr_mean_image", "lpips_mean_image", "ms_per_frame",
            "penalty_ms_per_frame"]
@@ -229,7 +235,10 @@ def markdown(result: dict[str, Any]) -> str:
             f"spaced steps of a {result['steps']}-step held-out capture per row; "
             f"{result['machine']}. `psnr`/`ssim`: the first conv's equations (outputs and "
             "weight gradient, the default), weighed by how exact they are (the ∇b₁ check "
-            "and the on-units' estimated noise); `psnr_as_if_exact`: the same equations all "
+            "and the on-units' estimated noise), solved with total variation (reweighted "
+            "rounds) and the off-units and input range enforced; `*_quadratic_prior`: the same "
+            "with the quadratic smoothness alone (the solve before the rounds, the default "
+            "until this change); `psnr_as_if_exact`: the same equations all "
             "fitted as exact; `map_error`: the recovered first-block output's "
             "median relative error; `equations_per_unknown`: (on-units + weight-gradient "
             "entries) / frame entries, an upper bound on the fraction the equations pin down; "

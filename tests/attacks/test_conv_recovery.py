@@ -213,3 +213,19 @@ def test_a_completed_input_is_replaced_by_the_forward_pass_of_the_exact_one_belo
     refreshed = refresh_upward(found, blocks).inputs["encoder.9"]
     assert torch.equal(refreshed[0], upper[0])
     assert torch.equal(refreshed[1], wrong[1])
+
+
+def test_the_noise_spread_is_the_pseudo_inverses_diagonal_on_definite_and_singular_grams(
+) -> None:
+    """diag(G⁻¹) by Cholesky where G is definite equals the pseudo-inverse's; a singular G
+    (a null direction, as on a trained victim's top conv) and an all-zero one (every unit
+    off under a defense) in the same batch fall back to the pseudo-inverse instead of failing."""
+    from gradleak.attacks.conv_blocks import inverse_diagonal
+
+    generator = torch.Generator().manual_seed(0)
+    rows = torch.randn(3, 12, 5, generator=generator, dtype=torch.float64)
+    rows[1, :, 4] = rows[1, :, 3]  # two equal columns: a null direction
+    rows[2] = 0
+    gram = rows.transpose(1, 2) @ rows
+    expected = torch.linalg.pinv(gram).diagonal(dim1=1, dim2=2)
+    assert torch.allclose(inverse_diagonal(gram), expected, rtol=1e-9, atol=1e-12)

@@ -410,12 +410,13 @@ def inverse_diagonal(gram: torch.Tensor) -> torch.Tensor:
     is not, or nearly not (a D(δ) with a null space: the pseudo-inverse drops directions
     under 1e-13 of the largest eigenvalue, where the Cholesky factor would blow up)."""
     factor, info = torch.linalg.cholesky_ex(gram)
-    spread = torch.cholesky_inverse(factor).diagonal(dim1=1, dim2=2).clone()
     pivots = factor.diagonal(dim1=1, dim2=2).abs()
-    conditioned = pivots.amin(1) ** 2 > NEAR_SINGULAR * pivots.amax(1) ** 2
-    singular = (info != 0) | ~conditioned | ~torch.isfinite(spread).all(1)
-    if bool(singular.any()):
-        spread[singular] = torch.linalg.pinv(gram[singular]).diagonal(dim1=1, dim2=2)
+    definite = (info == 0) & (pivots.amin(1) ** 2 > NEAR_SINGULAR * pivots.amax(1) ** 2)
+    spread = torch.empty(gram.shape[:2], dtype=gram.dtype)
+    if bool(definite.any()):
+        spread[definite] = torch.cholesky_inverse(factor[definite]).diagonal(dim1=1, dim2=2)
+    if not bool(definite.all()):
+        spread[~definite] = torch.linalg.pinv(gram[~definite]).diagonal(dim1=1, dim2=2)
     return spread
 
 
