@@ -47,6 +47,14 @@ def test_a_nan_row_is_refused_or_skipped_when_asked(capsys, refused, tmp_path: P
     assert clean["methods"]["action rule (odd-sign)"]["action_accuracy"] == 1.0
 
 
+def test_a_missing_prior_for_the_exact_baseline_is_named_before_any_work(
+        refused, tmp_path: Path, trained_attackers: dict[str, Path],
+        random_capture: Path) -> None:
+    refused(["evaluate", "--attacker", str(trained_attackers["lti"]), "--data",
+             str(random_capture), "--out", str(tmp_path / "eval"), "--baselines", "exact",
+             "--prior", str(tmp_path / "no-prior"), *EVAL], "no-prior", "gradleak train-prior")
+
+
 def test_a_directory_given_as_data_is_called_a_directory(refused, tmp_path: Path,
                                                          trained_attackers) -> None:
     (tmp_path / "heldout.h5").mkdir()

@@ -76,6 +76,22 @@ def run_prior(args: argparse.Namespace) -> None:
     emit(args, result, text)
 
 
+def frame_fit_parser(sub: argparse._SubParsersAction, name: str, summary: str, data: str,
+                     section: str) -> argparse.ArgumentParser:
+    """A fit on training-scene frames: its data, output, epochs, time limit and resume."""
+    p = sub.add_parser(name, help=summary)
+    common_flags(p)
+    nonfinite_flag(p)
+    preset_flags(p)
+    p.add_argument("--data", nargs="+", required=True, help=data)
+    p.add_argument("--out", required=True)
+    shorthand_flag(p, "--epochs", f"{section}.epochs")
+    shorthand_flag(p, "--minutes", f"{section}.time_limit_minutes",
+                   help="stop at the training step that passes this (a partial epoch)")
+    p.add_argument("--resume", action="store_true")
+    return p
+
+
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train-attacker", help="fit TRACE or LtI on training-scene captures")
     common_flags(p)
@@ -94,34 +110,18 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     defense_flags(p, required=False, seed=1)
     p.set_defaults(func=run_attacker)
 
-    p = sub.add_parser("train-decoder", help="fit the analytic decoder on training-scene "
-                       "frames: θ0's conv features → frame, no gradients needed")
-    common_flags(p)
-    nonfinite_flag(p)
-    preset_flags(p)
-    p.add_argument("--data", nargs="+", required=True,
-                   help="training-scene capture files (their frames and scenes are used)")
-    p.add_argument("--out", required=True)
-    shorthand_flag(p, "--epochs", "attack.decoder_fit.epochs")
+    p = frame_fit_parser(sub, "train-decoder", "fit the analytic decoder on training-scene "
+                         "frames: θ0's conv features → frame, no gradients needed",
+                         "training-scene capture files (their frames and scenes are used)",
+                         "attack.decoder_fit")
     shorthand_flag(p, "--extra-frames", "attack.decoder_fit.extra_frames",
                    help="frames to render on the captures' training scenes (random policy)")
-    shorthand_flag(p, "--minutes", "attack.decoder_fit.time_limit_minutes",
-                   help="stop at the training step that passes this (a partial epoch)")
-    p.add_argument("--resume", action="store_true")
     defense_flags(p, required=False, seed=1)
     p.set_defaults(func=run_decoder)
 
-    p = sub.add_parser("train-prior", help="fit the training-free attack's learned prior on "
-                       "its own frames of the attacker's training-scene captures (same θ0)")
-    common_flags(p)
-    nonfinite_flag(p)
-    preset_flags(p)
-    p.add_argument("--data", nargs="+", required=True,
-                   help="the attacker's own training-scene capture files, at the victim's θ0")
-    p.add_argument("--out", required=True)
-    shorthand_flag(p, "--epochs", "attack.refiner_fit.epochs")
-    shorthand_flag(p, "--minutes", "attack.refiner_fit.time_limit_minutes",
-                   help="stop at the training step that passes this (a partial epoch)")
-    p.add_argument("--resume", action="store_true",
-                   help="continue a run (the attack's frames already made are kept)")
+    p = frame_fit_parser(sub, "train-prior", "fit the training-free attack's learned prior on "
+                         "its own frames of the attacker's training-scene captures (same θ0)",
+                         "the attacker's own training-scene capture files, at the victim's θ0 "
+                         "(a resumed run keeps the attack's frames already made)",
+                         "attack.refiner_fit")
     p.set_defaults(func=run_prior)

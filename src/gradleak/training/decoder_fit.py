@@ -19,7 +19,6 @@ cannot be mirrored, so both are off.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -46,7 +45,6 @@ from gradleak.training.loop import (
     FitLoop,
     refuse_overwrite,
     run_fit,
-    warmup_cosine,
 )
 from gradleak.victims.base import create_victim
 from gradleak.victims.roles import Roles
@@ -86,16 +84,11 @@ class DecoderFit(FitLoop):
         if self.data.defense is not None:
             self.model.set_theta0(self.data.theta0)  # the conv recursion reads θ0
             self.data.recover_under_defense(self.model.recovered_features, progress)
-        trainable = [p for p in self.model.parameters() if p.requires_grad]  # not θ0's copy
-        self.optimiser = torch.optim.AdamW(trainable, lr=config.lr,
-                                           weight_decay=config.weight_decay)
         self.frames = self.data.training_frames()
         mirror = self.facts.mirror
         self.mirror = None if mirror is None else torch.tensor(mirror)
-        self.batches_per_epoch = max(1, len(self.frames) // config.batch_size)
-        steps = max(1, math.ceil(self.batches_per_epoch / config.accumulation))
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimiser,
-                                                           warmup_cosine(config, steps))
+        self.set_optimiser([p for p in self.model.parameters() if p.requires_grad],  # not θ0's
+                           len(self.frames))
         self.start(resume)
 
     # -- what the loop asks of this kind ---------------------------------------------------------
@@ -110,17 +103,12 @@ class DecoderFit(FitLoop):
         self.model.set_policy_head(self.data.theta0[f"{policy}.weight"],
                                    self.data.theta0[f"{policy}.bias"])
         self.model.set_theta0(self.data.theta0)
-        mean = self.data.train.images.mean(axis=0, dtype=np.float64) / 255.0  # no float copy
-        self.mean_image = torch.from_numpy(mean).permute(2, 0, 1).float()
+        self.set_mean_image(self.data.train.images)
 
     def epoch(self) -> Epoch:
         """A seeded permutation of the frames, mirrored at random by the same generator."""
-        size = self.config.batch_size
-        generator = np.random.default_rng([self.config.seed, self.epochs_done])
-        order = generator.permutation(len(self.frames))
-        batches = (self._batch(self.frames, order[step * size:(step + 1) * size], generator)
-                   for step in range(self.batches_per_epoch))
-        return Epoch(batches, self.batches_per_epoch)
+        return self.shuffled_epoch(len(self.frames), lambda rows, generator: self._batch(
+            self.frames, rows, generator))
 
     def objective(self, batch: DecoderBatch, settings: dict[str, float]
                   ) -> tuple[torch.Tensor, dict]:

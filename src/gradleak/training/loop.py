@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from tqdm import tqdm
@@ -152,6 +153,31 @@ class FitLoop:
 
     def out_of_time(self, budget: Budget) -> bool:
         return budget.spent()
+
+    # -- helpers for kinds that fit on frames ----------------------------------------------------
+    def shuffled_epoch(self, count: int, batch: Callable[[np.ndarray, np.random.Generator], Any]
+                       ) -> Epoch:
+        """Batches over a seeded permutation of `count` items, one generator per epoch (which
+        `batch` may draw from too, to mirror): the same epoch on a resumed run."""
+        size, steps = self.config.batch_size, max(1, count // self.config.batch_size)
+        generator = np.random.default_rng([self.config.seed, self.epochs_done])
+        order = generator.permutation(count)
+        return Epoch((batch(order[step * size:(step + 1) * size], generator)
+                      for step in range(steps)), steps)
+
+    def set_optimiser(self, parameters: Iterable[nn.Parameter], items: int) -> None:
+        """AdamW with the warm-up-then-cosine schedule over epochs of `items` frames."""
+        config = self.config
+        self.optimiser = torch.optim.AdamW(parameters, lr=config.lr,
+                                           weight_decay=config.weight_decay)
+        steps = max(1, math.ceil(max(1, items // config.batch_size) / config.accumulation))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimiser,
+                                                           warmup_cosine(config, steps))
+
+    def set_mean_image(self, frames: np.ndarray) -> None:
+        """The mean of uint8 (N, H, W, C) frames as the (C, H, W) reference image."""
+        mean = frames.mean(axis=0, dtype=np.float64) / 255.0  # no float copy of the frames
+        self.mean_image = torch.from_numpy(mean).permute(2, 0, 1).float()
 
     # -- the loop ---------------------------------------------------------------------------------
     def start(self, resume: bool) -> None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -46,7 +45,6 @@ from gradleak.training.loop import (
     FitSchedule,
     refuse_overwrite,
     run_fit,
-    warmup_cosine,
 )
 from gradleak.victims.base import victim_at_theta0
 
@@ -123,25 +121,15 @@ class RefinerFit(FitLoop):
         self.train, self.val = pairs.select(~validation), pairs.select(validation)
         torch.manual_seed(config.seed)
         self.model = FrameRefiner(self.model_config)
-        self.optimiser = torch.optim.AdamW(self.model.parameters(), lr=config.lr,
-                                           weight_decay=config.weight_decay)
-        self.batches_per_epoch = max(1, len(self.train) // config.batch_size)
-        steps = max(1, math.ceil(self.batches_per_epoch / config.accumulation))
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimiser,
-                                                           warmup_cosine(config, steps))
+        self.set_optimiser(self.model.parameters(), len(self.train))
         self.start(resume)
 
     def prepare(self) -> None:
-        mean = self.train.truth.mean(axis=0, dtype=np.float64) / 255.0
-        self.mean_image = torch.from_numpy(mean).permute(2, 0, 1).float()
+        self.set_mean_image(self.train.truth)
 
     def epoch(self) -> Epoch:
-        size = self.config.batch_size
-        generator = np.random.default_rng([self.config.seed, self.epochs_done])
-        order = generator.permutation(len(self.train))
-        batches = (self._batch(self.train, order[step * size:(step + 1) * size], generator)
-                   for step in range(self.batches_per_epoch))
-        return Epoch(batches, self.batches_per_epoch)
+        return self.shuffled_epoch(len(self.train), lambda rows, generator: self._batch(
+            self.train, rows, generator))
 
     def _batch(self, pairs: FramePairs, rows: np.ndarray,
                generator: np.random.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
