@@ -129,3 +129,23 @@ def test_a_prior_is_fitted_on_training_scenes_only(capsys, tmp_path: Path,
     err = capsys.readouterr().err
     assert code == 2 and "training-scene" in err and str(random_capture) in err
     assert not (tmp_path / "p").exists()
+
+
+def test_train_prior_then_attack_with_it_from_the_command_line(capsys, tmp_path: Path,
+                                                               train_capture: Path,
+                                                               random_capture: Path) -> None:
+    """The two commands a user runs: the fit reports the attack's and the refined validation
+    PSNR, and `attack exact --prior` names the prior in its picture's row and its config."""
+    prior = tmp_path / "prior"
+    assert main(["train-prior", "--data", str(train_capture), "--out", str(prior), "--epochs",
+                 "2", "--set", "attack.refiner_fit.max_frames=24", "--set",
+                 "attack.refiner.width=4", "--set", "attack.refiner.scales=2", "--json"]) == 0
+    fitted = json.loads(capsys.readouterr().out)
+    assert fitted["train_frames"] + fitted["val_frames"] == 24 and fitted["epochs"] == 2
+    assert {"val_psnr", "val_psnr_attack"} <= set(fitted["last"])
+    out = tmp_path / "attack"
+    assert main(["attack", "exact", "--data", str(random_capture), "--index", "0", "--index",
+                 "1", "--out", str(out), "--prior", str(prior), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["config"]["prior"] == str(prior) and len(result["steps"]) == 2
+    assert (out / "reconstructions.png").is_file()
