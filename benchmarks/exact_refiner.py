@@ -4,12 +4,14 @@ For the paper's cnn at 84×84, random-init and trained with PPO, the attacker ca
 --train-steps steps on training scenes against the victim's θ0 (it knows θ0 and the client's
 loss), fits the prior on the training-free attack's frames of them (`training.refiner_fit`,
 resumable), and attacks --frames evenly spaced steps of `benchmarks/exact_frames.py`'s
-held-out capture: the attack alone, with the prior, and with the prior but without projecting
-its guess back onto the equations; beside the frames' own mean image.
-Writes benchmarks/results/exact_refiner.{json,md}.
+held-out capture (made here, identically, when it is missing): the attack alone, with the
+prior, and with the prior but without projecting its guess back onto the equations; beside the
+frames' own mean image. Writes benchmarks/results/exact_refiner.{json,md}; about 30 minutes
+per victim on 2 cores.
 
     python benchmarks/exact_refiner.py [--work runs/exact-frames] [--train-steps 768]
         [--epochs 30] [--frames 16] [--ppo-cnn runs/victims/cnn84-ppo]
+        [--only "cnn 84×84, PPO"]
 """
 
 from __future__ import annotations
@@ -36,14 +38,17 @@ from gradleak.presets import load_preset
 from gradleak.report.tables import markdown_table
 from gradleak.training.refiner_fit import RefinerFitConfig, exact_attack, fit_refiner
 
+import exact_frames  # the sibling benchmark: its victims and held-out captures
+from exact_frames import Case
+
 RESULTS = Path(__file__).parent / "results" / "exact_refiner.json"
 
 
-def cases(args: argparse.Namespace) -> list[tuple[str, str, bool, str]]:
-    """(name, victim, random init, held-out capture of exact_frames.py)."""
-    return [("cnn 84×84, random init", "cnn", True, "cnn-84x84-random-float32.h5"),
-            ("cnn 84×84, PPO", str(args.ppo_cnn), False,
-             f"cnn-84x84-{Path(args.ppo_cnn).name}-float32.h5")]
+def cases(args: argparse.Namespace) -> list[Case]:
+    """exact_frames.py's cnn 84×84 victims, whose held-out captures are scored here."""
+    paper = [Case("cnn 84×84, random init", "cnn", "paper", True),
+             Case("cnn 84×84, PPO", str(args.ppo_cnn), "paper", False)]
+    return [case for case in paper if not args.only or case.name in args.only]
 
 
 def own_capture(victim: str, random_init: bool, steps: int, work: Path) -> Path:
@@ -69,16 +74,18 @@ def attacked(path: Path, frames: int, config: ExactConfig) -> tuple[np.ndarray, 
     return images, (time.perf_counter() - start) / frames
 
 
-def measure(name: str, victim: str, random_init: bool, heldout: Path,
-            args: argparse.Namespace) -> dict[str, Any]:
-    train = own_capture(victim, random_init, args.train_steps, args.work)
+def measure(case: Case, args: argparse.Namespace) -> dict[str, Any]:
+    """The attack alone, with the prior and without its projection, on the held-out capture
+    (exact_frames.py's, made here when it is missing: same seed, same file)."""
+    heldout = exact_frames.capture(case, "float32", args.steps, args.work)
+    train = own_capture(case.victim, case.random_init, args.train_steps, args.work)
     prior = args.work / f"prior-{train.stem}"
     fit = fit_refiner(RefinerConfig(), RefinerFitConfig(epochs=args.epochs, seed=args.seed),
                       ExactConfig(), [str(train)], prior, resume=True, progress=True)
     with CaptureFile(heldout) as capture:
         rows = np.linspace(0, len(capture) - 1, args.frames).astype(int)
         truth = to_unit_tensor(capture.target(rows).images)
-    row: dict[str, Any] = {"victim": name, "attacker_frames": fit["train_frames"],
+    row: dict[str, Any] = {"victim": case.name, "attacker_frames": fit["train_frames"],
                            "fit_minutes": fit["minutes"], "parameters": fit["parameters"],
                            "validation": fit["last"]}
     settings = {"exact": ExactConfig(),
@@ -125,17 +132,28 @@ def main() -> None:
     parser.add_argument("--frames", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ppo-cnn", type=Path, default=Path("runs/victims/cnn84-ppo"))
+    parser.add_argument("--steps", type=int, default=64,
+                        help="held-out capture length (exact_frames.py's --steps)")
+    parser.add_argument("--only", action="append", default=[],
+                        help="one victim's row, keeping the other's from --results")
     parser.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args()
     torch.set_num_threads(2)
     chosen = cases(args)
-    for _, _, _, heldout in chosen:
-        if not (args.work / heldout).exists():
-            parser.error(f"{args.work / heldout} is missing: run benchmarks/exact_frames.py "
-                         "first (its held-out captures are scored here)")
-    rows = [measure(name, victim, random_init, args.work / heldout, args)
-            for name, victim, random_init, heldout in chosen]
-    result = {"benchmark": "exact_refiner", "frames": args.frames,
+    if not chosen:
+        parser.error("--only: the victims are 'cnn 84×84, random init' and 'cnn 84×84, PPO'")
+    for case in chosen:
+        if not case.random_init and not Path(case.victim).is_dir():
+            parser.error(f"--ppo-cnn {case.victim} is not a victim checkpoint directory: "
+                         "train it first (see benchmarks/exact_frames.py)")
+    rows = [measure(case, args) for case in chosen]
+    if args.only and args.results.exists():  # keep the other victim's row
+        earlier = json.loads(args.results.read_text())["rows"]
+        kept = {row["victim"]: row for row in earlier}
+        kept.update({row["victim"]: row for row in rows})
+        rows = [kept[name] for name in ("cnn 84×84, random init", "cnn 84×84, PPO")
+                if name in kept]
+    result = {"benchmark": "exact_refiner", "frames": args.frames, "steps": args.steps,
               "train_steps": args.train_steps, "epochs": args.epochs,
               "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch "
                          f"{torch.__version__}, no GPU", "rows": rows}

@@ -200,7 +200,8 @@ def exact_refiner() -> tuple[str, str]:
 
     parts = [f"{row['victim']}: exact {scores(row, 'exact')}, with the prior "
              f"{scores(row, 'exact + prior')} (unprojected "
-             f"{db(row['exact + prior, unprojected']['psnr'])}; "
+             f"{db(row['exact + prior, unprojected']['psnr'])}, mean image "
+             f"{db(row['mean image']['psnr'])}; "
              f"{row['attacker_frames']:,} own frames, {row['fit_minutes']:.1f} min)"
              for row in data["rows"]]
     return ("the training-free attack's learned prior (`train-prior`: fitted on the attack's "
