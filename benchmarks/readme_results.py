@@ -209,6 +209,15 @@ def exact_refiner() -> tuple[str, str]:
             "steps; PSNR / SSIM / LPIPS)", "; ".join(parts))
 
 
+def exact_speed() -> tuple[str, str]:
+    data = load("exact_speed.json")
+    parts = [f"{row['victim']}: {row['total_ms_per_frame']:.0f} ms (recursion "
+             f"{row['observed_conv_inputs_ms_per_frame']:.0f}, frame solve "
+             f"{row['solve_frames_ms_per_frame']:.0f})" for row in data["rows"]]
+    return (f"the training-free attack's time per frame ({data['frames']} held-out steps, "
+            f"medians of {data['repeats']})", "; ".join(parts))
+
+
 def layer_ablation() -> tuple[str, str]:
     data = load("layer_ablation.json")
     rows = ", ".join(f"{row['input']} {db(row['psnr'])}" for row in data["rows"])
@@ -260,6 +269,7 @@ ROWS: dict[str, Callable[[], tuple[str, str]]] = {
     "layer_ablation.json": layer_ablation, "victims.json": victims,
     "exact_frames.json": exact_frames,
     "exact_refiner.json": exact_refiner,
+    "exact_speed.json": exact_speed,
     "fedavg_controls.json": fedavg_controls,
 }
 
