@@ -17,9 +17,11 @@ from gradleak.attacks.frame_solve import (
     FrameSolve,
     degree,
     edge_weights,
+    normal_equations,
     smoothness_normal,
     solve_frames,
     uniform_edges,
+    with_violated,
 )
 from gradleak.errors import ConfigError
 
@@ -101,6 +103,31 @@ def test_inequality_rounds_enforce_the_off_units_and_the_range(
     free, enforced = violations(False), violations(True)
     assert free[0] > 1e-2 and free[1] > 1e-2  # there is something to enforce
     assert enforced[0] <= free[0] / 20 and enforced[1] <= free[1] / 20
+
+
+def test_the_fused_product_is_the_equations_normal_operator(equations_of_blocky_frames) -> None:
+    """AᵀA v from one unfold and one fold equals the product built from each set's own conv and
+    adjoint, with the violated off-units and the range in it; its diagonal is AᵀA's."""
+    equations, transform, x = equations_of_blocky_frames
+    bounds = Bounds.of(transform)
+    rows = torch.linspace(0.5, 2.0, len(x), dtype=torch.float64)
+    outside = x + 0.3 * torch.randn(x.shape, generator=torch.Generator().manual_seed(2),
+                                    dtype=torch.float64)  # some off-units and pixels violated
+    system = with_violated(normal_equations(equations, x.shape, rows), outside, bounds)
+    assert float(system.box.sum()) > 0 and float((system.outputs * equations.off).sum()) > 0
+    v = torch.randn(x.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    delta = equations.delta.flatten(2)
+    squares = delta.pow(2).sum(2, keepdim=True)  # a channel with no on-unit has no row
+    gradient_rows = torch.where(squares > 0, rows[:, None, None] / squares.clamp_min(1e-300), 0)
+    expected = equations.conv_adjoint(equations.conv(v) * system.outputs, x.shape) \
+        + equations.weight_gradient_adjoint(equations.weight_gradient_of(v) * gradient_rows,
+                                            x.shape) + system.box * v
+    assert torch.allclose(system(v), expected, rtol=1e-10, atol=1e-12)
+    for pixel in [(0, 0, 0, 0), (1, 2, 7, 19), (5, 1, SIZE - 1, 3)]:
+        unit = torch.zeros_like(x)
+        unit[pixel] = 1
+        assert float(system(unit)[pixel]) == pytest.approx(float(system.diagonal[pixel]),
+                                                            rel=1e-9)
 
 
 def test_edge_weights_are_one_on_flat_ground_and_shrink_across_an_edge() -> None:
