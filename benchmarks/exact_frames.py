@@ -59,9 +59,15 @@ class Case:
     random_init: bool
 
 
-def cases(args: argparse.Namespace) -> list[Case]:
+def paper_cases(ppo_cnn: Path) -> list[Case]:
+    """The paper's cnn at 84×84, random init and trained with PPO (exact_refiner.py and
+    exact_speed.py score the same captures)."""
     return [Case("cnn 84×84, random init", "cnn", "paper", True),
-            Case("cnn 84×84, PPO", str(args.ppo_cnn), "paper", False),
+            Case("cnn 84×84, PPO", str(ppo_cnn), "paper", False)]
+
+
+def cases(args: argparse.Namespace) -> list[Case]:
+    return [*paper_cases(args.ppo_cnn),
             Case("cnn-small 64×64, random init", "cnn-small", "cpu-bench", True),
             Case("cnn-small 64×64, PPO", str(args.ppo_small), "cpu-bench", False),
             Case("cnn-small 64×64, A2C", str(args.a2c_small), "cpu-bench", False)]

@@ -46,9 +46,8 @@ RESULTS = Path(__file__).parent / "results" / "exact_refiner.json"
 
 def cases(args: argparse.Namespace) -> list[Case]:
     """exact_frames.py's cnn 84×84 victims, whose held-out captures are scored here."""
-    paper = [Case("cnn 84×84, random init", "cnn", "paper", True),
-             Case("cnn 84×84, PPO", str(args.ppo_cnn), "paper", False)]
-    return [case for case in paper if not args.only or case.name in args.only]
+    return [case for case in exact_frames.paper_cases(args.ppo_cnn)
+            if not args.only or case.name in args.only]
 
 
 def own_capture(victim: str, random_init: bool, steps: int, work: Path) -> Path:
@@ -139,9 +138,12 @@ def main() -> None:
     parser.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args()
     torch.set_num_threads(2)
+    if not args.results.parent.is_dir():
+        parser.error(f"--results {args.results}: its folder does not exist")
     chosen = cases(args)
     if not chosen:
-        parser.error("--only: the victims are 'cnn 84×84, random init' and 'cnn 84×84, PPO'")
+        parser.error("--only: the victims are "
+                     + "; ".join(case.name for case in exact_frames.paper_cases(args.ppo_cnn)))
     for case in chosen:
         if not case.random_init and not Path(case.victim).is_dir():
             parser.error(f"--ppo-cnn {case.victim} is not a victim checkpoint directory: "
@@ -151,8 +153,8 @@ def main() -> None:
         earlier = json.loads(args.results.read_text())["rows"]
         kept = {row["victim"]: row for row in earlier}
         kept.update({row["victim"]: row for row in rows})
-        rows = [kept[name] for name in ("cnn 84×84, random init", "cnn 84×84, PPO")
-                if name in kept]
+        rows = [kept[case.name] for case in exact_frames.paper_cases(args.ppo_cnn)
+                if case.name in kept]
     result = {"benchmark": "exact_refiner", "frames": args.frames, "steps": args.steps,
               "train_steps": args.train_steps, "epochs": args.epochs,
               "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch "

@@ -76,15 +76,15 @@ def main() -> None:
     parser.add_argument("--ppo-cnn", type=Path, default=Path("runs/victims/cnn84-ppo"))
     parser.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args()
+    if not args.results.parent.is_dir():
+        parser.error(f"--results {args.results}: its folder does not exist")
     if not args.ppo_cnn.is_dir():
         parser.error(f"--ppo-cnn {args.ppo_cnn} is not a victim checkpoint directory: train it "
                      "first (see benchmarks/exact_frames.py)")
     torch.set_num_threads(2)
     seconds: dict[str, float] = {}
     timed_parts(seconds)
-    cases = [Case("cnn 84×84, random init", "cnn", "paper", True),
-             Case("cnn 84×84, PPO", str(args.ppo_cnn), "paper", False)]
-    rows = [measure(case, args, seconds) for case in cases]
+    rows = [measure(case, args, seconds) for case in exact_frames.paper_cases(args.ppo_cnn)]
     result = {"benchmark": "exact_speed", "frames": args.frames, "repeats": args.repeats,
               "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch "
                          f"{torch.__version__}, no GPU", "rows": rows}

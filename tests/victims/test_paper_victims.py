@@ -80,16 +80,20 @@ def observation_of(victim, batch: StepBatch, gradients: torch.Tensor,
                        theta0={k: v.numpy() for k, v in victim.state_dict().items()})
 
 
+def assert_same_per_step(fast: torch.Tensor, slow: torch.Tensor) -> None:
+    """float32 sums in another order differ by rounding relative to each step's largest entry,
+    not to each entry: an entry of 1.6e-4 beside 1.8 came out 8e-4 apart relatively (CI)."""
+    error = (fast - slow).abs().amax(1)
+    assert bool((error <= 1e-5 * slow.abs().amax(1)).all()), error
+
+
 @pytest.mark.parametrize("name, actions", FEEDFORWARD_SMALL)
 def test_vmap_equals_the_autograd_loop_on_every_victim(name: str, actions: int) -> None:
     victim, batch = steps(name, actions)
     layers = layer_table(victim)
     fast = per_step_gradients(victim, batch, LossCoefficients(), layers, ppo=True, chunk=4)
     slow = loop_gradients(victim, batch, LossCoefficients(), layers, ppo=True)
-    # float32 sums in another order differ by rounding relative to each step's largest entry,
-    # not to each entry: an entry of 1.6e-4 beside 1.8 came out 8e-4 apart relatively (CI)
-    error = (fast - slow).abs().amax(1)
-    assert bool((error <= 1e-5 * slow.abs().amax(1)).all()), error
+    assert_same_per_step(fast, slow)
 
 
 @pytest.mark.parametrize("name, actions", FEEDFORWARD_SMALL)
@@ -146,10 +150,7 @@ def test_vmap_equals_the_loop_for_the_gru_with_its_recorded_state() -> None:
     layers = layer_table(victim)
     fast = per_step_gradients(victim, batch, LossCoefficients(), layers, ppo=True, chunk=4)
     slow = loop_gradients(victim, batch, LossCoefficients(), layers, ppo=True)
-    # float32 sums in another order differ by rounding relative to each step's largest entry,
-    # not to each entry: an entry of 1.6e-4 beside 1.8 came out 8e-4 apart relatively (CI)
-    error = (fast - slow).abs().amax(1)
-    assert bool((error <= 1e-5 * slow.abs().amax(1)).all()), error
+    assert_same_per_step(fast, slow)
     stateless = per_step_gradients(victim, replace(batch, hidden=None), LossCoefficients(),
                                    layers, ppo=True)
     assert not torch.allclose(fast, stateless)  # the state really enters the gradient
