@@ -9,6 +9,14 @@ the victim's update. Writes benchmarks/results/defenses.{json,md,png}.
 
     python benchmarks/defenses.py [--work runs/bench-attack] [--max-windows 100]
         [--adaptive-minutes 0] [--only quant:4,noise:0.1]
+
+With --exact the training-free attack (`gradleak attack exact`) is scored beside the learned
+ones on the first --baseline-windows windows of the same defended capture; --attacker
+NAME=DIR names attackers other than the cpu-bench ones (e.g. the demo's, under runs/demo):
+
+    python benchmarks/defenses.py --work runs/demo --preset cpu-quick --exact \
+        --attacker TRACE=runs/demo/trace --attacker LtI=runs/demo/lti \
+        --results benchmarks/results/defenses_demo.json --only "none;noise:1e-06;..."
 """
 
 from __future__ import annotations
@@ -32,7 +40,8 @@ GRID = ["none", "cast:bfloat16", "cast:float16", "quant:8", "quant:4", "quant:2"
         "prune:0.5", "prune:0.1", "noise:0.001", "noise:0.01", "noise:0.1", "dpsgd:eps=10",
         "dpsgd:eps=5", "dpsgd:eps=1", "agg:4", "agg:8"]
 ATTACKERS = {"TRACE": ("trace", "TRACE-T=8"), "LtI": ("lti", "LtI")}
-METRICS = ("mse", "psnr", "ssim", "action_accuracy", "histogram_tv")
+METRICS = ("mse", "psnr", "psnr_gain_over_mean_image", "ssim", "lpips", "action_accuracy",
+           "histogram_tv", "frames")
 
 
 def slug(spec: str) -> str:
@@ -63,11 +72,14 @@ def rows_of(spec: str, result: dict[str, Any]) -> list[dict[str, Any]]:
 
 def markdown(rows: list[dict[str, Any]]) -> str:
     table = [{"defense": r["defense"], "method": r["method"], "mode": r["mode"],
-              "MSE": fixed(r["mse"], 4), "PSNR": fixed(r["psnr"], 2), "SSIM": fixed(r["ssim"], 3),
+              "MSE": fixed(r["mse"], 4), "PSNR": fixed(r["psnr"], 2),
+              "gain vs mean image": fixed(r.get("psnr_gain_over_mean_image"), 2),
+              "SSIM": fixed(r["ssim"], 3), "LPIPS": fixed(r.get("lpips"), 3),
               "action acc.": fixed(r["action_accuracy"], 3),
               "hist. TV": fixed(r["histogram_tv"], 3),
               "update cos": fixed(r["utility_cosine"], 3),
-              "update rel. err": fixed(r["utility_relative_error"], 3)} for r in rows]
+              "update rel. err": fixed(r["utility_relative_error"], 3),
+              "frames": r.get("frames", "-")} for r in rows]
     return markdown_table(table, list(table[0])) if table else ""
 
 
@@ -93,6 +105,21 @@ def bar_chart(rows: list[dict[str, Any]], path: Path) -> None:
     _save(figure, path)
 
 
+def clean_attackers(args: argparse.Namespace, parser: argparse.ArgumentParser
+                    ) -> dict[str, Path]:
+    if not args.attacker:
+        return {name: args.work / folder for name, (_, folder) in ATTACKERS.items()
+                if (args.work / folder / META).exists()}
+    clean = {}
+    for item in args.attacker:
+        name, _, folder = item.partition("=")
+        if name not in ATTACKERS or not (Path(folder) / META).is_file():
+            parser.error(f"--attacker {item}: expected NAME=DIR with NAME one of "
+                         f"{', '.join(ATTACKERS)} and DIR an attacker run ({META} in it)")
+        clean[name] = Path(folder)
+    return clean
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--work", type=Path, default=Path("runs/bench-attack"))
@@ -102,12 +129,23 @@ def main() -> None:
     parser.add_argument("--only", default=None,
                         help="defenses separated by ';' (a spec may hold commas)")
     parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument("--exact", action="store_true",
+                        help="score the training-free attack beside the learned ones")
+    parser.add_argument("--baseline-windows", type=int, default=2,
+                        help="windows the training-free attack reconstructs")
+    parser.add_argument("--attacker", action="append", default=[], metavar="NAME=DIR",
+                        help="a clean attacker (repeatable; NAME is TRACE or LtI, whose kind "
+                        "the adaptive fine-tuning needs); default: the cpu-bench ones in --work")
     args = parser.parse_args()
     preset = load_preset(args.preset)
     grid = args.only.split(";") if args.only else GRID
     heldout, train = args.work / "heldout.h5", args.work / "train.h5"
-    clean = {name: args.work / folder for name, (_, folder) in ATTACKERS.items()
-             if (args.work / folder / META).exists()}
+    clean = clean_attackers(args, parser)
+    if not args.results.parent.is_dir():
+        parser.error(f"--results {args.results}: its folder does not exist")
+    from gradleak.attacks.exact import NAME as EXACT
+
+    baselines = {EXACT: preset.attack.exact} if args.exact else None
     rows, runs = [], {}
     for spec in grid:
         chain = parse_defense(spec)
@@ -120,12 +158,15 @@ def main() -> None:
                     args.work / "defenses" / slug(spec) / kind)
         out = args.work / "defenses" / slug(spec) / "eval"
         result = evaluate([heldout], attackers, out, max_windows=args.max_windows,
-                          defense=None if spec == "none" else chain)
+                          defense=None if spec == "none" else chain, baselines=baselines,
+                          baseline_windows=args.baseline_windows)
         runs[spec] = {"defense": result["defense"], "utility": result["utility"],
                       "windows": result["windows"], "window": result["window"]}
         rows += rows_of(spec, result)
         print(json.dumps(rows_of(spec, result)))
     summary = {"preset": args.preset, "max_windows": args.max_windows,
+               "work": str(args.work), "attackers": {k: str(v) for k, v in clean.items()},
+               "exact_windows": args.baseline_windows if args.exact else 0,
                "adaptive_minutes": args.adaptive_minutes,
                "adaptive_protocol": "fine-tuned from the clean attacker under the defense",
                "runs": runs, "rows": rows}

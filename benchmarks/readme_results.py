@@ -143,6 +143,24 @@ def rows_file(name: str, what: str) -> Callable[[], tuple[str, str]]:
     return row
 
 
+def exact_beside_learned() -> tuple[str, str]:
+    """Per defense: each attack's PSNR on the same defended capture, zero-shot."""
+    data = load("defenses_demo.json")
+    parts, mean = [], None
+    for defense, methods in by_defense(data["rows"]).items():
+        cells = [f"{name} {db(row['psnr'])} ({row['psnr_gain_over_mean_image']:+.2f})"
+                 for name, row in methods.items()
+                 if row.get("psnr") is not None and name not in REFERENCES]
+        mean = methods.get("mean training image", {}).get("psnr", mean)
+        parts.append(f"{defense}: {', '.join(cells)}")
+    window = next(iter(data["runs"].values()))["window"]
+    return ("the training-free attack beside the learned ones under defenses, zero-shot "
+            f"(demo victim and attackers; exact on {window * data['exact_windows']} frames, "
+            f"the learned on {window * data['max_windows']}; PSNR, in brackets the gain over "
+            "the mean training image on the same frames)",
+            "; ".join(parts) + f"; mean training image {db(mean)} on the learned ones' frames")
+
+
 def adaptive_decoders() -> tuple[str, str]:
     data = load("adaptive_decoders.json")
     parts = [f"{defense}: {quality(evaluation['methods'])}"
@@ -265,6 +283,7 @@ ROWS: dict[str, Callable[[], tuple[str, str]]] = {
     "structured_vs_dense.json": rows_file("structured_vs_dense.json",
                                           "structured vs dense gradient input, analytic "
                                           "decoders (PSNR / SSIM)"),
+    "defenses_demo.json": exact_beside_learned,
     "adaptive_decoders.json": adaptive_decoders, "conv_recovery.json": conv_recovery,
     "layer_ablation.json": layer_ablation, "victims.json": victims,
     "exact_frames.json": exact_frames,

@@ -107,13 +107,53 @@ def unit_states(block: ConvBlock, y: torch.Tensor, noise: torch.Tensor, threshol
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """BN⁻¹ of the block's output: the ReLU output, which units are surely on, which are
     undecided (within `threshold` noise deviations of 0), and BN's gain γ/σ (C, 1, 1)."""
+    relu, deviation, rounding, gain = bn_inverse(block, y, noise)
+    margin = threshold * deviation + rounding
+    return relu, relu > margin, relu.abs() <= margin, gain
+
+
+def unit_deviations(block: ConvBlock, y: torch.Tensor, noise: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """BN⁻¹ of the block's output: the ReLU output, each unit's standard deviation (the
+    noise's and BN's float32 rounding's, taken as a third of its bound), and BN's gain."""
+    relu, deviation, rounding, gain = bn_inverse(block, y, noise)
+    return relu, deviation + rounding / 3, gain
+
+
+# The on-units' density just above 0 is read off those this many deviations up (per step)
+DENSITY_WINDOW = (4.0, 12.0)
+# a unit whose posterior is within this of 0 or 1 is decided; the rest are ambiguous
+DECIDED = 1e-3
+
+
+def posterior_on(relu: torch.Tensor, deviation: torch.Tensor) -> torch.Tensor:
+    """(N, C, h, w) P(on | r) for each unit's recovered ReLU output r = v + ε, ε ~ N(0, s²)
+    with s its estimated deviation: an off unit has v = 0 exactly (about half of them), an on
+    unit's v has, near 0, a density taken as flat in deviations and read off the units
+    `DENSITY_WINDOW` deviations up. A unit 1 deviation above 0 is then almost surely off (the
+    margin rules leave it undecided), one 4 up almost surely on."""
+    t = relu / deviation.clamp_min(1e-300)
+    flat = t.flatten(1)
+    low, high = DENSITY_WINDOW
+    units = flat.shape[1]
+    density = (((flat > low) & (flat < high)).double().sum(1) / (high - low) / units
+               ).clamp_min(1 / ((high - low) * units))[:, None, None, None]
+    far_on = (flat > low).double().mean(1)[:, None, None, None]
+    off = (1 - far_on - low * density).clamp(0.05, 1.0)
+    likely_on = density * torch.special.ndtr(t)
+    likely_off = off * torch.exp(-0.5 * t ** 2) / (2 * torch.pi) ** 0.5
+    return likely_on / (likely_on + likely_off)
+
+
+def bn_inverse(block: ConvBlock, y: torch.Tensor, noise: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The ReLU output under BN, its noise deviation, the bound on BN's rounding, BN's gain."""
     gain, shift, mean = bn_affine(block)
     relu = y / gain - shift + mean
     # The victim computed BN in float32: an off unit comes back as ±1e-7 of the terms summed.
     rounding = 1e-6 * (relu.flatten(1).abs().amax(1)[:, None, None, None] + shift.abs()
                        + mean.abs())
-    margin = threshold * noise / gain.abs() + rounding
-    return relu, relu > margin, relu.abs() <= margin, gain
+    return relu, noise / gain.abs(), rounding, gain
 
 
 
@@ -191,14 +231,20 @@ class InputFit:
 
 
 def least_squares(block: ConvBlock, delta: torch.Tensor, weight_gradient: torch.Tensor,
-                  outputs: KnownOutputs | None = None) -> InputFit:
+                  outputs: KnownOutputs | None = None,
+                  channel_weights: torch.Tensor | None = None) -> InputFit:
     """The input by least squares on D(δ), zero at the pixels no output reads (rank-deficient
     columns otherwise, which gelsy does not solve). Where D itself is rank-deficient,
-    `outputs` sets the part of the input in its null space (`complete_from_outputs`)."""
+    `outputs` sets the part of the input in its null space (`complete_from_outputs`).
+    `channel_weights` (N, C_out) weigh each output channel's rows (`robust_input`)."""
     count, channels_in = len(delta), block.conv.in_channels
     read = covered_pixels(block)
     matrix = weight_gradient_matrix(block, delta, unfold_identity(block)[read])
     rhs = weight_gradient.permute(0, 1, 3, 4, 2).reshape(count, -1, channels_in)
+    if channel_weights is not None:
+        taps = block.conv.kernel_size[0] ** 2
+        scale = channel_weights.sqrt().repeat_interleave(taps, dim=1)[:, :, None]
+        matrix, rhs = matrix * scale, rhs * scale
     solution = torch.zeros(count, len(read), channels_in, dtype=matrix.dtype)
     solution[:, read] = torch.linalg.lstsq(matrix, rhs, driver="gelsy").solution
     fit = InputFit(matrix, rhs, solution)
@@ -397,9 +443,57 @@ def as_map(block: ConvBlock, columns: torch.Tensor) -> torch.Tensor:
 
 
 def solve_input(block: ConvBlock, delta: torch.Tensor, weight_gradient: torch.Tensor,
-                outputs: KnownOutputs | None = None) -> torch.Tensor:
+                outputs: KnownOutputs | None = None,
+                channel_weights: torch.Tensor | None = None) -> torch.Tensor:
     """The conv's input by least squares."""
-    return as_map(block, least_squares(block, delta, weight_gradient, outputs).solution)
+    return as_map(block, least_squares(block, delta, weight_gradient, outputs,
+                                       channel_weights).solution)
+
+
+def input_patches(block: ConvBlock, inputs: torch.Tensor) -> torch.Tensor:
+    """(N, C_in·k², P): what each output position of the conv reads."""
+    conv = block.conv
+    return F.unfold(inputs, conv.kernel_size[0], padding=conv.padding, stride=conv.stride)
+
+
+def channel_residuals(block: ConvBlock, delta: torch.Tensor, weight_gradient: torch.Tensor,
+                      inputs: torch.Tensor) -> torch.Tensor:
+    """(N, C_out) ‖Σ_p δ_o(p) patch_p(a) − ∇W_o‖² per output channel o."""
+    predicted = torch.einsum("nop,nkp->nok", delta.flatten(2), input_patches(block, inputs))
+    return (predicted - weight_gradient.flatten(2)).pow(2).sum(2)
+
+
+def fitted_output_gradient(block: ConvBlock, inputs: torch.Tensor,
+                           weight_gradient: torch.Tensor) -> torch.Tensor:
+    """(N, C_out, h, w) the δ that best explains the weight gradient given the input: C_in·k²
+    equations per output channel for its h·w positions."""
+    patches = input_patches(block, inputs)
+    fitted = torch.linalg.lstsq(patches, weight_gradient.flatten(2).transpose(1, 2)).solution
+    channels_out, _, kernel, _ = block.conv.weight.shape
+    side = int(round(patches.shape[-1] ** 0.5))
+    return fitted.transpose(1, 2).reshape(len(inputs), channels_out, side, side)
+
+
+# A channel whose residual is this many times the median channel's gets half the weight: a
+# unit whose mask is wrong leaves its whole δ·patch in its channel's rows, far above the noise
+ROBUST_SPREAD = 9.0
+
+
+def robust_input(block: ConvBlock, delta: torch.Tensor, weight_gradient: torch.Tensor,
+                 rounds: int = 8) -> torch.Tensor:
+    """The conv's input by least squares with each output channel's rows reweighted (Cauchy
+    weights on its residual against the median channel's), so that the few channels holding a
+    wrong on/off decision do not pull the input away. Measured on the paper's CNN at random
+    init under noise:1e-6, 16 steps: the 32×21×21 map's median relative error 0.116 → 0.028
+    (the true masks give 0.011)."""
+    weights = torch.ones(delta.shape[:2], dtype=delta.dtype)
+    inputs = solve_input(block, delta, weight_gradient)
+    for _ in range(rounds):
+        residuals = channel_residuals(block, delta, weight_gradient, inputs)
+        typical = residuals.median(1, keepdim=True).values.clamp_min(1e-300)
+        weights = 1 / (1 + residuals / (ROBUST_SPREAD * typical))
+        inputs = solve_input(block, delta, weight_gradient, channel_weights=weights)
+    return inputs
 
 
 

@@ -18,6 +18,7 @@ from gradleak.attacks.analytic import recover_analytically
 from gradleak.attacks.conv_blocks import ConvBlock, conv_blocks, deepest_inputs
 from gradleak.attacks.conv_recovery import observed_conv_inputs
 from gradleak.attacks.first_conv import (
+    FIRST_BLOCK_MARGIN,
     GRADIENT_TOLERANCE,
     NOISE_REFERENCE,
     NoiseModel,
@@ -32,7 +33,8 @@ from gradleak.victims.base import victim_at_theta0
 
 @dataclass
 class ExactConfig:
-    threshold: float = 20.0  # a first-block unit counts as on this many noise deviations above 0
+    # a first-block unit counts as on this many noise deviations above 0
+    threshold: float = FIRST_BLOCK_MARGIN
     # the frame solve (attacks.frame_solve.FrameSolve, whose defaults these are): the
     # smoothness weight, CG iterations of the quadratic solve, then reweighting rounds that
     # weigh edges as total variation (edge_scale: its ε, a fraction of the input range; 0:
