@@ -479,6 +479,7 @@ def fitted_output_gradient(block: ConvBlock, inputs: torch.Tensor,
 ROBUST_SPREAD = 9.0
 
 
+@torch.no_grad()
 def robust_input(block: ConvBlock, delta: torch.Tensor, weight_gradient: torch.Tensor,
                  rounds: int = 8) -> torch.Tensor:
     """The conv's input by least squares with each output channel's rows reweighted (Cauchy

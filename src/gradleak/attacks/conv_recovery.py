@@ -111,6 +111,7 @@ class ConvInputs:
     # whatever the masks (so the yardstick for the runs that do depend on them)
     features: torch.Tensor | None = None
 
+    @torch.no_grad()
     def inconsistency(self, blocks: list[ConvBlock], name: str) -> torch.Tensor:
         """(N,) ‖the blocks from conv `name` up applied to its recovered input − features‖ /
         ‖features‖: a wrong on/off decision anywhere below shows up here."""
