@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from gradleak.defenses import parse_defense
+from gradleak.errors import ConfigError
 from gradleak.evaluation.reconstructions import evaluate
 from gradleak.io import atomic_path
 from gradleak.presets import load_preset
@@ -143,12 +144,19 @@ def main() -> None:
     clean = clean_attackers(args, parser)
     if not args.results.parent.is_dir():
         parser.error(f"--results {args.results}: its folder does not exist")
+    if not heldout.is_file():
+        parser.error(f"--work {args.work}: no heldout.h5 in it (a capture of held-out scenes)")
+    if args.baseline_windows < 1:
+        parser.error("--baseline-windows: expected at least 1 window")
+    try:  # every spec checked before any work
+        chains = {spec: parse_defense(spec) for spec in grid}
+    except ConfigError as error:
+        parser.error(f"--only: {error}")
     from gradleak.attacks.exact import NAME as EXACT
 
     baselines = {EXACT: preset.attack.exact} if args.exact else None
     rows, runs = [], {}
-    for spec in grid:
-        chain = parse_defense(spec)
+    for spec, chain in chains.items():
         attackers = {name: str(path) for name, path in clean.items()}
         if args.adaptive_minutes > 0 and spec != "none":
             for name in clean:

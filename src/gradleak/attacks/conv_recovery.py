@@ -48,7 +48,6 @@ from gradleak.attacks.conv_blocks import (
     block_forward,
     conv_blocks,
     deepest_inputs,
-    DECIDED,
     fitted_output_gradient,
     posterior_on,
     robust_input,
@@ -296,6 +295,10 @@ def output_gradient(block: ConvBlock, below: ConvBlock | None, y: torch.Tensor,
         mask[rows] = settle_masks(block, full[rows], KnownOutputs(relu[rows], sure[rows]),
                                   undecided[rows], weight_gradient[rows], rule.rounds)
     return full * mask, KnownOutputs(relu, mask, below)
+
+
+# a unit whose posterior is within this of 0 or 1 keeps it; the rest are settled by the fit
+DECIDED = 1e-3
 
 
 def posterior_mask(block: ConvBlock, full: torch.Tensor, relu: torch.Tensor,
