@@ -85,7 +85,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 
 
 def bar_chart(rows: list[dict[str, Any]], path: Path) -> None:
-    from gradleak.report.plots import _save, plt
+    from gradleak.report.plots import plot_grouped_bars
 
     series = {}
     for row in rows:
@@ -93,17 +93,7 @@ def bar_chart(rows: list[dict[str, Any]], path: Path) -> None:
             series.setdefault(f"{row['method']} ({row['mode']})", {})[row["defense"]] = row["psnr"]
         elif row["psnr"] is not None and row["defense"] == "none":
             series.setdefault(f"{row['method']} (zero-shot)", {})["none"] = row["psnr"]
-    specs = list(dict.fromkeys(r["defense"] for r in rows))
-    figure, axis = plt.subplots(figsize=(max(6, 0.7 * len(specs)), 3.4))
-    width = 0.8 / max(1, len(series))
-    for i, (name, values) in enumerate(series.items()):
-        axis.bar([j + i * width for j in range(len(specs))],
-                 [values.get(s, 0.0) for s in specs], width, label=name)
-    axis.set_xticks([j + 0.4 - width / 2 for j in range(len(specs))], specs, rotation=45,
-                    ha="right", fontsize=7)
-    axis.set_ylabel("PSNR (dB)")
-    axis.legend(fontsize=7)
-    _save(figure, path)
+    plot_grouped_bars(series, path, categories=list(dict.fromkeys(r["defense"] for r in rows)))
 
 
 def clean_attackers(args: argparse.Namespace, parser: argparse.ArgumentParser

@@ -14,13 +14,15 @@ picture, truth above each method.
 Writes benchmarks/results/exact_frames.{json,md,png}.
 
     python benchmarks/exact_frames.py [--work runs/exact-frames] [--steps 64] [--frames 16]
-        [--ppo-cnn runs/victims/cnn84-ppo] [--ppo-small runs/bench-victims/cnn-small/victim]
-        [--a2c-small runs/victims/small64-a2c] [--rank-frames 1]
+        [--ppo-cnn runs/victims/cnn84-ppo] [--a2c-cnn runs/victims/cnn84-a2c]
+        [--ppo-small runs/victims/small64-ppo] [--a2c-small runs/victims/small64-a2c]
+        [--rank-frames 1]
         [--defenses "cast:bfloat16;noise:1e-06;...;prune:0.1"] [--only "VICTIM;..."]
 
-The trained victims: `gradleak train-victim --preset paper --updates 6 --set train.num_envs=4
---out runs/victims/cnn84-ppo`, `gradleak train-victim --preset cpu-bench --algo a2c --updates 6
---set train.num_envs=4 --out runs/victims/small64-a2c`, and benchmarks/victims.py's cnn-small.
+The trained victims, 6 updates of 4 × 128 steps each (about 20 s apiece on 2 cores):
+`gradleak train-victim --preset paper [--algo a2c] --updates 6 --set train.num_envs=4 --out
+runs/victims/cnn84-ppo` (cnn84-a2c), and the same with `--preset cpu-bench` for cnn-small
+(small64-ppo, small64-a2c).
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ def paper_cases(ppo_cnn: Path) -> list[Case]:
 
 def cases(args: argparse.Namespace) -> list[Case]:
     return [*paper_cases(args.ppo_cnn),
+            Case("cnn 84×84, A2C", str(args.a2c_cnn), "paper", False),
             Case("cnn-small 64×64, random init", "cnn-small", "cpu-bench", True),
             Case("cnn-small 64×64, PPO", str(args.ppo_small), "cpu-bench", False),
             Case("cnn-small 64×64, A2C", str(args.a2c_small), "cpu-bench", False)]
@@ -288,8 +291,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--frames", type=int, default=16)
     parser.add_argument("--ppo-cnn", type=Path, default=Path("runs/victims/cnn84-ppo"))
-    parser.add_argument("--ppo-small", type=Path,
-                        default=Path("runs/bench-victims/cnn-small/victim"))
+    parser.add_argument("--a2c-cnn", type=Path, default=Path("runs/victims/cnn84-a2c"))
+    parser.add_argument("--ppo-small", type=Path, default=Path("runs/victims/small64-ppo"))
     parser.add_argument("--a2c-small", type=Path, default=Path("runs/victims/small64-a2c"))
     parser.add_argument("--defenses", default="cast:bfloat16;noise:1e-06;noise:1e-05;"
                         "noise:0.0001;noise:0.001;quant:12;quant:8;prune:0.5;prune:0.1")

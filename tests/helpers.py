@@ -161,3 +161,17 @@ def victim_with_statistics(dtype: torch.dtype = torch.float32) -> torch.nn.Modul
                 module.running_mean.uniform_(-0.1, 0.1, generator=generator)
                 module.running_var.uniform_(0.5, 2.0, generator=generator)
     return victim.to(dtype)
+
+
+# the cpu-quick preset shrunk to seconds, as `--set` flags (32×32 frames, tiny attackers)
+TINY = ["--set", "env.doomnav.frame_size=32", "--set", "env.doomnav.max_steps=20",
+        "--set", "env.train_maps=MAP01", "--set", "env.heldout_maps=MAP05",
+        "--set", "env.max_regions_per_map=2", "--set", "train.num_envs=2",
+        "--set", "train.rollout_steps=16", "--set", "train.updates=1",
+        "--set", "train.minibatch=16", "--set", "attack.trace.window=4",
+        "--set", "attack.trace.encoder_width=32", "--set", "attack.trace.latent=32",
+        "--set", "attack.trace.layers=1", "--set", "attack.trace_fit.epochs=1",
+        "--set", "attack.trace_fit.workers=0", "--set", "attack.trace_fit.max_train_windows=8",
+        "--set", "attack.trace_fit.max_val_windows=4", "--set", "attack.lti.hidden=32",
+        "--set", "attack.lti_fit.epochs=1", "--set", "attack.lti_fit.workers=0",
+        "--set", "attack.lti_fit.max_train_windows=32", "--set", "attack.lti_fit.max_val_windows=4"]

@@ -8,19 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from gradleak.cli import main
+from helpers import TINY
 
-TINY = ["--set", "env.doomnav.frame_size=32", "--set", "env.doomnav.max_steps=20",
-        "--set", "env.train_maps=MAP01", "--set", "env.heldout_maps=MAP05",
-        "--set", "env.max_regions_per_map=2", "--set", "train.num_envs=2",
-        "--set", "train.rollout_steps=16", "--set", "train.updates=1",
-        "--set", "train.minibatch=16", "--set", "attack.trace.window=4",
-        "--set", "attack.trace.encoder_width=32", "--set", "attack.trace.latent=32",
-        "--set", "attack.trace.layers=1", "--set", "attack.trace_fit.epochs=1",
-        "--set", "attack.trace_fit.workers=0", "--set", "attack.trace_fit.max_train_windows=8",
-        "--set", "attack.trace_fit.max_val_windows=4", "--set", "attack.lti.hidden=32",
-        "--set", "attack.lti_fit.epochs=1", "--set", "attack.lti_fit.workers=0",
-        "--set", "attack.lti_fit.max_train_windows=32", "--set", "attack.lti_fit.max_val_windows=4"]
+from gradleak.cli import main
 
 
 def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> object:
@@ -84,7 +74,8 @@ def test_errors_are_one_line_with_status_2(capsys, tmp_path: Path, monkeypatch, 
 def test_demo_runs_end_to_end_and_reports_heldout_recovery(capsys, tmp_path: Path) -> None:
     out = tmp_path / "demo"
     data = run_json(capsys, "demo", "--out", str(out), *TINY, "--set",
-                    "capture.steps_train=40", "--set", "capture.steps_heldout=40")
+                    "capture.steps_train=40", "--set", "capture.steps_heldout=40",
+                    "--set", "attack.ig.iterations=3")
     recovery = data["action_recovery_heldout"]
     assert recovery["odd-sign"]["n"] == 40 and recovery["odd-sign"]["accuracy"] >= 0.9
     assert recovery["sign-aware"]["oracle_advantage_sign"] is True
@@ -93,8 +84,13 @@ def test_demo_runs_end_to_end_and_reports_heldout_recovery(capsys, tmp_path: Pat
     exact = methods["exact (training-free)"]  # the demo leads with the attack needing no training
     assert exact["kind"] == "training-free" and exact["action_accuracy"] == 1.0
     assert exact["psnr"] > methods["mean training image"]["psnr"]
+    assert data["verdict"]["actions"]["accuracy"] >= 0.9 and data["verdict"]["headline"]
+    # the training-free frames came before any attacker training, and the audit after it
+    assert data["exact"]["methods"]["exact (training-free)"]["frames"] > 0
+    assert data["exact_seconds_into_demo"] < data["seconds"]
     for name in ("config.json", "results.json", "train.h5", "heldout.h5", "train.h5.json",
-                 "eval/heldout_actions.png", "eval/report.html", "eval/metrics.md",
+                 "heldout_actions.png", "audit/report.html", "audit/results.json",
+                 "exact/metrics.md", "audit/eval/none/reconstructions.png",
                  "trace/attacker.safetensors", "lti/attacker.safetensors",
                  "victim-ppo/victim.safetensors", "victim-ppo/learning_curve.png"):
         assert (out / name).exists(), name

@@ -14,6 +14,7 @@ from conftest import tiny_preset
 
 from gradleak.capture.run import CaptureJob, run_capture
 from gradleak.cli import main
+from gradleak.defenses import parse_defense
 from gradleak.errors import CaptureFileError
 from gradleak.evaluation.reconstructions import evaluate
 from gradleak.evaluation.scoring import MEAN_COLOUR, MEAN_IMAGE
@@ -136,6 +137,31 @@ def test_report_renders_offline_with_every_table_and_image(evaluation: Path,
     attrs = dict(re.findall(r'data-([\w-]+)="(\d+)"', body.group(1)))
     assert attrs["tables"] == "2"
     assert int(attrs["images"]) >= 2 and attrs["images-loaded"] == attrs["images"]
+
+
+def test_report_compares_evaluations_side_by_side(evaluation: Path, trained_attackers,
+                                                  random_capture: Path, tmp_path: Path,
+                                                  capsys) -> None:
+    other = tmp_path / "defended"
+    evaluate([random_capture], {"LtI": str(trained_attackers["lti"])}, other, max_windows=2,
+             defense=parse_defense("quant:4"))
+    out = tmp_path / "side-by-side"
+    assert main(["report", str(evaluation), str(other), "--out", str(out), "--quiet"]) == 0
+    page = (out / "report.html").read_text()
+    assert page.count("<table>") == 1 and (out / "comparison.png").stat().st_size > 1000
+    for label in (evaluation.name, "defended"):  # each run's rows, labelled
+        assert f"<td>{label}</td>" in page
+    assert "quant:4" in page and page.count("<tr>") == 1 + 7 + 4  # head, both runs' methods
+    assert main(["report", str(evaluation), str(other), "--out", str(out), "--quiet"]) == 0
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "report.html").write_text("mine")
+    capsys.readouterr()
+    assert main(["report", str(evaluation), str(other), "--out", str(foreign)]) == 2
+    assert "from something else than a comparison" in capsys.readouterr().err
+    assert (foreign / "report.html").read_text() == "mine" and len(list(foreign.iterdir())) == 1
+    assert main(["report", str(evaluation), str(other)]) == 2
+    assert "--out DIR" in capsys.readouterr().err
 
 
 def test_report_without_an_evaluation(tmp_path: Path, capsys) -> None:

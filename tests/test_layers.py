@@ -21,6 +21,7 @@ LAYERS = [
     {"training"},
     {"evaluation"},
     {"presets"},
+    {"audit"},
     {"demo"},
     {"cli"},
 ]

@@ -25,3 +25,11 @@ def test_every_results_json_has_a_row() -> None:
     module = _module()
     files = {path.name for path in module.RESULTS.glob("*.json")}
     assert files - set(module.ROWS) <= {"scene_survey.json"}  # a survey, not a result
+
+
+def test_readme_shows_the_demo_run_kept_in_the_results() -> None:
+    module = _module()
+    assert module.readme_block(module.README.read_text(), module.DEMO_BEGIN,
+                               module.DEMO_END) == module.fenced(module.demo_block()), (
+        "README's demo block is stale: run python benchmarks/readme_results.py --demo "
+        "runs/demo --write")

@@ -1,9 +1,11 @@
 """`gradleak demo`: the whole pipeline, for real, on the embedded default (freedoom2).
 
-A short PPO training of the victim; a capture on training scenes and one on held-out scenes;
-closed-form action recovery on the held-out capture; TRACE and LtI fitted on the training
-capture; both evaluated with the action rule and the reference rows on the held-out capture;
-an offline HTML report.
+In the order a newcomer should read it: a short PPO training of the victim and its captures
+(training scenes, held-out scenes); the actions read off single held-out gradients; frames from
+the training-free attack (one gradient and θ0 per frame, no attacker training), printed within
+the demo's first two minutes; then TRACE and LtI fitted on the training capture; and last
+`gradleak audit` of the held-out capture with those attackers, IG and a small defense grid,
+whose report.html opens with the verdict.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import platform
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,24 +26,29 @@ from gradleak.capture.run import CaptureJob, run_capture
 from gradleak.envs.actions import action_set
 from gradleak.errors import ConfigError
 from gradleak.evaluation import evaluate_action_rules
+from gradleak.audit import Audit, AuditConfig
 from gradleak.evaluation.reconstructions import evaluate
 from gradleak.io import check_output, read_json, write_json
 from gradleak.presets import Preset
-from gradleak.report.html import write_report
+from gradleak.report.audit import write_audit_report
 from gradleak.report.plots import plot_action_recovery
 from gradleak.report.scores import table_columns, table_rows
 from gradleak.report.tables import text_table
 from gradleak.rl.trainer import train_victim
 from gradleak.training.fit import fit_attacker
 
-EXACT_WINDOWS = 4  # windows the training-free attack inverts (about 0.8 s per frame)
+EXACT_WINDOWS = 4  # windows the training-free attack inverts (about 0.2 s per frame)
+# the audit's grid in the demo: a quantiser, pruning and a DP guarantee, seconds each (under
+# plain noise the training-free attack takes seconds per frame: the full grid is the audit's)
+DEMO_DEFENSES = ["quant:8", "prune:0.1", "dpsgd:eps=1"]
+AUDIT_WINDOWS = 32  # held-out windows the learned attackers and the references score
 
 DEMO_RULES = ("odd-sign", "sign-agnostic", "sign-aware")
 MARKER = ".gradleak-demo.json"  # says: this directory is a demo's output, these names its own
 CAPTURE_FILES = tuple(f"{split}.h5{suffix}" for split in ("train", "heldout")
                       for suffix in ("", ".json", ".partial", ".lock"))
-DEMO_ENTRIES = ("config.json", "results.json", "victim-ppo", "eval", "trace", "lti",
-                *CAPTURE_FILES)
+DEMO_ENTRIES = ("config.json", "results.json", "victim-ppo", "eval", "exact", "trace", "lti",
+                "audit", "heldout_actions.png", *CAPTURE_FILES)
 
 
 def prepare_output(out: Path) -> None:
@@ -69,47 +77,71 @@ def _remove(path: Path) -> None:
         path.unlink()
 
 
-def run_demo(preset: Preset, out: Path, progress: bool = True) -> dict[str, Any]:
+def run_demo(preset: Preset, out: Path, progress: bool = True,
+             say: Callable[[str], None] = lambda text: None) -> dict[str, Any]:
+    """`say` prints each finding as soon as it is measured (the demo leads with them)."""
     start = time.perf_counter()
     prepare_output(out)
     write_json(out / "config.json", preset.to_dict())
     victim_dir = out / "victim-ppo"
     training = train_victim(preset, victim_dir, progress=progress)
-    captures = {}
-    for split, steps in (("train", preset.capture.steps_train),
-                         ("heldout", preset.capture.steps_heldout)):
-        path = out / f"{split}.h5"
-        tick = time.perf_counter()
-        result = run_capture(CaptureJob(victim=str(victim_dir), split=split, steps=steps,
-                                        out=path, preset=preset, progress=progress))
-        with CaptureFile(path) as capture:
-            summary = capture.summary()
-        captures[split] = {**result, "seconds": round(time.perf_counter() - tick, 2),
-                           "success_rate": summary["success_rate"],
-                           "scenes": summary["scenes"], "size_mb": summary["size_mb"]}
-    recovery = evaluate_action_rules([out / "heldout.h5"], DEMO_RULES)
-    evaluation_dir = out / "eval"
-    picture = evaluation_dir / "heldout_actions.png"
-    _action_picture(out / "heldout.h5", preset, picture)
+    captures = {split: _capture(preset, victim_dir, out / f"{split}.h5", split, steps, progress)
+                for split, steps in (("train", preset.capture.steps_train),
+                                     ("heldout", preset.capture.steps_heldout))}
+    heldout = out / "heldout.h5"
+    recovery = evaluate_action_rules([heldout], DEMO_RULES)
+    _action_picture(heldout, preset, out / "heldout_actions.png")
+    say(actions_text(recovery) + f"\n({_minutes(start)} into the demo)\n")
+    exact = evaluate([heldout], {}, out / "exact", max_windows=EXACT_WINDOWS,
+                     baselines={ExactAttack.name: preset.attack.exact},
+                     baseline_windows=EXACT_WINDOWS, reference_data=[out / "train.h5"])
+    exact_seconds = time.perf_counter() - start
+    say(exact_text(exact) + f"\n({_minutes(start)} into the demo)\n")
     attackers = {}
     for kind, label in (("trace", "TRACE"), ("lti", "LtI")):
         attackers[label] = fit_attacker(kind, getattr(preset.attack, kind),
                                         getattr(preset.attack, f"{kind}_fit"),
                                         [str(out / "train.h5")], out / kind, progress=progress)
-    # the training-free attack leads: one gradient and θ0 per frame, no attacker training
-    evaluation = evaluate([out / "heldout.h5"], {label: str(out / kind) for kind, label in
-                                                 (("trace", "TRACE"), ("lti", "LtI"))},
-                          evaluation_dir, baselines={ExactAttack.name: preset.attack.exact},
-                          baseline_windows=EXACT_WINDOWS)
-    report = write_report(evaluation_dir)
+    config = AuditConfig(capture=str(heldout), out=str(out / "audit"), preset=preset.name,
+                         attackers={label: str(out / kind) for kind, label in
+                                    (("trace", "TRACE"), ("lti", "LtI"))},
+                         defenses=list(DEMO_DEFENSES), budget_minutes=10.0,
+                         max_windows=AUDIT_WINDOWS, exact_windows=EXACT_WINDOWS,
+                         optimisation=["ig"])
+    audit = Audit(config, progress, preset=preset).run()
+    report = write_audit_report(out / "audit",
+                                [(out / "heldout_actions.png", ACTIONS_CAPTION)])
+    clean = audit["stages"]["defense none"]["result"]
     result = {"preset": preset.name, "out": str(out), "training": training,
               "captures": captures, "action_recovery_heldout": recovery,
-              "attackers": attackers, "evaluation": evaluation, "report": str(report),
-              "picture": str(picture), "seconds": round(time.perf_counter() - start, 1),
+              "exact": exact, "exact_seconds_into_demo": round(exact_seconds, 1),
+              "attackers": attackers, "evaluation": clean, "verdict": audit["verdict"],
+              "report": str(report), "picture": str(out / "heldout_actions.png"),
+              "seconds": round(time.perf_counter() - start, 1),
               "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads"}
     write_json(out / "results.json", result)
     result["text"] = _text(result, preset)
     return result
+
+
+ACTIONS_CAPTION = ("Actions read off single gradients: above each private frame, the action "
+                   "the agent took → the action the odd-sign rule recovered")
+
+
+def _minutes(start: float) -> str:
+    return f"{(time.perf_counter() - start) / 60:.1f} min"
+
+
+def _capture(preset: Preset, victim_dir: Path, path: Path, split: str, steps: int,
+             progress: bool) -> dict[str, Any]:
+    tick = time.perf_counter()
+    result = run_capture(CaptureJob(victim=str(victim_dir), split=split, steps=steps, out=path,
+                                    preset=preset, progress=progress))
+    with CaptureFile(path) as capture:
+        summary = capture.summary()
+    return {**result, "seconds": round(time.perf_counter() - tick, 2),
+            "success_rate": summary["success_rate"], "scenes": summary["scenes"],
+            "size_mb": summary["size_mb"]}
 
 
 def _action_picture(path: Path, preset: Preset, picture: Path, steps: int = 10) -> None:
@@ -128,15 +160,34 @@ def _action_picture(path: Path, preset: Preset, picture: Path, steps: int = 10) 
                          "per-step gradient alone (odd-sign rule)")
 
 
+def actions_text(recovery: dict[str, Any]) -> str:
+    rows = [{"rule": rule + (" *" if r["oracle_advantage_sign"] else ""),
+             "accuracy": r["accuracy"], "steps": r["n"]} for rule, r in recovery.items()]
+    return "\n".join(["actions read off single held-out gradients (closed form, no training):",
+                      text_table(rows, ["rule", "accuracy", "steps"]),
+                      "* given the true sign of each advantage (an oracle: the paper's rule "
+                      "needs it)"])
+
+
+def exact_text(exact: dict[str, Any]) -> str:
+    methods = exact["methods"]
+    row, mean = methods[ExactAttack.name], methods["mean training image"]
+    lpips = (f" / LPIPS {row['lpips']:.3f} (mean image {mean['lpips']:.3f})"
+             if "lpips" in row else "")
+    return (f"frames from single held-out gradients, training-free ({row['frames']} frames, "
+            f"{row['ms_per_frame']:.0f} ms each): PSNR {row['psnr']:.2f} dB "
+            f"({row['psnr_gain_over_mean_image']:+.2f} over the mean training image) / SSIM "
+            f"{row['ssim']:.3f}{lpips}")
+
+
 def _text(result: dict[str, Any], preset: Preset) -> str:
     training, captures = result["training"], result["captures"]
-    rows = [{"rule": rule + (" *" if r["oracle_advantage_sign"] else ""),
-             "accuracy": r["accuracy"], "steps": r["n"]}
-            for rule, r in result["action_recovery_heldout"].items()]
     capture_rows = [{"split": split, "steps": c["steps"], "episodes": c["episodes"],
                      "scenes": c["scenes"], "success": c["success_rate"],
                      "steps/s": round(c["steps"] / c["seconds"], 1), "MB": c["size_mb"]}
                     for split, c in captures.items()]
+    evaluation = result["evaluation"]
+    rows = table_rows(evaluation["methods"])
     return "\n".join([
         f"gradleak demo: preset {preset.name}, {result['machine']}",
         f"victim {preset.train.victim} ({preset.env.doomnav.frame_size}x"
@@ -148,17 +199,20 @@ def _text(result: dict[str, Any], preset: Preset) -> str:
         text_table(capture_rows, ["split", "steps", "episodes", "scenes", "success", "steps/s",
                                   "MB"]),
         "",
-        "closed-form action recovery on the held-out capture:",
-        text_table(rows, ["rule", "accuracy", "steps"]),
-        "* given the true sign of each advantage (an oracle: the paper's rule needs it)",
+        actions_text(result["action_recovery_heldout"]),
         "",
-        f"reconstruction on the held-out capture ({result['evaluation']['windows']} windows of "
-        f"T = {result['evaluation']['window']}; attackers trained "
+        exact_text(result["exact"]) + f" — {result['exact_seconds_into_demo'] / 60:.1f} min "
+        "into the demo",
+        "",
+        f"every attack on the held-out capture ({evaluation['windows']} windows of "
+        f"T = {evaluation['window']}; attackers trained "
         + ", ".join(f"{label} {a['minutes']:.1f} min" for label, a in
                     result["attackers"].items()) + "):",
-        text_table(table_rows(result["evaluation"]["methods"]),
-                   table_columns(table_rows(result["evaluation"]["methods"]))),
-        f"LPIPS: {result['evaluation']['lpips']}",
+        text_table(rows, table_columns(rows)),
+        f"LPIPS: {evaluation['lpips']}",
         "",
-        f"done in {result['seconds']} s; report: {result['report']}",
+        "verdict (gradleak audit):",
+        *(f"- {line}" for line in result["verdict"]["headline"]),
+        "",
+        f"done in {result['seconds'] / 60:.1f} min; report: {result['report']}",
     ])

@@ -28,7 +28,7 @@ from gradleak.attacks.frame_refiner import FrameRefiner
 from gradleak.attacks.frame_solve import FrameSolve, project_frames, solve_frames
 from gradleak.errors import ConfigError
 from gradleak.threat import Observation, Reconstruction
-from gradleak.victims.base import victim_at_theta0
+from gradleak.victims.base import Victim, VictimConfig, create_victim, victim_at_theta0
 
 
 @dataclass
@@ -99,13 +99,7 @@ class ExactAttack:
         if prior is not None:
             self.name = WITH_PRIOR
         self.victim = victim_at_theta0(observation).double()
-        blocks = conv_blocks(self.victim)  # refuses a victim without a conv stack
-        reached = deepest_inputs(self.victim)[-1]
-        if len(blocks) < 2 or reached != blocks[1].name:
-            raise ConfigError(f"victim {observation.victim.name}: the recursion reaches the "
-                              f"input of {reached} only; the first conv's equations need the "
-                              "first block's output (the second conv's input)")
-        self.first = blocks[0]
+        self.first = first_block(self.victim)
 
     def reconstruct(self) -> Reconstruction:
         start = time.perf_counter()
@@ -147,6 +141,28 @@ class ExactAttack:
             refined = self.prior(stored).permute(0, 2, 3, 1).double() * 255
         return project_frames(equations, transform, refined, self.config.prior_projection,
                               self.config.frame_solve(), noise)
+
+
+def first_block(victim: Victim) -> ConvBlock:
+    """The first conv block, when the recursion reaches its output; a ConfigError naming why
+    not otherwise (no conv stack, or one the gradient does not determine)."""
+    blocks = conv_blocks(victim)  # refuses a victim without a conv stack
+    reached = deepest_inputs(victim)[-1]
+    if len(blocks) < 2 or reached != blocks[1].name:
+        raise ConfigError(f"victim {victim.config.name}: the recursion reaches the input of "
+                          f"{reached} only; the first conv's equations need the first "
+                          "block's output (the second conv's input)")
+    return blocks[0]
+
+
+def not_applicable(config: VictimConfig) -> str | None:
+    """Why the training-free attack cannot run on this victim (None: it can), read from its
+    architecture alone, before any gradient."""
+    try:
+        first_block(create_victim(config))
+    except ConfigError as error:
+        return str(error)
+    return None
 
 
 def bias_gradient(observation: Observation, first: ConvBlock) -> torch.Tensor | None:

@@ -11,6 +11,7 @@ from gradleak.cli import (
     actions,
     analytic,
     attackers,
+    audit,
     capture,
     defend,
     demo,
@@ -23,7 +24,7 @@ from gradleak.cli import (
 from gradleak.errors import GradleakError
 
 # in the order `gradleak --help` lists them
-COMMAND_MODULES = (demo, scenes, train, capture, attackers, evaluate, defend, optim, analytic,
+COMMAND_MODULES = (demo, audit, scenes, train, capture, attackers, evaluate, defend, optim, analytic,
                    fedavg, actions)
 
 
@@ -42,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         from gradleak.plugins import load_plugins
 
         load_plugins(args.plugin)
-        args.func(args)
+        status = args.func(args)  # a command may ask for another status (audit's --fail-if)
     except GradleakError as err:
         print(f"gradleak: error: {err}", file=sys.stderr)
         return 2
@@ -55,4 +56,4 @@ def main(argv: list[str] | None = None) -> int:
         print("gradleak: interrupted (an interrupted capture resumes with --resume)",
               file=sys.stderr)
         return 130
-    return 0
+    return status or 0

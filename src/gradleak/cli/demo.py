@@ -12,7 +12,8 @@ def run(args: argparse.Namespace) -> None:
     from gradleak.demo import run_demo
 
     preset = preset_from_args(args)  # every argument checked before the disk is touched
-    result = run_demo(preset, Path(args.out), progress=progress(args))
+    result = run_demo(preset, Path(args.out), progress=progress(args),
+                      say=print if progress(args) else lambda text: None)
     emit(args, result, result.pop("text"))
 
 

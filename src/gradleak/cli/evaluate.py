@@ -97,9 +97,15 @@ def run_evaluate(args: argparse.Namespace) -> None:
 
 
 def run_report(args: argparse.Namespace) -> None:
-    from gradleak.report.html import write_report
+    from gradleak.report.html import write_comparison, write_report
 
-    path = write_report(Path(args.run))
+    if len(args.run) == 1 and args.out is None:
+        path = write_report(Path(args.run[0]))
+    elif args.out is None:
+        raise ConfigError("report: several evaluations are compared into --out DIR (a new or "
+                          "empty folder); name it")
+    else:
+        path = write_comparison([Path(run) for run in args.run], Path(args.out))
     emit(args, {"report": str(path)}, f"report: {path}")
 
 
@@ -126,7 +132,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     prior_flag(p)
     p.set_defaults(func=run_evaluate)
 
-    p = sub.add_parser("report", help="write a self-contained report.html for an evaluation")
+    p = sub.add_parser("report", help="write a self-contained report.html for an evaluation, "
+                       "or compare several side by side (one table, one figure) in --out")
     common_flags(p)
-    p.add_argument("run")
+    p.add_argument("run", nargs="+", help="evaluation folders (metrics.json in each)")
+    p.add_argument("--out", default=None,
+                   help="where the comparison of several evaluations goes (report.html, "
+                   "comparison.png)")
     p.set_defaults(func=run_report)

@@ -18,6 +18,9 @@ from gradleak.threat import Observation, Target
 from gradleak.victims.base import VictimConfig, create_victim, rebuildable, victim_at_theta0
 
 CHUNK_ROWS = 128  # rows of gradients held at once
+# a recovered advantage or return within this relative error counts as exact: the float32
+# wire format gives 1e-6, float16 storage about 1e-3 (the audit's "comes back exactly")
+EXACT_RELATIVE = 1e-3
 
 
 def true_layer_inputs(observation: Observation, target: Target, modules: list[str]
@@ -65,7 +68,9 @@ def row_scores(observation: Observation, target: Target) -> dict[str, np.ndarray
             "values": np.abs(extras["values"] - target.values),
             "advantage": advantage_error,
             "advantage_relative": advantage_error / np.maximum(np.abs(target.advantages), 1e-8),
-            "returns": np.abs(extras["returns"] - target.returns), "misfit": extras["misfit"]}
+            "returns": np.abs(extras["returns"] - target.returns),
+            "returns_relative": np.abs(extras["returns"] - target.returns)
+            / np.maximum(np.abs(target.returns), 1e-8), "misfit": extras["misfit"]}
 
 
 def goal_errors(estimate: np.ndarray, truth: np.ndarray) -> dict[str, np.ndarray]:
@@ -95,6 +100,10 @@ def summarise_rows(chunks: list[dict[str, np.ndarray]]) -> dict[str, Any]:
             "advantage_max_abs_error": float(joined["advantage"].max()),
             "advantage_median_relative_error": float(np.median(joined["advantage_relative"])),
             "returns_max_abs_error": float(joined["returns"].max()),
+            "advantage_exact_fraction": float(np.mean(joined["advantage_relative"]
+                                                      <= EXACT_RELATIVE)),
+            "returns_exact_fraction": float(np.mean(joined["returns_relative"]
+                                                    <= EXACT_RELATIVE)),
             "median_misfit": float(np.nanmedian(joined["misfit"])), "layer_inputs": layers,
             **({"goal": goal} if goal else {})}
 

@@ -59,8 +59,9 @@ class Evaluation:
                  window: int | None = None, lpips_weights: str | None = None,
                  max_windows: int | None = None, samples: int = 4,
                  baselines: dict[str, OptimConfig | ExactConfig] | None = None,
-                 baseline_windows: int = 2, progress: bool = False,
-                 defense: Chain | None = None, skip_nonfinite: bool = False) -> None:
+                 baseline_windows: int | dict[str, int] = 2, progress: bool = False,
+                 defense: Chain | None = None, skip_nonfinite: bool = False,
+                 reference_data: Sequence[str | os.PathLike[str]] | None = None) -> None:
         self.defense = defense
         for config in (baselines or {}).values():  # a missing prior is named before any work
             if isinstance(config, ExactConfig):
@@ -83,8 +84,14 @@ class Evaluation:
                                   f"windows of {self.window} must be a multiple of it")
         self.layers = tuple(layers_from_json(self.dataset.fingerprint.layer_table))
         # The optimisation baselines solve one problem per frame: seconds to minutes each, so
-        # they see only the first `baseline_windows` windows (their rows say how many frames).
-        self.baselines, self.baseline_windows = baselines or {}, baseline_windows
+        # they see only the first `baseline_windows` windows (their rows say how many frames);
+        # a dict gives each baseline its own count (DLG and IG fewer than the training-free one)
+        self.baselines = baselines or {}
+        self.baseline_windows = (dict(baseline_windows) if isinstance(baseline_windows, dict)
+                                 else dict.fromkeys(self.baselines, baseline_windows))
+        missing = set(self.baselines) - set(self.baseline_windows)
+        if missing:
+            raise ConfigError(f"baseline_windows names no count for {', '.join(sorted(missing))}")
         self.progress = progress
         with CaptureFile(data[0]) as capture:  # θ0 and the loss: what the server knows
             self.theta0 = capture.theta0() if self.baselines else {}
@@ -92,12 +99,19 @@ class Evaluation:
         self.lpips_note = unavailable_reason(lpips_weights)
         self.lpips = None if self.lpips_note else LPIPS(lpips_weights)
         self.max_windows, self.sample_count = max_windows, samples
-        self.mean_image = self._mean_image()
+        self.mean_image = self._mean_image(reference_data)
 
-    def _mean_image(self) -> torch.Tensor:
-        """The mean of every frame of the attackers' training captures, so the reference is
-        the same whichever attackers are evaluated and in whatever order; a checkpoint's own
-        sampled mean only when those files are gone (and `mean_image_source` says so)."""
+    def _mean_image(self, reference_data: Sequence[str | os.PathLike[str]] | None
+                    ) -> torch.Tensor:
+        """The mean of every frame of `reference_data`, or else of the attackers' training
+        captures, so the reference is the same whichever attackers are evaluated and in
+        whatever order; a checkpoint's own sampled mean only when those files are gone (and
+        `mean_image_source` says so)."""
+        if reference_data:
+            mean, frames = mean_frame(reference_data)
+            self.mean_image_source = f"every frame of {', '.join(map(str, reference_data))} " \
+                                     f"({frames:,})"
+            return mean
         files = sorted({str(path) for _, meta in self.models.values()
                         for path in meta.get("train_files", [])})
         if files and all(Path(path).is_file() for path in files):
@@ -111,7 +125,8 @@ class Evaluation:
                                          "captures are not at their recorded paths)"
                 return torch.tensor(meta["mean_image"]).view(3, size, size)
         raise ConfigError("no attacker checkpoint carries the mean training image: evaluate "
-                          "at least one learned attacker")
+                          "at least one learned attacker, or name the frames of the reference "
+                          "(a training capture)")
 
     def run(self, batch_size: int = 16) -> dict[str, MethodScores]:
         methods = {name: MethodScores(name, "learned",
@@ -132,7 +147,7 @@ class Evaluation:
             batch = collate([self.dataset[i] for i in range(start, min(start + batch_size,
                                                                        count))])
             self._score_batch(batch, methods)
-            self._score_baselines(batch, methods, max(0, self.baseline_windows - start))
+            self._score_baselines(batch, methods, start)
         return methods
 
     def _score_batch(self, batch: Any, methods: dict[str, MethodScores]) -> None:
@@ -177,15 +192,17 @@ class Evaluation:
         return "adaptive" if trained.describe()["transforms"] == \
             self.defense.describe()["transforms"] else "zero-shot"
 
-    def _score_baselines(self, batch: Any, methods: dict[str, MethodScores], windows: int
+    def _score_baselines(self, batch: Any, methods: dict[str, MethodScores], start: int
                          ) -> None:
-        if not self.baselines or windows <= 0:
-            return
-        truth, actions = batch.images[:windows], batch.actions[:windows].numpy()
-        observed = ObservedWindows(batch.observed.gradients[:windows])
-        b, t = truth.shape[:2]
-        flat = self._frames_observation(observed)
+        """Each baseline on the windows of this batch that fall within its first
+        `baseline_windows[name]` windows (`start` is the batch's first window)."""
         for name, config in self.baselines.items():
+            windows = max(0, self.baseline_windows[name] - start)
+            if windows <= 0:
+                continue
+            truth, actions = batch.images[:windows], batch.actions[:windows].numpy()
+            b, t = truth.shape[:2]
+            flat = self._frames_observation(ObservedWindows(batch.observed.gradients[:windows]))
             result = SINGLE_STEP[type(config)][1](flat, config, self.progress).reconstruct()
             images = torch.from_numpy(result.images).view(b, t, *result.images.shape[1:])
             self._add(methods[name], images.permute(0, 1, 4, 2, 3).float() / 255.0, truth,
@@ -231,16 +248,18 @@ def _to_uint8(frames: torch.Tensor) -> np.ndarray:
 def evaluate(data: Sequence[str | os.PathLike[str]], attackers: dict[str, str], out: Path,
              lpips_weights: str | None = None, max_windows: int | None = None,
              baselines: dict[str, OptimConfig | ExactConfig] | None = None,
-             baseline_windows: int = 2,
+             baseline_windows: int | dict[str, int] = 2,
              progress: bool = False, defense: Chain | None = None,
-             skip_nonfinite: bool = False) -> dict[str, Any]:
+             skip_nonfinite: bool = False,
+             reference_data: Sequence[str | os.PathLike[str]] | None = None) -> dict[str, Any]:
     from gradleak.report.scores import write_evaluation  # matplotlib is slow to import
 
     check_output(out, "--out", directory=True)
     evaluation = Evaluation(data, attackers, lpips_weights=lpips_weights,
                             max_windows=max_windows, baselines=baselines,
                             baseline_windows=baseline_windows, progress=progress,
-                            defense=defense, skip_nonfinite=skip_nonfinite)
+                            defense=defense, skip_nonfinite=skip_nonfinite,
+                            reference_data=reference_data)
     methods = evaluation.run()
     result = {"data": [str(p) for p in data], "attackers": attackers,
               "baselines": {name: asdict(config) for name, config in (baselines or {}).items()},

@@ -89,3 +89,55 @@ def plot_private_vs_reconstructed(private: Any, recovered: Any, path: Path, titl
         axes[row, 0].set_ylabel(label, fontsize=7)
     figure.suptitle(title, fontsize=8)
     _save(figure, path)
+
+
+def plot_privacy_utility(outcomes: list[dict[str, Any]], clean: dict[str, Any],
+                         margin_db: float, path: Path) -> None:
+    """Each attack's PSNR gain over the mean image against the update's cosine to the clean
+    one: one point per defense (clean at cosine 1), one series per attack."""
+    figure, axis = plt.subplots(figsize=(7.5, 4.2))
+    series: dict[str, list[tuple[float, float, str]]] = {}
+    for name, row in clean.items():
+        if row.get("psnr_gain_over_mean_image") is not None:
+            series.setdefault(name, []).append((1.0, row["psnr_gain_over_mean_image"], "none"))
+    for outcome in outcomes:
+        if outcome.get("skipped") or outcome.get("cosine") is None:
+            continue
+        for name, row in outcome["per_attack"].items():
+            if row.get("psnr_gain_over_mean_image") is not None:
+                series.setdefault(name, []).append(
+                    (outcome["cosine"], row["psnr_gain_over_mean_image"], outcome["spec"]))
+    for name, points in series.items():
+        points.sort()
+        axis.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
+        for x, y, spec in points:
+            axis.annotate(spec, (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
+    axis.axhline(margin_db, color="grey", linestyle="--", linewidth=0.8)
+    axis.axhline(0.0, color="black", linewidth=0.6)
+    axis.set_xlabel("update cosine to the clean update (utility →)")
+    axis.set_ylabel("PSNR gain over the mean image (dB)")
+    axis.set_title("privacy–utility: each defense of the grid, each attack")
+    if series:
+        axis.legend(fontsize=7, loc="best")
+    else:
+        axis.text(0.5, 0.5, "no attack reconstructed frames", ha="center",
+                  transform=axis.transAxes)
+    _save(figure, path)
+
+
+def plot_grouped_bars(series: dict[str, dict[str, float]], path: Path,
+                      categories: list[str] | None = None, ylabel: str = "PSNR (dB)") -> None:
+    """One group of bars per category (x), a bar per series in each (absent values: 0)."""
+    categories = categories or list(dict.fromkeys(c for values in series.values()
+                                                  for c in values))
+    figure, axis = plt.subplots(figsize=(max(6.0, 0.35 * len(categories) * max(2, len(series))),
+                                         3.6))
+    width = 0.8 / max(1, len(series))
+    for i, (label, values) in enumerate(series.items()):
+        axis.bar([j + i * width for j in range(len(categories))],
+                 [values.get(c, 0.0) for c in categories], width, label=label)
+    axis.set_xticks([j + 0.4 - width / 2 for j in range(len(categories))], categories,
+                    rotation=35, ha="right", fontsize=7)
+    axis.set_ylabel(ylabel)
+    axis.legend(fontsize=7)
+    _save(figure, path)

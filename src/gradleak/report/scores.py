@@ -101,26 +101,26 @@ def markdown_report(result: dict[str, Any]) -> str:
 
 def plot_reconstructions(truth: np.ndarray, samples: dict[str, np.ndarray], path: Path,
                          sequences: int = 3) -> None:
-    """For each sequence: ground truth, then one row per method (like the paper's Figure 4)."""
-    names = list(samples)
+    """For each sequence: ground truth, then one row per method that reconstructed it (the
+    optimisation baselines invert fewer sequences), like the paper's Figure 4."""
     count = min(sequences, len(truth))
-    steps = truth.shape[1]
-    rows = count * (1 + len(names))
+    blocks = [[("ground truth", truth[s])] + [(name, frames[s]) for name, frames in
+                                              samples.items() if s < len(frames)]
+              for s in range(count)]
+    steps, rows = truth.shape[1], sum(len(block) for block in blocks)
     figure, axes = plt.subplots(rows, steps, figsize=(1.1 * steps + 1.6, 1.1 * rows),
                                 squeeze=False)
-    for s in range(count):
-        for r, (label, frames) in enumerate([("ground truth", truth)] +
-                                            [(n, samples[n]) for n in names]):
-            for t in range(steps):
-                axis = axes[s * (1 + len(names)) + r, t]
-                if s < len(frames):  # the optimisation baselines invert fewer sequences
-                    axis.imshow(frames[s, t], interpolation="nearest")
-                axis.set_xticks([])
-                axis.set_yticks([])
-                if t == 0:
-                    axis.set_ylabel(label, fontsize=6, rotation=0, ha="right", va="center")
-                if s == 0 and r == 0:
-                    axis.set_title(f"t={t + 1}", fontsize=7)
+    labelled = [row for block in blocks for row in block]
+    for r, (label, frames) in enumerate(labelled):
+        for t in range(steps):
+            axis = axes[r, t]
+            axis.imshow(frames[t], interpolation="nearest")
+            axis.set_xticks([])
+            axis.set_yticks([])
+            if t == 0:
+                axis.set_ylabel(label, fontsize=6, rotation=0, ha="right", va="center")
+            if r == 0:
+                axis.set_title(f"t={t + 1}", fontsize=7)
     _save(figure, path)
 
 

@@ -1,0 +1,267 @@
+"""`gradleak audit`: what one held-out capture gives away, and which defense stops it.
+
+Stages, in the order a reader needs them; each is written atomically under the output folder
+as soon as it is done, and a rerun with the same settings reads finished stages back instead of
+redoing them (a larger --budget-minutes completes what a smaller one skipped):
+
+1. `actions`: the closed-form action rules on every step;
+2. `closed_form`: actions, advantages and returns recovered from each step's gradient;
+3. `attackers`: the learned attackers given, or trained on a training capture within their
+   share of the budget;
+4. `clean`: every attack on the undefended stream (the training-free frames, the learned
+   attackers, DLG and IG on a few frames) beside the mean-image and mean-colour references;
+5. one stage per defense of the grid: the training-free and the learned attackers zero-shot
+   under it and the action rule, with the defense's cost to the update (cosine, relative norm
+   error, DP-SGD's ε). DLG and IG run on the clean stream only: they cost seconds per frame and
+   trail the training-free attack there, which sees the same single gradients.
+
+A stage the remaining budget cannot pay for (estimated from the stages before it) is skipped,
+and the verdict and the report name it.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gradleak.capture.reader import CaptureFile
+from gradleak.defenses import parse_defense
+from gradleak.errors import ConfigError
+from gradleak.evaluation.actions import evaluate_action_rules
+from gradleak.evaluation.analytic import evaluate_analytic
+from gradleak.io import check_output, read_json, write_json
+from gradleak.presets import Preset, load_preset
+
+# from light to strong within each family; the verdict looks for the cheapest that stops all
+GRID = ("cast:float16", "quant:8", "quant:4", "prune:0.5", "prune:0.1", "noise:1e-05",
+        "noise:0.001", "noise:0.01", "noise:0.1", "dpsgd:eps=10", "dpsgd:eps=1", "agg:8")
+RULES = ("odd-sign", "sign-agnostic", "sign-aware")
+OPTIMISATION = ("dlg", "ig")  # the single-step optimisation baselines, on a few frames
+MARKER = "audit.json"  # the settings; its presence says the folder is an audit's own
+TRAIN_SHARE = {"trace": 0.25, "lti": 0.10}  # of the budget, when attackers are trained here
+
+
+@dataclass
+class AuditConfig:
+    """Everything an audit's numbers depend on (saved as audit.json beside them)."""
+
+    capture: str
+    out: str
+    train: str | None = None
+    attackers: dict[str, str] = field(default_factory=dict)
+    defenses: list[str] = field(default_factory=lambda: list(GRID))
+    preset: str = "cpu-quick"
+    overrides: list[str] = field(default_factory=list)  # --set SECTION.FIELD=VALUE
+    budget_minutes: float = 20.0
+    max_windows: int = 32  # held-out windows the learned attackers and references score
+    exact_windows: int = 2  # windows the training-free attack inverts
+    optimisation_windows: int = 1  # windows DLG and IG invert (seconds per frame each)
+    optimisation: list[str] = field(default_factory=lambda: list(OPTIMISATION))
+    seed: int = 0
+
+    def check(self) -> None:
+        """Every argument and file, before any compute."""
+        if not self.budget_minutes > 0:
+            raise ConfigError(f"--budget-minutes {self.budget_minutes}: expected a positive "
+                              "number")
+        for name in ("max_windows", "exact_windows"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} {getattr(self, name)}: expected "
+                                  "at least 1")
+        if self.optimisation_windows < 0:
+            raise ConfigError("--optimisation-windows: expected 0 or more")
+        for spec in self.defenses:  # a ConfigError names a spec it cannot read
+            if parse_defense(spec).span > 1 and not (self.attackers or self.train):
+                raise ConfigError(f"--defenses {spec}: it aggregates steps, which only learned "
+                                  "attackers read; give --attacker or --train, or leave it out")
+        from gradleak.attacks.optim.config import BASELINES
+
+        for name in self.optimisation:
+            BASELINES.get(name)
+        for path, what in ((self.capture, "--capture"), (self.train, "--train")):
+            if path is not None and not Path(path).is_file():
+                raise ConfigError(f"{what} {path}: no such capture file")
+        with CaptureFile(self.capture) as capture:
+            if capture.attrs["split"] != "heldout":
+                raise ConfigError(f"--capture {self.capture}: a capture of "
+                                  f"{capture.attrs['split']!r} scenes; the audit scores "
+                                  "held-out scenes (capture with --split heldout)")
+        from gradleak.training.checkpoint import META
+
+        for name, folder in self.attackers.items():
+            if not (Path(folder) / META).is_file():
+                raise ConfigError(f"--attacker {name}={folder}: not an attacker run (no {META})")
+
+
+@dataclass
+class Stage:
+    name: str
+    result: dict[str, Any] | None = None  # None: skipped, `skipped` says why
+    skipped: str | None = None
+    seconds: float = 0.0
+
+
+class Audit:
+    """Runs the stages against a wall-clock budget, reusing the ones already on disk."""
+
+    def __init__(self, config: AuditConfig, progress: bool = True,
+                 say: Callable[[str], None] = lambda text: None,
+                 preset: Preset | None = None) -> None:
+        """`preset`: settings already built (the demo's, with its --set), else the named one
+        with `config.overrides`; saved as preset.json beside audit.json either way."""
+        config.check()
+        self.config, self.progress, self.say = config, progress, say
+        self.out = Path(config.out)
+        self.preset = preset or load_preset(config.preset, config.overrides)  # before the folder
+        self.start = time.perf_counter()
+        self.stages: dict[str, Stage] = {}
+        prepare_output(self.out, config)
+        write_json(self.out / "preset.json", self.preset.to_dict())
+
+    # -- bookkeeping -------------------------------------------------------------------------
+    def minutes_left(self) -> float:
+        return self.config.budget_minutes - (time.perf_counter() - self.start) / 60.0
+
+    def stage(self, name: str, run: Callable[[], dict[str, Any]],
+              estimate_minutes: float | None = None) -> Stage:
+        """Runs `run` unless it is on disk already, or it has an estimate (the grid's stages
+        do; the core ones always run) that the budget left cannot pay."""
+        path = self.out / "stages" / f"{slug(name)}.json"
+        if path.is_file():
+            saved = read_json(path, f"audit stage {name}")
+            stage = Stage(name, saved.get("result"), seconds=float(saved.get("seconds", 0.0)))
+        elif estimate_minutes is not None and estimate_minutes > self.minutes_left():
+            stage = Stage(name, skipped=f"budget: about {estimate_minutes:.1f} min needed, "
+                                        f"{max(self.minutes_left(), 0):.1f} left")
+        else:
+            self.say(f"audit: {name}")
+            tick = time.perf_counter()
+            result = run()
+            stage = Stage(name, result, seconds=round(time.perf_counter() - tick, 2))
+            write_json(path, {"name": name, "seconds": stage.seconds, "result": result})
+        self.stages[name] = stage
+        return stage
+
+    # -- the stages --------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        from gradleak.evaluation.verdict import verdict
+
+        self.stage("actions", lambda: evaluate_action_rules([self.config.capture], RULES))
+        self.stage("closed form", self.closed_form)
+        attackers = self.stage("attackers", self.attackers).result or {}
+        clean = self.stage("defense none", lambda: self.evaluate("none", attackers))
+        estimate = without_optimisation(clean) / 60.0
+        for spec in self.config.defenses:
+            done = self.stage(f"defense {spec}", lambda spec=spec: self.evaluate(spec, attackers),
+                              estimate_minutes=estimate)
+            estimate = max(estimate, done.seconds / 60.0)
+        summary = {"config": asdict(self.config), "capture": self.capture_summary(),
+                   "stages": {name: {"result": s.result, "skipped": s.skipped,
+                                     "seconds": s.seconds} for name, s in self.stages.items()},
+                   # the stages' own time, over every run that resumed this audit
+                   "minutes": round(sum(s.seconds for s in self.stages.values()) / 60.0, 2)}
+        summary["verdict"] = verdict(summary)
+        write_json(self.out / "results.json", summary)
+        return summary
+
+    def closed_form(self) -> dict[str, Any]:
+        """The closed form's scores, or why the victim's structure does not allow it."""
+        try:
+            return evaluate_analytic([self.config.capture])[self.config.capture]
+        except ConfigError as error:
+            return {"not_applicable": str(error)}
+
+    def capture_summary(self) -> dict[str, Any]:
+        with CaptureFile(self.config.capture) as capture:
+            summary = capture.summary()
+            summary["scene_names"] = [str(scene) for scene in capture.scenes[:12]]
+        return summary
+
+    def attackers(self) -> dict[str, str]:
+        """The attackers given, or TRACE and LtI trained on --train within their budget share
+        (each fit stops at its time limit and keeps its best epoch)."""
+        if self.config.attackers or not self.config.train:
+            return dict(self.config.attackers)
+        from gradleak.training.checkpoint import display_name
+        from gradleak.training.fit import fit_attacker
+
+        trained = {}
+        for kind, share in TRAIN_SHARE.items():
+            fit = copy.deepcopy(getattr(self.preset.attack, f"{kind}_fit"))
+            fit.time_limit_minutes = share * self.config.budget_minutes
+            folder = self.out / "attackers" / kind
+            fit_attacker(kind, copy.deepcopy(getattr(self.preset.attack, kind)), fit,
+                         [self.config.train], folder, resume=folder.exists(),
+                         progress=self.progress)
+            trained[display_name(kind)] = str(folder)
+        return trained
+
+    def evaluate(self, spec: str, attackers: dict[str, str]) -> dict[str, Any]:
+        from gradleak.attacks.exact import NAME as EXACT
+        from gradleak.attacks.exact import not_applicable
+        from gradleak.attacks.optim.config import baseline_config
+        from gradleak.evaluation.reconstructions import evaluate
+
+        chain = parse_defense(spec, seed=self.config.seed)
+        baselines: dict[str, Any] = {}
+        windows: dict[str, int] = {}
+        with CaptureFile(self.config.capture) as capture:
+            exact_reason = not_applicable(capture.victim)
+        if chain.span == 1 and exact_reason is None:  # single steps, not an aggregate of them
+            baselines[EXACT], windows[EXACT] = self.preset.attack.exact, self.config.exact_windows
+        if chain.span == 1:
+            families = {"ig": self.preset.attack.ig, "dlg": self.preset.attack.dlg}
+            optimisation = self.config.optimisation if spec == "none" and \
+                self.config.optimisation_windows else ()
+            for name in optimisation:
+                display = name.upper().replace("-PROBE", " (probe loss)")
+                baselines[display] = baseline_config(name, families)
+                windows[display] = self.config.optimisation_windows
+        result = evaluate([self.config.capture], attackers,
+                          self.out / "eval" / slug(spec), max_windows=self.config.max_windows,
+                          defense=None if spec == "none" else chain, baselines=baselines,
+                          baseline_windows=windows, progress=self.progress,
+                          reference_data=[self.config.train] if self.config.train else
+                          None if attackers else [self.config.capture])
+        return {**result, "spec": spec, "eval_dir": str(self.out / "eval" / slug(spec)),
+                "not_applicable": {EXACT: exact_reason} if exact_reason else {}}
+
+
+def without_optimisation(stage: Stage) -> float:
+    """Seconds the stage would have taken without DLG and IG (what a defense stage runs)."""
+    if stage.result is None:
+        return 0.0
+    spent = sum((row.get("ms_per_frame") or 0.0) * row["frames"] / 1e3
+                for row in stage.result["methods"].values() if row["kind"] == "optimisation")
+    return max(stage.seconds - spent, 0.0)
+
+
+def slug(text: str) -> str:
+    return "".join(c if c.isalnum() or c in ".-_" else "-" for c in text)
+
+
+def prepare_output(out: Path, config: AuditConfig) -> None:
+    """A new or empty folder, or this audit's own (same settings but the budget): then its
+    finished stages are reused. Anything else is refused, never overwritten."""
+    check_output(out, "--out", directory=True)
+    marker = out / MARKER
+    if out.exists() and any(out.iterdir()):
+        if not marker.is_file():
+            raise ConfigError(f"--out {out} is not empty and holds no {MARKER}: choose a new "
+                              "or empty folder (an audit resumes only in its own)")
+        earlier = read_json(marker, "audit settings")
+        mine = asdict(config)
+        changed = sorted(key for key in mine if key not in ("budget_minutes", "out")
+                         and earlier.get(key) != json.loads(json.dumps(mine[key])))
+        if changed:
+            raise ConfigError(f"--out {out} holds an audit with other settings "
+                              f"({', '.join(changed)}): choose a new folder, or rerun with "
+                              "its settings to resume it")
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(marker, asdict(config))
+

@@ -1,0 +1,199 @@
+"""The audit's verdict: what comes back, how well, and the cheapest defense that stops it.
+
+A defense "stops" the attacks when every frame attack scores within STOP_MARGIN_DB of the mean
+training image (the reference that uses no gradient) and every action read off the gradients
+is at chance (within three binomial standard deviations of 1/K over the frames scored). The
+weakest such defense is the one that costs the update least (highest cosine to the clean
+update). `--fail-if` conditions are read against the clean figures, with a small grammar
+(`psnr>25 or actions>0.5`), never eval'd.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import re
+from typing import Any
+
+from gradleak.errors import ConfigError
+from gradleak.evaluation.scoring import MEAN_COLOUR, MEAN_IMAGE
+
+STOP_MARGIN_DB = 1.0
+ATTACK_KINDS = ("learned", "training-free", "optimisation")
+
+
+def attack_rows(methods: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {name: row for name, row in methods.items() if row["kind"] in ATTACK_KINDS}
+
+
+def action_rows(methods: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Every method that reads actions off the gradients (the references guess none)."""
+    return {name: row for name, row in methods.items()
+            if row["kind"] != "reference" and row.get("action_accuracy") is not None}
+
+
+def at_chance(row: dict[str, Any], chance: float) -> bool:
+    spread = 3.0 * math.sqrt(chance * (1.0 - chance) / max(row.get("frames") or 1, 1))
+    return row["action_accuracy"] <= chance + spread
+
+
+def defense_outcome(spec: str, stage: dict[str, Any], chance: float) -> dict[str, Any]:
+    result = stage["result"]
+    if result is None:
+        return {"spec": spec, "skipped": stage["skipped"]}
+    methods = result["methods"]
+    frames = attack_rows(methods)
+    best = max(frames.items(), key=lambda item: item[1].get("psnr", -math.inf), default=None)
+    actions = action_rows(methods)
+    best_actions = max((row["action_accuracy"] for row in actions.values()), default=None)
+    stops = (all(row.get("psnr_gain_over_mean_image", math.inf) <= STOP_MARGIN_DB
+                 for row in frames.values())
+             and all(at_chance(row, chance) for row in actions.values()))
+    utility = result.get("utility") or {}
+    epsilon = [t["achieved_eps"] for t in (result.get("defense") or {}).get("transforms", [])
+               if "achieved_eps" in t]
+    return {"spec": spec, "stops": stops, "skipped": None,
+            "best_attack": best[0] if best else None,
+            "best_psnr": best[1].get("psnr") if best else None,
+            "best_gain": best[1].get("psnr_gain_over_mean_image") if best else None,
+            "best_action_accuracy": best_actions,
+            "mean_image_psnr": methods[MEAN_IMAGE].get("psnr"),
+            "cosine": utility.get("cosine"), "relative_norm_error":
+                utility.get("relative_norm_error"),
+            "epsilon": epsilon[0] if epsilon else None,
+            "per_attack": {name: {key: row.get(key) for key in
+                                  ("psnr", "ssim", "lpips", "psnr_gain_over_mean_image",
+                                   "action_accuracy", "frames")}
+                           for name, row in {**frames, **actions}.items()}}
+
+
+def verdict(summary: dict[str, Any]) -> dict[str, Any]:
+    stages, capture = summary["stages"], summary["capture"]
+    chance = 1.0 / capture["num_actions"]
+    result: dict[str, Any] = {"chance": chance, "stop_margin_db": STOP_MARGIN_DB,
+                              "skipped": {name: s["skipped"] for name, s in stages.items()
+                                          if s["skipped"]}}
+    rules = (stages.get("actions") or {}).get("result") or {}
+    honest = {rule: r for rule, r in rules.items() if not r.get("oracle_advantage_sign")}
+    if honest:
+        rule, best = max(honest.items(), key=lambda item: item[1]["accuracy"])
+        result["actions"] = {"rule": rule, "accuracy": best["accuracy"], "steps": best["n"]}
+    closed = (stages.get("closed form") or {}).get("result")
+    if closed and "not_applicable" in closed:
+        result["not_applicable"] = {"closed form": closed["not_applicable"]}
+    elif closed:
+        result["closed_form"] = {"actions": closed["action_accuracy"],
+                                 "advantages": closed["advantage_exact_fraction"],
+                                 "returns": closed["returns_exact_fraction"],
+                                 "steps": closed["rows"]}
+    clean = (stages.get("defense none") or {}).get("result")
+    if clean:
+        result.setdefault("not_applicable", {}).update(clean.get("not_applicable") or {})
+        methods = clean["methods"]
+        frames = attack_rows(methods)
+        if frames:
+            name, row = max(frames.items(), key=lambda item: item[1].get("psnr", -math.inf))
+            result["frames"] = {"method": name, "psnr": row.get("psnr"), "ssim": row.get("ssim"),
+                                "lpips": row.get("lpips"),
+                                "gain": row.get("psnr_gain_over_mean_image"),
+                                "frames": row.get("frames"),
+                                "mean_image_psnr": methods[MEAN_IMAGE].get("psnr"),
+                                "mean_colour_psnr": methods[MEAN_COLOUR].get("psnr")}
+    outcomes = [defense_outcome(name.removeprefix("defense "), stage, chance)
+                for name, stage in stages.items() if name.startswith("defense ")
+                and name != "defense none"]
+    result["defenses"] = outcomes
+    stopping = [o for o in outcomes if o.get("stops")]
+    result["weakest_stopping"] = max(stopping, key=lambda o: o["cosine"] if o["cosine"]
+                                     is not None else -math.inf)["spec"] if stopping else None
+    result["headline"] = headline(result)
+    return result
+
+
+def _pct(value: float) -> str:
+    return f"{100 * value:.0f}%"
+
+
+def headline(v: dict[str, Any]) -> list[str]:
+    """The verdict as sentences a person reads in ten seconds."""
+    lines = []
+    if "actions" in v:
+        a = v["actions"]
+        lines.append(f"Actions: {_pct(a['accuracy'])} of {a['steps']} held-out steps' actions "
+                     f"are read off single gradients ({a['rule']} rule, no training; chance "
+                     f"{_pct(v['chance'])}).")
+    if "closed_form" in v:
+        c = v["closed_form"]
+        lines.append(f"Closed form: {_pct(c['advantages'])} of advantages and "
+                     f"{_pct(c['returns'])} of returns come back exactly (within 0.1%).")
+    if "frames" in v:
+        f = v["frames"]
+        lpips = f" / LPIPS {f['lpips']:.3f}" if f.get("lpips") is not None else ""
+        lines.append(f"Frames: the best attack, {f['method']}, reconstructs them at "
+                     f"{f['psnr']:.1f} dB / SSIM {f['ssim']:.3f}{lpips}, {f['gain']:+.1f} dB "
+                     f"against the mean training image ({f['mean_image_psnr']:.1f} dB).")
+    outcomes = [o for o in v["defenses"] if not o.get("skipped")]
+    if v["weakest_stopping"]:
+        o = next(o for o in outcomes if o["spec"] == v["weakest_stopping"])
+        cost = (f"update cosine {o['cosine']:.3f}, relative norm error "
+                f"{o['relative_norm_error']:.3f}" if o["cosine"] is not None else "")
+        eps = f", ε = {o['epsilon']:.2f}" if o["epsilon"] is not None else ""
+        lines.append(f"Defense: the weakest in the grid that brings every attack to the "
+                     f"mean-image level and actions to chance is {o['spec']} ({cost}{eps}).")
+    elif outcomes:
+        lines.append(f"Defense: none of the {len(outcomes)} defenses tried brings every attack "
+                     "to the mean-image level and actions to chance.")
+    for attack, reason in (v.get("not_applicable") or {}).items():
+        lines.append(f"Not applicable to this victim: {attack} ({reason}).")
+    if v["skipped"]:
+        lines.append(f"Not run within the budget: {', '.join(v['skipped'])}.")
+    return lines
+
+
+# -- --fail-if --------------------------------------------------------------------------------
+OPERATORS = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le,
+             "==": operator.eq}
+METRICS = {"psnr": ("frames", "psnr"), "ssim": ("frames", "ssim"), "lpips": ("frames", "lpips"),
+           "gain": ("frames", "gain"), "actions": ("actions", "accuracy"),
+           "advantages": ("closed_form", "advantages"), "returns": ("closed_form", "returns")}
+CLAUSE = re.compile(r"^\s*([a-z]+)\s*(>=|<=|==|>|<)\s*([-+]?\d+(?:\.\d*)?(?:e[-+]?\d+)?)\s*$")
+
+
+def parse_condition(text: str) -> list[list[tuple[str, str, float]]]:
+    """`a>1 and b<2 or c>=3` as OR-groups of AND-ed clauses (and binds tighter)."""
+    groups = []
+    for part in re.split(r"\bor\b", text):
+        clauses = []
+        for clause in re.split(r"\band\b", part):
+            match = CLAUSE.match(clause)
+            if not match or match.group(1) not in METRICS:
+                raise ConfigError(f"--fail-if {text!r}: cannot read {clause.strip()!r}; expected "
+                                  f"METRIC OP NUMBER joined by 'and'/'or', METRIC one of "
+                                  f"{', '.join(METRICS)}, OP one of {' '.join(OPERATORS)}")
+            clauses.append((match.group(1), match.group(2), float(match.group(3))))
+        groups.append(clauses)
+    return groups
+
+
+def condition_holds(groups: list[list[tuple[str, str, float]]], v: dict[str, Any]
+                    ) -> tuple[bool, list[str]]:
+    """Whether the condition holds on the verdict, and the clauses that held. A metric the
+    audit did not measure makes its clause false, and is named."""
+    held, missing = [], []
+
+    def value(metric: str) -> float | None:
+        section, key = METRICS[metric]
+        found = (v.get(section) or {}).get(key)
+        if found is None:
+            missing.append(metric)
+        return found
+
+    def check(metric: str, op: str, number: float) -> bool:
+        found = value(metric)
+        ok = found is not None and OPERATORS[op](found, number)
+        if ok:
+            held.append(f"{metric} {found:.4g} {op} {number:g}")
+        return ok
+
+    result = any(all([check(*clause) for clause in group]) for group in groups)
+    return result, held + [f"{m}: not measured" for m in dict.fromkeys(missing)]

@@ -1,0 +1,255 @@
+"""`gradleak audit`: the verdict follows from the stages, a rerun resumes, the budget skips
+stages and says so, --fail-if sets the exit status, and report.html renders in Chromium with
+nothing cut off and hostile capture strings escaped."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import h5py
+import pytest
+from helpers import TINY
+
+from gradleak.cli import main
+from gradleak.evaluation.verdict import condition_holds, parse_condition
+from gradleak.errors import ConfigError
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+HOSTILE = "<script>alert('x')</script>&\"'"
+HOSTILE_FILE = "<img src=x onerror=alert(1)>.h5"  # a file name holds no slash
+DEFENSES = "quant:4;dpsgd:eps=1;agg:2"
+FAST = ["--set", "attack.ig.iterations=3", "--set", "attack.dlg.iterations=3",
+        "--max-windows", "3", "--exact-windows", "1", "--optimisation-windows", "1"]
+
+
+def audit_argv(capture: Path, attackers: dict[str, Path], out: Path, *extra: str) -> list[str]:
+    return ["audit", "--capture", str(capture), "--attacker", f"TRACE={attackers['trace']}",
+            "--attacker", f"LtI={attackers['lti']}", "--defenses", DEFENSES, "--out", str(out),
+            *FAST, *extra]
+
+
+@pytest.fixture(scope="module")
+def hostile_capture(random_capture: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The held-out capture under a hostile file name, with a hostile scene name inside."""
+    copy = tmp_path_factory.mktemp("hostile") / HOSTILE_FILE
+    shutil.copy(random_capture, copy)
+    with h5py.File(copy, "r+") as file:
+        key = "all_scenes" if "all_scenes" in file.attrs else "scenes"
+        scenes = json.loads(file.attrs[key])
+        file.attrs[key] = json.dumps([HOSTILE, *scenes[1:]])
+    return copy
+
+
+@pytest.fixture(scope="module")
+def audited(hostile_capture: Path, trained_attackers, tmp_path_factory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("audit") / "run"
+    attackers = {**trained_attackers}
+    argv = audit_argv(hostile_capture, attackers, out, "--json")
+    argv[argv.index(f"TRACE={attackers['trace']}")] = f"{HOSTILE}={attackers['trace']}"
+    from contextlib import redirect_stdout
+    from io import StringIO
+
+    printed = StringIO()
+    with redirect_stdout(printed):
+        assert main(argv) == 0
+    return out, json.loads(printed.getvalue())
+
+
+def test_the_verdict_follows_from_the_stages(audited) -> None:
+    out, verdict = audited
+    summary = json.loads((out / "results.json").read_text())
+    assert verdict["actions"]["accuracy"] == max(
+        r["accuracy"] for r in summary["stages"]["actions"]["result"].values()
+        if not r["oracle_advantage_sign"])
+    closed = summary["stages"]["closed form"]["result"]
+    assert verdict["closed_form"]["advantages"] == closed["advantage_exact_fraction"] == 1.0
+    clean = summary["stages"]["defense none"]["result"]["methods"]
+    frames = {n: r for n, r in clean.items() if r["kind"] != "reference" and "psnr" in r}
+    assert verdict["frames"]["psnr"] == max(r["psnr"] for r in frames.values())
+    assert {"DLG", "IG", "exact (training-free)", HOSTILE, "LtI"} <= set(frames)
+    outcomes = {o["spec"]: o for o in verdict["defenses"]}
+    assert list(outcomes) == DEFENSES.split(";")
+    assert outcomes["dpsgd:eps=1"]["epsilon"] == pytest.approx(1.0, abs=0.05)
+    # DLG and IG only on the clean stream; aggregation leaves only the learned attackers
+    defended = summary["stages"]["defense quant:4"]["result"]["methods"]
+    assert "IG" not in defended and "exact (training-free)" in defended
+    assert "exact (training-free)" not in summary["stages"]["defense agg:2"]["result"]["methods"]
+    stopping = [o for o in outcomes.values() if o["stops"]]
+    assert verdict["weakest_stopping"] == (max(stopping, key=lambda o: o["cosine"])["spec"]
+                                           if stopping else None)
+    for o in outcomes.values():  # "stops" means every attack at the mean image, actions at chance
+        gains = [a["psnr_gain_over_mean_image"] for a in o["per_attack"].values()
+                 if a["psnr_gain_over_mean_image"] is not None]
+        if o["stops"]:
+            assert max(gains) <= verdict["stop_margin_db"]
+    assert verdict["headline"][0].startswith("Actions:") and verdict["report"].endswith(".html")
+
+
+def test_a_rerun_resumes_and_other_settings_are_refused(audited, hostile_capture: Path,
+                                                        trained_attackers, capsys) -> None:
+    out, _ = audited
+    stages = sorted((out / "stages").iterdir())
+    before = {p.name: p.stat().st_mtime_ns for p in stages}
+    argv = audit_argv(hostile_capture, trained_attackers, out, "--quiet")
+    argv[argv.index(f"TRACE={trained_attackers['trace']}")] = \
+        f"{HOSTILE}={trained_attackers['trace']}"
+    assert main([*argv, "--budget-minutes", "50"]) == 0  # the budget may change
+    assert {p.name: p.stat().st_mtime_ns for p in (out / "stages").iterdir()} == before
+    capsys.readouterr()
+    assert main([*argv[:-1], "--exact-windows", "2", "--quiet"]) == 2
+    assert "other settings (exact_windows)" in capsys.readouterr().err
+    assert {p.name: p.stat().st_mtime_ns for p in (out / "stages").iterdir()} == before
+
+
+def test_a_foreign_folder_is_refused_untouched(random_capture: Path, trained_attackers,
+                                               tmp_path: Path, capsys) -> None:
+    (tmp_path / "notes.txt").write_text("mine")
+    assert main(audit_argv(random_capture, trained_attackers, tmp_path, "--quiet")) == 2
+    assert "holds no audit.json" in capsys.readouterr().err
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+
+
+def test_a_small_budget_skips_the_defenses_and_says_so(random_capture: Path, trained_attackers,
+                                                       tmp_path: Path, capsys) -> None:
+    assert main(audit_argv(random_capture, trained_attackers, tmp_path / "a", "--json",
+                           "--budget-minutes", "1e-6", "--optimisation", "")) == 0
+    verdict = json.loads(capsys.readouterr().out)
+    assert set(verdict["skipped"]) == {f"defense {s}" for s in DEFENSES.split(";")}
+    assert all(o["skipped"].startswith("budget") for o in verdict["defenses"])
+    assert any("Not run within the budget" in line for line in verdict["headline"])
+
+
+def test_fail_if_sets_the_exit_status(audited, hostile_capture: Path, trained_attackers,
+                                      capsys) -> None:
+    out, verdict = audited
+    argv = audit_argv(hostile_capture, trained_attackers, out, "--quiet")
+    argv[argv.index(f"TRACE={trained_attackers['trace']}")] = \
+        f"{HOSTILE}={trained_attackers['trace']}"
+    psnr = verdict["frames"]["psnr"]
+    assert main([*argv, "--fail-if", f"psnr>{psnr - 1} and actions>=0"]) == 1
+    assert "--fail-if" in capsys.readouterr().err
+    assert main([*argv, "--fail-if", f"psnr>{psnr + 1}"]) == 0
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--fail-if", "psnr >> 3"], "cannot read 'psnr >> 3'"),
+    (["--defenses", "quant:99"], "quant"),
+    (["--budget-minutes", "0"], "--budget-minutes 0"),
+    (["--set", "attack.ig.iterations=many"], "attack.ig.iterations"),
+])
+def test_bad_arguments_are_refused_before_any_work(random_capture: Path, trained_attackers,
+                                                   tmp_path: Path, capsys, extra: list[str],
+                                                   message: str) -> None:
+    out = tmp_path / "never"
+    assert main([*audit_argv(random_capture, trained_attackers, out), *extra]) == 2
+    assert message in capsys.readouterr().err and not out.exists()
+
+
+def test_aggregation_without_a_learned_attacker_is_refused_up_front(random_capture: Path,
+                                                                    tmp_path: Path,
+                                                                    capsys) -> None:
+    assert main(["audit", "--capture", str(random_capture), "--defenses", "quant:8;agg:4",
+                 "--out", str(tmp_path / "a")]) == 2
+    assert "agg:4: it aggregates steps" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists()
+
+
+def test_fail_if_grammar_and_binds_tighter_than_or() -> None:
+    verdict = {"frames": {"psnr": 30.0, "ssim": 0.5}, "actions": {"accuracy": 0.2}}
+    assert condition_holds(parse_condition("psnr>25 and actions>0.5 or ssim>=0.5"), verdict)[0]
+    assert not condition_holds(parse_condition("psnr>25 and actions>0.5"), verdict)[0]
+    held, clauses = condition_holds(parse_condition("returns>0.5 or psnr<=30"), verdict)
+    assert held and "returns: not measured" in clauses and "psnr 30 <= 30" in clauses
+    for bad in ("psnr>", "rm -rf > 3", "psnr > 3 xor ssim > 1", "__import__('os')>1"):
+        with pytest.raises(ConfigError, match="--fail-if"):
+            parse_condition(bad)
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (.ci/run "
+                    "installs it)")
+def test_the_report_renders_whole_in_chromium_with_hostile_strings_escaped(
+        audited, tmp_path: Path) -> None:
+    out, _ = audited
+    report = out / "report.html"
+    text = report.read_text()
+    assert "http://" not in text and "https://" not in text
+    assert HOSTILE not in text and "&lt;script&gt;alert(" in text
+    assert "<img src=x" not in text and "&lt;img src=x onerror=alert(1)&gt;" in text
+    assert text.index("Verdict") < text.index("<figure")  # the verdict comes first
+    flags = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync",
+             "--proxy-server=127.0.0.1:9", "--host-resolver-rules=MAP * ~NOTFOUND",
+             f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=5000",
+             "--window-size=1366,900", "--hide-scrollbars"]
+    dom = subprocess.run([*flags, "--dump-dom", report.as_uri()], capture_output=True,
+                         text=True, timeout=120).stdout
+    body = re.search(r"<body([^>]*)>", dom)
+    assert body, dom[:500]
+    attrs = dict(re.findall(r'data-([\w-]+)="(\d+)"', body.group(1)))
+    assert int(attrs["tables"]) == text.count("<table>") >= 6
+    assert int(attrs["images"]) == 3 and attrs["images-loaded"] == attrs["images"]
+    assert attrs["cut-off"] == "0"  # nothing reaches past the right edge at desktop width
+    # the strings stayed text: no element came of them
+    assert "<script>alert" not in dom and "<img src=\"x\"" not in dom
+    shot = tmp_path / "report.png"
+    subprocess.run([*flags, f"--screenshot={shot}", report.as_uri()], capture_output=True,
+                   timeout=120, check=True)
+    assert shot.stat().st_size > 20_000  # a rendered page, not a blank one
+
+
+def test_with_a_training_capture_the_audit_trains_its_own_attackers(
+        random_capture: Path, train_capture: Path, tmp_path: Path, capsys) -> None:
+    attack = [a for pair in zip(TINY[::2], TINY[1::2], strict=True) if pair[1].startswith(
+        "attack.") for a in pair]
+    out = tmp_path / "own"
+    assert main(["audit", "--capture", str(random_capture), "--train", str(train_capture),
+                 "--defenses", "none", "--optimisation", "", "--out", str(out), "--json",
+                 "--max-windows", "2", "--exact-windows", "1", *attack]) == 0
+    verdict = json.loads(capsys.readouterr().out)
+    summary = json.loads((out / "results.json").read_text())
+    trained = summary["stages"]["attackers"]["result"]
+    assert set(trained) == {"TRACE", "LtI"}
+    assert all((Path(folder) / "attacker.safetensors").is_file() for folder in trained.values())
+    clean = summary["stages"]["defense none"]["result"]
+    assert {"TRACE", "LtI", "exact (training-free)"} <= set(clean["methods"])
+    assert str(train_capture) in clean["mean_image_source"] and verdict["defenses"] == []
+    assert json.loads((out / "preset.json").read_text())["attack"]["trace"]["window"] == 4
+
+
+def test_without_attackers_the_reference_is_the_held_out_frames(random_capture: Path,
+                                                                tmp_path: Path,
+                                                                capsys) -> None:
+    assert main(["audit", "--capture", str(random_capture), "--defenses", "noise:0.01",
+                 "--optimisation", "", "--exact-windows", "1", "--out", str(tmp_path / "a"),
+                 "--json"]) == 0
+    verdict = json.loads(capsys.readouterr().out)
+    clean = json.loads((tmp_path / "a" / "results.json").read_text())["stages"][
+        "defense none"]["result"]
+    assert set(clean["methods"]) >= {"exact (training-free)", "mean training image"}
+    assert str(random_capture) in clean["mean_image_source"]
+    assert verdict["frames"]["method"] == "exact (training-free)"
+    assert verdict["frames"]["gain"] > 3  # the float32 stream gives frames away, untrained
+
+
+def test_an_attack_the_victim_does_not_allow_is_named_not_run(tmp_path: Path,
+                                                             capsys) -> None:
+    """A vision transformer has no conv stack for the training-free attack: the audit runs
+    the rest and says why that one did not run."""
+    from conftest import tiny_preset
+
+    from gradleak.capture.run import CaptureJob, run_capture
+
+    capture = tmp_path / "vit.h5"
+    run_capture(CaptureJob(victim="vit-tiny-small", random_init=True, split="heldout", steps=16,
+                           out=capture, preset=tiny_preset(), progress=False, seed=4))
+    assert main(["audit", "--capture", str(capture), "--defenses", "none", "--optimisation",
+                 "", "--out", str(tmp_path / "a"), "--json"]) == 0
+    verdict = json.loads(capsys.readouterr().out)
+    assert "conv" in verdict["not_applicable"]["exact (training-free)"]
+    assert any(line.startswith("Not applicable to this victim: exact") for line in
+               verdict["headline"])
+    assert verdict["actions"]["accuracy"] >= 0.9 and "frames" not in verdict
