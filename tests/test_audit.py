@@ -113,10 +113,13 @@ def test_a_foreign_folder_is_refused_untouched(random_capture: Path, trained_att
     assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
 
 
+@pytest.mark.parametrize("clock", ["wall", "cpu"])
 def test_a_small_budget_skips_the_defenses_and_says_so(random_capture: Path, trained_attackers,
-                                                       tmp_path: Path, capsys) -> None:
+                                                       tmp_path: Path, capsys,
+                                                       clock: str) -> None:
     assert main(audit_argv(random_capture, trained_attackers, tmp_path / "a", "--json",
-                           "--budget-minutes", "1e-6", "--optimisation", "")) == 0
+                           "--budget-minutes", "1e-6", "--optimisation", "",
+                           "--clock", clock)) == 0
     verdict = json.loads(capsys.readouterr().out)
     assert set(verdict["skipped"]) == {f"defense {s}" for s in DEFENSES.split(";")}
     assert all(o["skipped"].startswith("budget") for o in verdict["defenses"])

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import copy
 import json
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -36,6 +35,7 @@ from gradleak.evaluation.actions import evaluate_action_rules
 from gradleak.evaluation.analytic import evaluate_analytic
 from gradleak.io import check_output, read_json, write_json
 from gradleak.presets import Preset, load_preset
+from gradleak.training.loop import CLOCKS, Budget
 
 # from light to strong within each family; the verdict looks for the cheapest that stops all
 GRID = ("cast:float16", "quant:8", "quant:4", "prune:0.5", "prune:0.1", "noise:1e-05",
@@ -58,6 +58,7 @@ class AuditConfig:
     preset: str = "cpu-quick"
     overrides: list[str] = field(default_factory=list)  # --set SECTION.FIELD=VALUE
     budget_minutes: float = 20.0
+    clock: str = "wall"  # or "cpu": this process's CPU time, all its threads (shared machines)
     max_windows: int = 32  # held-out windows the learned attackers and references score
     exact_windows: int = 2  # windows the training-free attack inverts
     optimisation_windows: int = 1  # windows DLG and IG invert (seconds per frame each)
@@ -66,6 +67,8 @@ class AuditConfig:
 
     def check(self) -> None:
         """Every argument and file, before any compute."""
+        if self.clock not in CLOCKS:
+            raise ConfigError(f"--clock {self.clock}: expected one of {', '.join(CLOCKS)}")
         if not self.budget_minutes > 0:
             raise ConfigError(f"--budget-minutes {self.budget_minutes}: expected a positive "
                               "number")
@@ -107,7 +110,7 @@ class Stage:
 
 
 class Audit:
-    """Runs the stages against a wall-clock budget, reusing the ones already on disk."""
+    """Runs the stages against a time budget, reusing the ones already on disk."""
 
     def __init__(self, config: AuditConfig, progress: bool = True,
                  say: Callable[[str], None] = lambda text: None,
@@ -118,14 +121,14 @@ class Audit:
         self.config, self.progress, self.say = config, progress, say
         self.out = Path(config.out)
         self.preset = preset or load_preset(config.preset, config.overrides)  # before the folder
-        self.start = time.perf_counter()
+        self.budget = Budget(config.budget_minutes, config.clock)
         self.stages: dict[str, Stage] = {}
         prepare_output(self.out, config)
         write_json(self.out / "preset.json", self.preset.to_dict())
 
     # -- bookkeeping -------------------------------------------------------------------------
     def minutes_left(self) -> float:
-        return self.config.budget_minutes - (time.perf_counter() - self.start) / 60.0
+        return self.budget.minutes_left()
 
     def stage(self, name: str, run: Callable[[], dict[str, Any]],
               estimate_minutes: float | None = None) -> Stage:
@@ -140,9 +143,9 @@ class Audit:
                                         f"{max(self.minutes_left(), 0):.1f} left")
         else:
             self.say(f"audit: {name}")
-            tick = time.perf_counter()
+            tick = self.budget.now()
             result = run()
-            stage = Stage(name, result, seconds=round(time.perf_counter() - tick, 2))
+            stage = Stage(name, result, seconds=round(self.budget.now() - tick, 2))
             write_json(path, {"name": name, "seconds": stage.seconds, "result": result})
         self.stages[name] = stage
         return stage
@@ -194,6 +197,7 @@ class Audit:
         for kind, share in TRAIN_SHARE.items():
             fit = copy.deepcopy(getattr(self.preset.attack, f"{kind}_fit"))
             fit.time_limit_minutes = share * self.config.budget_minutes
+            fit.time_limit_clock = self.config.clock
             folder = self.out / "attackers" / kind
             fit_attacker(kind, copy.deepcopy(getattr(self.preset.attack, kind)), fit,
                          [self.config.train], folder, resume=folder.exists(),
@@ -256,7 +260,7 @@ def prepare_output(out: Path, config: AuditConfig) -> None:
                               "or empty folder (an audit resumes only in its own)")
         earlier = read_json(marker, "audit settings")
         mine = asdict(config)
-        changed = sorted(key for key in mine if key not in ("budget_minutes", "out")
+        changed = sorted(key for key in mine if key not in ("budget_minutes", "clock", "out")
                          and earlier.get(key) != json.loads(json.dumps(mine[key])))
         if changed:
             raise ConfigError(f"--out {out} holds an audit with other settings "

@@ -35,7 +35,8 @@ def run(args: argparse.Namespace) -> int:
                          attackers=attackers_from_args(args) if args.attacker else {},
                          defenses=defenses_from_args(args.defenses), preset=args.preset,
                          overrides=list(args.set or []),
-                         budget_minutes=args.budget_minutes, max_windows=args.max_windows,
+                         budget_minutes=args.budget_minutes, clock=args.clock,
+                         max_windows=args.max_windows,
                          exact_windows=args.exact_windows,
                          optimisation_windows=args.optimisation_windows,
                          optimisation=[n for n in args.optimisation.split(",") if n],
@@ -72,8 +73,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    help="'grid' (the default grid, light to strong), 'none', or specs "
                    "separated by ';' (e.g. \"quant:8;dpsgd:eps=1\")")
     p.add_argument("--budget-minutes", type=float, default=20.0,
-                   help="wall-clock minutes on this machine; stages past it are skipped and "
-                   "named (a rerun with a larger budget completes them)")
+                   help="minutes on --clock; stages past it are skipped and named (a rerun "
+                   "with a larger budget completes them)")
+    p.add_argument("--clock", default="wall", choices=("wall", "cpu"),
+                   help="what the budget counts: wall-clock time, or this process's CPU time "
+                   "over all its threads (fair when other jobs share the cores)")
     p.add_argument("--preset", default="cpu-quick",
                    help="settings of the attacks and of attacker training")
     set_flag(p)

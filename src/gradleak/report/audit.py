@@ -117,9 +117,9 @@ def write_audit_report(out: Path, figures: Sequence[tuple[Path, str]] = ()) -> P
         attacks = {n: row for n, row in clean["methods"].items() if row["kind"] != "reference"}
         plot_privacy_utility(verdict["defenses"], attacks, verdict["stop_margin_db"], plot)
         parts.append(figure(plot, "Privacy–utility: each attack's PSNR gain over the mean "
-                            "training image against the defended update's cosine to the clean "
-                            f"one (dashed: {verdict['stop_margin_db']} dB, the level counted as "
-                            "stopped)"))
+                            "training image against what the defense costs the update (1 − its "
+                            f"cosine to the clean one; dashed: {verdict['stop_margin_db']} dB, "
+                            "the level counted as stopped)"))
     parts += ["<h2>Defenses</h2>",
               "<p>Every attack zero-shot under each defense; a defense stops them when every "
               f"frame attack is within {verdict['stop_margin_db']} dB of the mean training "

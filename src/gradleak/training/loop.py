@@ -87,13 +87,18 @@ class Budget:
         if clock not in CLOCKS:
             raise ConfigError(f"time_limit_clock {clock!r}: expected one of {', '.join(CLOCKS)}")
         self.minutes, self.clock = minutes, clock
-        self.started = self._now()
+        self.started = self.now()
 
-    def _now(self) -> float:
+    def now(self) -> float:
+        """Seconds on this budget's clock (from an arbitrary origin)."""
         return time.process_time() if self.clock == "cpu" else time.perf_counter()
 
+    def minutes_left(self) -> float:
+        return math.inf if self.minutes is None else \
+            self.minutes - (self.now() - self.started) / 60
+
     def spent(self) -> bool:
-        return self.minutes is not None and (self._now() - self.started) / 60 >= self.minutes
+        return self.minutes_left() <= 0
 
 
 @dataclass
