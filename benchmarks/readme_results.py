@@ -322,6 +322,21 @@ def demo_block() -> str:
         *(f"- {line}" for line in data["verdict"]["headline"])])
 
 
+def audit_paper() -> tuple[str, str]:
+    data = load("audit_paper.json")
+    verdict = data["verdict"]
+    gains = "; ".join(
+        f"{o['spec']}: " + ", ".join(f"{name} {row['psnr_gain_over_mean_image']:+.2f}"
+                                     for name, row in o["per_attack"].items()
+                                     if row.get("psnr_gain_over_mean_image") is not None)
+        for o in verdict["defenses"] if not o.get("skipped"))
+    clean = ", ".join(f"{name} {gain:+.2f}" for name, gain in data["clean"].items())
+    return ("`gradleak audit` of the paper's cnn 84×84 trained with PPO (attackers trained by the "
+            f"audit; {data['minutes']:.0f} min; PSNR gain over the mean training image, dB)",
+            f"none: {clean}; {gains}. Weakest defense stopping every attack: "
+            f"{verdict['weakest_stopping'] or 'none in the grid'}")
+
+
 def demo() -> tuple[str, str]:
     data = load("demo.json")
     methods = data["evaluation"]["methods"]
@@ -332,6 +347,7 @@ def demo() -> tuple[str, str]:
 
 ROWS: dict[str, Callable[[], tuple[str, str]]] = {
     "demo.json": demo,
+    "audit_paper.json": audit_paper,
     "action_recovery.json": action_recovery, "capture.json": capture,
     "victim_training_ppo.json": victim_training("ppo"),
     "victim_training_a2c.json": victim_training("a2c"), "trace_vs_lti.json": trace_vs_lti,

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from gradleak.errors import CheckpointError, ConfigError
-from gradleak.metrics.images import mse, psnr, ssim, to_unit_tensor
+from gradleak.metrics.images import mse, psnr, ssim, ssim_window, to_unit_tensor
 from gradleak.metrics.lpips import LPIPS, PIP_COMMAND, package_weights, unavailable_reason
 
 FIXTURES = Path(__file__).parent / "fixtures" / "lpips"
@@ -33,6 +33,20 @@ def test_ssim_of_identical_images_is_one_and_drops_with_noise() -> None:
     assert ssim(a, a) == pytest.approx([1.0] * 3, abs=1e-5)
     assert (ssim(a, noisy) < 0.9).all()
     assert ssim(a, noisy) == pytest.approx(ssim(noisy, a), abs=1e-6)
+
+
+def test_ssim_of_images_smaller_than_its_window_uses_a_smaller_one_and_says_so() -> None:
+    """Raw 8×8 digits: a 7×7 window, a warning naming it, and still SSIM's properties."""
+    g = torch.Generator().manual_seed(1)
+    a = torch.rand(2, 3, 8, 8, generator=g)
+    noisy = (a + 0.2 * torch.randn(a.shape, generator=g)).clamp(0, 1)
+    with pytest.warns(UserWarning, match="8×8 images: a 7×7 window"):
+        same, worse = ssim(a, a), ssim(a, noisy)
+    assert same == pytest.approx([1.0, 1.0], abs=1e-5)
+    assert (worse < 0.9).all()
+    assert ssim_window(8, 8) == (7, pytest.approx(1.5 * 7 / 11))
+    assert ssim_window(64, 5) == (5, pytest.approx(1.5 * 5 / 11))
+    assert ssim_window(84, 84) == (11, 1.5)  # the standard window where it fits
 
 
 def test_ssim_of_constant_images_follows_the_luminance_term() -> None:

@@ -2,11 +2,14 @@
 
 SSIM is Wang et al. (2004): an 11x11 Gaussian window (σ = 1.5), K1 = 0.01, K2 = 0.03, data
 range 1, computed per channel over the valid region (no padding) and averaged — the settings of
-scikit-image with `gaussian_weights=True, use_sample_covariance=False`. Not CW-SSIM.
+scikit-image with `gaussian_weights=True, use_sample_covariance=False`. Not CW-SSIM. Images
+smaller than the window (8×8 digits) get the largest odd window that fits, σ scaled with it,
+and a warning that says so: those scores are not comparable with 11×11 ones.
 """
 
 from __future__ import annotations
 
+import warnings
 from functools import lru_cache
 
 import numpy as np
@@ -46,10 +49,30 @@ def _gaussian_window(size: int, sigma: float) -> torch.Tensor:
     return (g[:, None] * g[None, :])[None, None]  # (1, 1, size, size)
 
 
+def ssim_window(height: int, width: int) -> tuple[int, float]:
+    """(size, σ) of the Gaussian window for images of this size: 11 and 1.5, or for smaller
+    images the largest odd size that fits with σ scaled alike."""
+    fits = min(SSIM_WINDOW, height, width)
+    size = fits if fits % 2 else fits - 1
+    if size < 1:
+        raise ValueError(f"SSIM of {height}×{width} images: no window fits")
+    return size, SSIM_SIGMA * size / SSIM_WINDOW
+
+
+def _small_image_note(height: int, width: int, size: int) -> None:
+    # Python's default filter shows it once per message: once per image size in a run
+    warnings.warn(f"SSIM on {height}×{width} images: a {size}×{size} window instead of "
+                  f"{SSIM_WINDOW}×{SSIM_WINDOW} (scores not comparable with the standard "
+                  "window's)", stacklevel=3)
+
+
 def ssim(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """(N,) mean SSIM per image; differentiable, so 1 − SSIM can serve as a training loss."""
-    channels = a.shape[1]
-    window = _gaussian_window(SSIM_WINDOW, SSIM_SIGMA).to(a).expand(channels, 1, -1, -1)
+    channels, height, width = a.shape[1:]
+    size, sigma = ssim_window(height, width)
+    if size != SSIM_WINDOW:
+        _small_image_note(height, width, size)
+    window = _gaussian_window(size, sigma).to(a).expand(channels, 1, -1, -1)
 
     def blur(x: torch.Tensor) -> torch.Tensor:
         return F.conv2d(x, window, groups=channels)
