@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from gradleak.audit import Audit, AuditConfig
+from gradleak.evaluation.verdict import headline
 from gradleak.io import atomic_path
 from gradleak.report.audit import write_audit_report
 from gradleak.report.tables import fixed, markdown_table
@@ -46,7 +47,7 @@ def markdown(result: dict[str, Any]) -> str:
                      **{n: fixed(o["per_attack"].get(n, {}).get("psnr_gain_over_mean_image"), 2)
                         for n in names}})
     return ("# gradleak audit of the paper's cnn at 84×84, trained with PPO\n\n"
-            + "\n".join(f"- {line}" for line in verdict["headline"])
+            + "\n".join(f"- {line}" for line in headline(verdict))
             + f"\n\nPSNR gain over the mean training image (dB) per attack and defense "
             f"({result['machine']}; {result['minutes']} minutes of stages):\n\n"
             + markdown_table(rows, ["defense", "update cosine", "stops all", *names]) + "\n")
@@ -58,7 +59,13 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("runs/audit-paper"))
     parser.add_argument("--budget-minutes", type=float, default=60.0)
     parser.add_argument("--defenses", default=DEFENSES)
+    parser.add_argument("--markdown-only", action="store_true",
+                        help="rewrite the Markdown from the results JSON, running nothing")
     args = parser.parse_args()
+    if args.markdown_only:
+        with atomic_path(RESULTS.with_suffix(".md")) as temporary:
+            temporary.write_text(markdown(json.loads(RESULTS.read_text())))
+        return
     heldout = args.work / "cnn-84x84-cnn84-ppo-float32.h5"
     train = args.work / "attacker-train-cnn84-ppo-768.h5"
     for path, made_by in ((heldout, "exact_frames.py"), (train, "exact_refiner.py")):

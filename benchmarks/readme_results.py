@@ -301,6 +301,7 @@ def demo_block() -> str:
     """What the demo printed, from results/demo.json: actions, the training-free frames, every
     attack, the verdict."""
     from gradleak.demo import actions_text, exact_text
+    from gradleak.evaluation.verdict import headline
     from gradleak.report.scores import table_columns, table_rows
     from gradleak.report.tables import text_table
 
@@ -319,7 +320,7 @@ def demo_block() -> str:
         + "):", text_table(rows, table_columns(rows)), "",
         "verdict (gradleak audit, defenses "
         + ", ".join(o["spec"] for o in data["verdict"]["defenses"]) + "):",
-        *(f"- {line}" for line in data["verdict"]["headline"])])
+        *(f"- {line}" for line in headline(data["verdict"]))])
 
 
 def audit_paper() -> tuple[str, str]:

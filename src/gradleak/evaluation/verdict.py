@@ -19,6 +19,7 @@ from gradleak.errors import ConfigError
 from gradleak.evaluation.scoring import MEAN_COLOUR, MEAN_IMAGE
 
 STOP_MARGIN_DB = 1.0
+USEFUL_COSINE = 0.5  # below it the defended update points more along noise than the clean one
 ATTACK_KINDS = ("learned", "training-free", "optimisation")
 
 
@@ -131,15 +132,20 @@ def headline(v: dict[str, Any]) -> list[str]:
         lpips = f" / LPIPS {f['lpips']:.3f}" if f.get("lpips") is not None else ""
         lines.append(f"Frames: the best attack, {f['method']}, reconstructs them at "
                      f"{f['psnr']:.1f} dB / SSIM {f['ssim']:.3f}{lpips}, {f['gain']:+.1f} dB "
-                     f"against the mean training image ({f['mean_image_psnr']:.1f} dB).")
+                     f"against the mean training image ({f['mean_image_psnr']:.1f} dB; each "
+                     f"frame's own mean colour, an oracle: {f['mean_colour_psnr']:.1f} dB).")
     outcomes = [o for o in v["defenses"] if not o.get("skipped")]
     if v["weakest_stopping"]:
         o = next(o for o in outcomes if o["spec"] == v["weakest_stopping"])
         cost = (f"update cosine {o['cosine']:.3f}, relative norm error "
                 f"{o['relative_norm_error']:.3f}" if o["cosine"] is not None else "")
         eps = f", ε = {o['epsilon']:.2f}" if o["epsilon"] is not None else ""
+        useless = (" — at that cost the update keeps little of the clean one: no defense in "
+                   "the grid both stops the attacks and leaves a useful update"
+                   if o["cosine"] is not None and o["cosine"] < USEFUL_COSINE else "")
         lines.append(f"Defense: the weakest in the grid that brings every attack to the "
-                     f"mean-image level and actions to chance is {o['spec']} ({cost}{eps}).")
+                     f"mean-image level and actions to chance is {o['spec']} ({cost}{eps})"
+                     f"{useless}.")
     elif outcomes:
         lines.append(f"Defense: none of the {len(outcomes)} defenses tried brings every attack "
                      "to the mean-image level and actions to chance.")
