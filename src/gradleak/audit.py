@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gradleak.attacks.exact import not_applicable
 from gradleak.capture.reader import CaptureFile
 from gradleak.defenses import parse_defense
 from gradleak.errors import ConfigError
@@ -123,6 +124,8 @@ class Audit:
         self.preset = preset or load_preset(config.preset, config.overrides)  # before the folder
         self.budget = Budget(config.budget_minutes, config.clock)
         self.stages: dict[str, Stage] = {}
+        with CaptureFile(config.capture) as capture:  # from the architecture, once
+            self.exact_reason = not_applicable(capture.victim)
         prepare_output(self.out, config)
         write_json(self.out / "preset.json", self.preset.to_dict())
 
@@ -207,15 +210,13 @@ class Audit:
 
     def evaluate(self, spec: str, attackers: dict[str, str]) -> dict[str, Any]:
         from gradleak.attacks.exact import NAME as EXACT
-        from gradleak.attacks.exact import not_applicable
         from gradleak.attacks.optim.config import baseline_config
         from gradleak.evaluation.reconstructions import evaluate
 
         chain = parse_defense(spec, seed=self.config.seed)
         baselines: dict[str, Any] = {}
         windows: dict[str, int] = {}
-        with CaptureFile(self.config.capture) as capture:
-            exact_reason = not_applicable(capture.victim)
+        exact_reason = self.exact_reason
         if chain.span == 1 and exact_reason is None:  # single steps, not an aggregate of them
             baselines[EXACT], windows[EXACT] = self.preset.attack.exact, self.config.exact_windows
         if chain.span == 1:

@@ -452,9 +452,10 @@ def fitted_output_gradient(block: ConvBlock, inputs: torch.Tensor,
     equations per output channel for its h·w positions."""
     patches = input_patches(block, inputs)
     fitted = torch.linalg.lstsq(patches, weight_gradient.flatten(2).transpose(1, 2)).solution
-    channels_out = block.conv.out_channels
-    side = int(round(patches.shape[-1] ** 0.5))
-    return fitted.transpose(1, 2).reshape(len(inputs), channels_out, side, side)
+    conv = block.conv
+    height, width = ((size + 2 * conv.padding[i] - conv.kernel_size[i]) // conv.stride[i] + 1
+                     for i, size in enumerate(inputs.shape[-2:]))
+    return fitted.transpose(1, 2).reshape(len(inputs), conv.out_channels, height, width)
 
 
 # A channel whose residual is this many times the median channel's gets half the weight: a
