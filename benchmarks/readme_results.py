@@ -280,6 +280,20 @@ def fedavg_controls() -> tuple[str, str]:
             f"{data['labels']}; mean PSNR without L_cls)", "; ".join(parts))
 
 
+def flower_audit() -> tuple[str, str]:
+    data = load("flower_audit.json")
+    parts = []
+    for row in data["rows"]:
+        labels = (f", labels {row['labels_right']}/{row['labels_of']}"
+                  if row["labels_right"] is not None else ", labels given")
+        parts.append(f"{row['model']}, {row['setting']}, {row['method']}: {row['psnr']:.2f} "
+                     f"({row['gain_db']:+.2f}{labels})")
+    reference = data["rows"][0]["mean_image"]["psnr"]
+    return (f"Flower FedAvg, every client audited by AuditStrategy ({data['setting'].split(';')[0]}"
+            f"; PSNR in dB, in brackets the gain over the mean image, {reference:.2f})",
+            "; ".join(parts))
+
+
 def keep_demo(run: Path) -> None:
     """The demo run's figures (not its captures or checkpoints) into results/demo.json, and its
     pictures into docs/img."""
@@ -365,6 +379,7 @@ ROWS: dict[str, Callable[[], tuple[str, str]]] = {
     "exact_refiner.json": exact_refiner,
     "exact_speed.json": exact_speed,
     "fedavg_controls.json": fedavg_controls,
+    "flower_audit.json": flower_audit,
 }
 
 

@@ -3,7 +3,10 @@ per-step observation."""
 
 from __future__ import annotations
 
+import re
+import shutil
 import struct
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -175,3 +178,32 @@ TINY = ["--set", "env.doomnav.frame_size=32", "--set", "env.doomnav.max_steps=20
         "--set", "attack.trace_fit.max_val_windows=4", "--set", "attack.lti.hidden=32",
         "--set", "attack.lti_fit.epochs=1", "--set", "attack.lti_fit.workers=0",
         "--set", "attack.lti_fit.max_train_windows=32", "--set", "attack.lti_fit.max_val_windows=4"]
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def _chromium_flags(tmp_path: Path) -> list[str]:
+    # headless, offline (a page that fetched anything would fail to load it), desktop width
+    return [str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+            "--disable-background-networking", "--disable-component-update", "--disable-sync",
+            "--proxy-server=127.0.0.1:9", "--host-resolver-rules=MAP * ~NOTFOUND",
+            f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=5000",
+            "--window-size=1366,900", "--hide-scrollbars"]
+
+
+def render_in_chromium(report: Path, tmp_path: Path) -> tuple[dict[str, str], str]:
+    """The data-* counts the report's own script sets on <body> once loaded (tables, images,
+    images decoded, elements past the right edge), and the DOM."""
+    dom = subprocess.run([*_chromium_flags(tmp_path), "--dump-dom", report.as_uri()],
+                         capture_output=True, text=True, timeout=120).stdout
+    body = re.search(r"<body([^>]*)>", dom)
+    assert body, dom[:500]
+    return dict(re.findall(r'data-([\w-]+)="(\d+)"', body.group(1))), dom
+
+
+def screenshot_size(report: Path, tmp_path: Path) -> int:
+    shot = tmp_path / "report.png"
+    subprocess.run([*_chromium_flags(tmp_path), f"--screenshot={shot}", report.as_uri()],
+                   capture_output=True, timeout=120, check=True)
+    return shot.stat().st_size

@@ -5,20 +5,17 @@ nothing cut off and hostile capture strings escaped."""
 from __future__ import annotations
 
 import json
-import re
 import shutil
-import subprocess
 from pathlib import Path
 
 import h5py
 import pytest
-from helpers import TINY
+from helpers import CHROMIUM, TINY, render_in_chromium, screenshot_size
 
 from gradleak.cli import main
 from gradleak.evaluation.verdict import condition_holds, parse_condition
 from gradleak.errors import ConfigError
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 HOSTILE = "<script>alert('x')</script>&\"'"
 HOSTILE_FILE = "<img src=x onerror=alert(1)>.h5"  # a file name holds no slash
 DEFENSES = "quant:4;dpsgd:eps=1;agg:2"
@@ -183,25 +180,13 @@ def test_the_report_renders_whole_in_chromium_with_hostile_strings_escaped(
     assert HOSTILE not in text and "&lt;script&gt;alert(" in text
     assert "<img src=x" not in text and "&lt;img src=x onerror=alert(1)&gt;" in text
     assert text.index("Verdict") < text.index("<figure")  # the verdict comes first
-    flags = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
-             "--disable-background-networking", "--disable-component-update", "--disable-sync",
-             "--proxy-server=127.0.0.1:9", "--host-resolver-rules=MAP * ~NOTFOUND",
-             f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=5000",
-             "--window-size=1366,900", "--hide-scrollbars"]
-    dom = subprocess.run([*flags, "--dump-dom", report.as_uri()], capture_output=True,
-                         text=True, timeout=120).stdout
-    body = re.search(r"<body([^>]*)>", dom)
-    assert body, dom[:500]
-    attrs = dict(re.findall(r'data-([\w-]+)="(\d+)"', body.group(1)))
+    attrs, dom = render_in_chromium(report, tmp_path)
     assert int(attrs["tables"]) == text.count("<table>") >= 6
     assert int(attrs["images"]) == 3 and attrs["images-loaded"] == attrs["images"]
     assert attrs["cut-off"] == "0"  # nothing reaches past the right edge at desktop width
     # the strings stayed text: no element came of them
     assert "<script>alert" not in dom and "<img src=\"x\"" not in dom
-    shot = tmp_path / "report.png"
-    subprocess.run([*flags, f"--screenshot={shot}", report.as_uri()], capture_output=True,
-                   timeout=120, check=True)
-    assert shot.stat().st_size > 20_000  # a rendered page, not a blank one
+    assert screenshot_size(report, tmp_path) > 20_000  # a rendered page, not a blank one
 
 
 def test_with_a_training_capture_the_audit_trains_its_own_attackers(

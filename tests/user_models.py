@@ -61,3 +61,16 @@ class NoisyHead(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         h = self.flat(x)[:, :12] + torch.randn(len(x), 12)
         return self.pi(h), self.v(h)
+
+
+class TinyClassifier(nn.Module):
+    """A client's classifier for 1×8×8 images, BatchNorm included, named the user's way."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(1, 4, 3, padding=1)
+        self.norm = nn.BatchNorm2d(4)
+        self.out = nn.Linear(4 * 8 * 8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.norm(self.stem(x))).flatten(1))

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from gradleak.cli import main
-from gradleak.fedavg.experiment import hungarian_match
+from gradleak.fedavg.scoring import hungarian_match
 
 
 def test_hungarian_matching_undoes_a_permutation() -> None:

@@ -17,6 +17,7 @@ from gradleak.cli import (
     demo,
     evaluate,
     fedavg,
+    fedavg_invert,
     optim,
     scenes,
     train,
@@ -25,7 +26,7 @@ from gradleak.errors import GradleakError
 
 # in the order `gradleak --help` lists them
 COMMAND_MODULES = (demo, audit, scenes, train, capture, attackers, evaluate, defend, optim, analytic,
-                   fedavg, actions)
+                   fedavg, fedavg_invert, actions)
 
 
 def build_parser() -> argparse.ArgumentParser:

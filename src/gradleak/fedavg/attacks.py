@@ -30,6 +30,7 @@ from torch.func import functional_call, grad
 
 from gradleak.errors import ConfigError
 from gradleak.fedavg.client import ClientUpdate
+from gradleak.fedavg.forward import ClientForward
 
 METHODS = ("ig", "sme", "nlsme", "sme-dvec", "nlsme-nod")
 CURVED = {"nlsme", "nlsme-nod"}
@@ -139,19 +140,24 @@ class UpdateInversion:
     """Optimise dummy images (and the surrogate) so the surrogate gradient points along w0 − w_T."""
 
     def __init__(self, model: nn.Module, update: ClientUpdate, shape: tuple[int, ...],
-                 classes: int, config: FedAttackConfig) -> None:
+                 classes: int, config: FedAttackConfig, *, labels: torch.Tensor | None = None,
+                 client: ClientForward | None = None) -> None:
         """What the server holds: the model (architecture, w0), the update w0 → w_T and the
         client's declared settings. Labels are inferred from the update unless the config
-        declares them known (the update then carries them)."""
+        declares them known (the update then carries them) or they are given here. `client`
+        says how the client's forward pass ran (input transform, BatchNorm mode, buffers); by
+        default the model's own buffers with BatchNorm in eval mode, inputs in [0, 1]."""
         config.check()
         self.model, self.update, self.config = model.eval(), update, config
-        self.buffers = {n: b.detach() for n, b in model.named_buffers()}
+        self.client = client or ClientForward(
+            buffers={n: b.detach() for n, b in model.named_buffers()})
+        self.buffers = self.client.buffers
         self.direction = update.delta()
         self.direction_norm = sum(squared_norm(t) for t in self.direction.values()).sqrt()
         generator = torch.Generator().manual_seed(config.seed)
-        count = update.config.samples
+        count = len(labels) if labels is not None else update.config.samples
         self.images = torch.randn(count, *shape, generator=generator).clamp(0, 1)
-        self.labels = self._labels(classes)
+        self.labels = labels if labels is not None else self._labels(classes)
         self.images.requires_grad_(True)
         self.surrogate = Surrogate(update, config.method)
 
@@ -168,27 +174,40 @@ class UpdateInversion:
 
     def surrogate_gradient(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
         """∇_w of the dummy set's mean loss at the surrogate point (graph kept for the images)."""
-        def loss(weights: dict[str, torch.Tensor]) -> torch.Tensor:
-            logits = functional_call(self.model, (weights, self.buffers), (images,))
-            return F.cross_entropy(logits, self.labels)
+        return self._surrogate_gradient(images)[0]
 
-        return grad(loss)(self.surrogate.point())
+    def _surrogate_gradient(self, images: torch.Tensor
+                            ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+        """The gradient, and the running-statistics mismatch of the same forward pass."""
+        def loss(weights: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+            value, mismatch = self.client.loss(self.model, weights, images, self.labels)
+            return value, mismatch
+
+        gradient, mismatch = grad(loss, has_aux=True)(self.surrogate.point())
+        return gradient, mismatch if self.client.running_targets else None
 
     def objective(self) -> tuple[torch.Tensor, dict[str, float]]:
-        raw = self.surrogate_gradient(self.images)
+        raw, running = self._surrogate_gradient(self.images)
         scaled = self.surrogate.scaled(raw)
         similarity = cosine_distance(scaled, self.direction, self.direction_norm)
         total = similarity + self.config.tv * total_variation(self.images) \
             + self.surrogate.penalties(self.config)
+        extra: dict[str, float] = {}
+        if running is not None:
+            total = total + self.client.running_weight * running
+            extra["running_stats"] = float(running.detach())
         if self.config.cls:
-            logits = functional_call(self.model, (self.update.wT, self.buffers), (self.images,))
+            with self.client.mode(self.model):
+                logits = functional_call(self.model, (self.update.wT, self.buffers),
+                                         (self.client.transform(self.images),))
             total = total + self.config.cls * F.cross_entropy(logits, self.labels)
         if scaled is raw:
             raw_similarity = float(similarity.detach())
         else:
             with torch.no_grad():
                 raw_similarity = float(cosine_distance(raw, self.direction, self.direction_norm))
-        return total, {"l_sim_raw": raw_similarity, "l_sim_scaled": float(similarity.detach())}
+        return total, {"l_sim_raw": raw_similarity, "l_sim_scaled": float(similarity.detach()),
+                       **extra}
 
     def parameter_groups(self) -> list[dict[str, Any]]:
         groups = [{"params": [self.images], "lr": self.config.lr_images}]

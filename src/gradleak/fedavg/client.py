@@ -55,7 +55,7 @@ class ClientUpdate:
 
     w0: dict[str, torch.Tensor]
     wT: dict[str, torch.Tensor]
-    config: ClientConfig
+    config: ClientConfig | None  # None: the server was not told how the client trained
     steps: int
     labels: torch.Tensor | None  # only when the experiment declares labels known
 

@@ -9,24 +9,14 @@ from typing import Any
 
 import numpy as np
 import torch
-from scipy.optimize import linear_sum_assignment
 
 from gradleak.fedavg.attacks import FedAttackConfig, UpdateInversion
 from gradleak.fedavg.client import ClientConfig, train_client
 from gradleak.fedavg.datasets import load_dataset
 from gradleak.fedavg.models import FEDAVG_MODELS
+from gradleak.fedavg.scoring import hungarian_match
 from gradleak.io import check_output, write_json
 from gradleak.metrics.images import mse, psnr, ssim
-
-
-def hungarian_match(reconstructed: torch.Tensor, private: torch.Tensor) -> np.ndarray:
-    """order[i]: the reconstruction assigned to private image i, minimising the total MSE
-    (the server does not know which dummy became which sample)."""
-    cost = ((reconstructed[:, None] - private[None]) ** 2).flatten(2).mean(2)  # (R, P)
-    rows, columns = linear_sum_assignment(cost.numpy())
-    order = np.empty(len(private), dtype=np.int64)
-    order[columns] = rows
-    return order
 
 
 def peak_rss_mb() -> float:

@@ -21,6 +21,7 @@ from torch.func import functional_call
 
 from gradleak.errors import ConfigError
 from gradleak.fedavg.client import ClientUpdate
+from gradleak.fedavg.forward import ClientForward
 
 
 def output_bias(model: nn.Module, classes: int) -> str:
@@ -42,14 +43,27 @@ def infer_label_counts(model: nn.Module, update: ClientUpdate, dummy: torch.Tens
     if config.optimiser != "sgd":
         raise ConfigError(f"label inference reads a plain-SGD update; this client used "
                           f"{config.optimiser!r}: declare its labels known (--labels known)")
+    client = ClientForward(buffers={n: b.detach() for n, b in model.named_buffers()})
+    return counts_from_bias(model, update.w0, update.wT, client, dummy, classes,
+                            lr=config.lr, steps=update.steps, samples=config.samples)
+
+
+def counts_from_bias(model: nn.Module, w0: dict[str, torch.Tensor], wT: dict[str, torch.Tensor],
+                     client: ClientForward, dummy: torch.Tensor, classes: int, *, lr: float,
+                     steps: int, samples: int) -> np.ndarray:
+    """Label counts from the output bias's change over `steps` plain-SGD steps at rate `lr`.
+    The (B / E) factor of the estimate is a common scale, which the rounding to N removes, so
+    the batch size and epochs need not be known, only T and η."""
     name = output_bias(model, classes)
-    delta = (update.w0[name] - update.wT[name]).double() / config.lr
-    buffers = {n: b.detach() for n, b in model.named_buffers()}
-    with torch.no_grad():
-        mean_p = torch.stack([functional_call(model, (w, buffers), (dummy,)).softmax(-1).mean(0)
-                              for w in (update.w0, update.wT)]).mean(0).double()
-    estimate = (config.batch / config.epochs) * (update.steps * mean_p - delta)
-    return largest_remainder(estimate.clamp_min(0).numpy(), config.samples)
+    delta = (w0[name] - wT[name]).double() / lr
+    with torch.no_grad(), client.mode(model):
+        mean_p = torch.stack([
+            torch.cat([functional_call(model, (w, client.buffers),
+                                       (client.transform(dummy[part]),)).softmax(-1)
+                       for part in client.chunks(len(dummy))]).mean(0)
+            for w in (w0, wT)]).mean(0).double()
+    estimate = steps * mean_p - delta
+    return largest_remainder(estimate.clamp_min(0).numpy(), samples)
 
 
 def largest_remainder(values: np.ndarray, total: int) -> np.ndarray:

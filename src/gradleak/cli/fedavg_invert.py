@@ -1,0 +1,129 @@
+"""`gradleak fedavg-invert`: invert recorded client updates (files the Flower strategy wrote)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from gradleak.cli.common import common_flags, emit
+from gradleak.errors import ConfigError
+
+
+def parse_transform(text: str | None) -> Any:
+    """'normalize:MEAN,STD' (one value, or one per channel each: 'normalize:0.5,0.5') or
+    'none'; None keeps what the update file declares."""
+    from gradleak.fedavg.invert import Normalize
+
+    if text is None:
+        return None
+    if text == "none":
+        return lambda images: images
+    kind, _, values = text.partition(":")
+    numbers = values.split(",")
+    if kind != "normalize" or len(numbers) % 2 or not values:
+        raise ConfigError(f"--input-transform {text!r}: expected none or normalize:MEAN,STD "
+                          "(or normalize:M1,M2,M3,S1,S2,S3)")
+    try:
+        floats = [float(v) for v in numbers]
+    except ValueError:
+        raise ConfigError(f"--input-transform {text!r}: {values!r} are not numbers") from None
+    half = len(floats) // 2
+    return Normalize(tuple(floats[:half]), tuple(floats[half:]))
+
+
+def parse_shape(text: str | None) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        shape = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        shape = ()
+    if len(shape) != 3 or min(shape) < 1:
+        raise ConfigError(f"--shape {text!r}: expected C,H,W, e.g. 1,28,28")
+    return shape
+
+
+def load_truth(path: str | None) -> Any:
+    from gradleak.fedavg.audit import Truth
+    from gradleak.io import load_tensors
+
+    if path is None:
+        return None
+    tensors = load_tensors(path, "--truth")
+    images = tensors.get("images")
+    if images is None or images.dim() != 4 or not images.is_floating_point():
+        raise ConfigError(f"--truth {path}: expected a float tensor 'images' (N, C, H, W) in "
+                          "[0, 1] (and optionally 'labels')")
+    labels = tensors.get("labels")
+    return Truth(images.float(), labels.long() if labels is not None else None)
+
+
+def run(args: argparse.Namespace) -> None:
+    from gradleak.fedavg.audit import AuditOptions, audit_update, summarise
+    from gradleak.fedavg.update_file import read_update
+    from gradleak.io import check_output, write_json
+    from gradleak.report.fedavg import write_fedavg_report
+    from gradleak.victims.wrapped import resolve
+
+    options = AuditOptions(methods=tuple(args.method), iterations=args.iters,
+                           batchnorm=args.batchnorm, labels=args.labels, seed=args.seed,
+                           threads=args.threads)
+    options.check()
+    transform, shape = parse_transform(args.input_transform), parse_shape(args.shape)
+    truth = load_truth(args.truth)
+    if options.labels == "known" and (truth is None or truth.labels is None):
+        raise ConfigError("--labels known needs --truth FILE with a 'labels' tensor")
+    declared = {k: v for k, v in (("lr", args.lr), ("epochs", args.epochs),
+                                  ("batch", args.batch), ("steps", args.steps)) if v is not None}
+    updates = [Path(u) for u in args.update]
+    metas = [read_update(u).meta for u in updates]  # every file readable before any work
+    reference = args.model or metas[0].get("model")
+    if not reference:
+        raise ConfigError("the update file names no model: pass --model package.module:Class")
+    model_fn = resolve(reference, "--model")
+    out = check_output(args.out, "--out", directory=True)
+    out.mkdir(parents=True, exist_ok=True)
+    rows: list[dict[str, Any]] = []
+    for path in updates:
+        rows += [{**r, "update": path.stem} for r in audit_update(
+            path, model_fn, options, out, truth=truth, input_transform=transform,
+            declared=declared, shape=shape)]
+    audit = {"format": "gradleak-fedavg-invert", "model": reference,
+             "options": options.to_dict(), "summary": summarise(rows), "rows": rows}
+    write_json(out / "audit.json", audit)
+    write_fedavg_report(out, audit)
+    lines = [f"{r['update']} {r['method']}: 1 − cos {r['l_sim']:.4f}"
+             + (f", PSNR {r['psnr']:.2f} dB, SSIM {r['ssim']:.3f}" if "psnr" in r else "")
+             + "".join(f"\n  warning: {w}" for w in r["warnings"]) for r in rows]
+    emit(args, audit["summary"], "\n".join(lines) + f"\n-> {out / 'report.html'}")
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    from gradleak.fedavg.attacks import METHODS
+
+    p = sub.add_parser("fedavg-invert", help="invert recorded FedAvg client updates (files "
+                       "written by gradleak.integrations.flower)")
+    common_flags(p)
+    p.add_argument("--update", nargs="+", required=True, metavar="FILE",
+                   help="update files (.safetensors) written by the Flower AuditStrategy or "
+                   "gradleak.fedavg.write_update")
+    p.add_argument("--model", help="package.module:Class building the model with no "
+                   "arguments (its module loaded with --plugin); default: the file's")
+    p.add_argument("--method", nargs="+", default=["sme"], choices=METHODS)
+    p.add_argument("--iters", type=int, default=1000)
+    p.add_argument("--batchnorm", choices=["train", "eval"],
+                   help="the mode the client trained BatchNorm in (default: the file's)")
+    p.add_argument("--input-transform", help="none, or normalize:MEAN,STD: how [0, 1] images "
+                   "became the model's input (default: the file's)")
+    p.add_argument("--shape", help="C,H,W of one image (default: the file's)")
+    p.add_argument("--labels", choices=["infer", "known"], default="infer")
+    p.add_argument("--truth", help="safetensors with 'images' (N, C, H, W) in [0, 1] and "
+                   "optionally 'labels': scores the recovery (used for nothing else)")
+    for name in ("epochs", "batch", "steps"):
+        p.add_argument(f"--{name}", type=int, help=f"the client's {name} (overrides the file)")
+    p.add_argument("--lr", type=float, help="the client's learning rate (overrides the file)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=run)

@@ -1,0 +1,348 @@
+"""`invert_update`: any classifier's FedAvg update, inverted as the server sees it.
+
+    from gradleak.fedavg import invert_update, Normalize
+    result = invert_update(Net(), w0, w_T, samples=8, shape=(1, 28, 28),
+                           input_transform=Normalize(0.5, 0.5), batchnorm="train",
+                           hyperparameters={"lr": 0.05, "epochs": 5, "batch": 4})
+
+`w0` and `w_T` are the state dicts the server broadcast and received (Flower's ArrayRecord
+`.to_torch_state_dict()`): the model tells its parameters (the update that is matched) from its
+buffers (BatchNorm's running statistics and counter, used as the client used them). Images are
+recovered in [0, 1] and reach the model through `input_transform`, declared like the client's
+own preprocessing. Labels are given, or inferred from the output bias's change (which needs the
+client's learning rate and step count: declared, or read off BatchNorm's batch counter).
+What the server was told about the client's training is reported with every result; what was
+not told is never guessed silently.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from gradleak.errors import ConfigError
+from gradleak.fedavg.attacks import METHODS, FedAttackConfig, UpdateInversion
+from gradleak.fedavg.client import ClientUpdate
+from gradleak.fedavg.forward import (BATCHNORM_MODES, ClientForward, Transform, batchnorm_layers,
+                                     identity, running_targets)
+from gradleak.fedavg.labels import counts_from_bias, labels_from_counts
+
+# 1 − cosine above this after the optimisation: the dummy data do not explain the update
+POOR_FIT = 0.2
+
+
+class FitWarning(UserWarning):
+    """The attack's matching loss, or the update itself, says its assumptions are wrong."""
+
+
+@dataclass(frozen=True)
+class Normalize:
+    """x_model = (x − mean) / std per channel, x in [0, 1]: torchvision's Normalize, which
+    Flower's template applies with mean = std = 0.5 (inputs in [−1, 1])."""
+
+    mean: tuple[float, ...] | float = 0.0
+    std: tuple[float, ...] | float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("mean", "std"):
+            value = getattr(self, name)
+            values = (value,) if isinstance(value, (int, float)) else tuple(value)
+            if not values or not all(isinstance(v, (int, float)) and math.isfinite(v)
+                                     for v in values):
+                raise ConfigError(f"Normalize {name}={value!r}: expected finite numbers")
+            object.__setattr__(self, name, tuple(float(v) for v in values))
+        if any(s <= 0 for s in self.std):
+            raise ConfigError(f"Normalize std={self.std}: expected positive values")
+
+    def __call__(self, images: torch.Tensor) -> torch.Tensor:
+        shape = (1, -1) + (1,) * (images.dim() - 2)
+        mean = torch.tensor(self.mean, dtype=images.dtype).view(shape)
+        std = torch.tensor(self.std, dtype=images.dtype).view(shape)
+        return (images - mean) / std
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": "normalize", **asdict(self)}
+
+
+@dataclass(frozen=True)
+class Training:
+    """What the server was told about the client's local training (all optional)."""
+
+    lr: float | None = None
+    epochs: int | None = None
+    batch: int | None = None
+    steps: int | None = None  # local SGD steps; epochs · ⌈N / B⌉ when those are declared
+    optimiser: str | None = None
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any] | None, source: str) -> Training:
+        """From a dict with Flower-style keys (lr, local-epochs / epochs, batch-size / batch)."""
+        values = dict(values or {})
+        aliases = {"local-epochs": "epochs", "local_epochs": "epochs", "batch-size": "batch",
+                   "batch_size": "batch", "learning-rate": "lr", "learning_rate": "lr"}
+        found: dict[str, Any] = {}
+        for key, value in values.items():
+            name = aliases.get(key, key)
+            if name in cls.__dataclass_fields__:
+                found[name] = value
+        for name in ("epochs", "batch", "steps"):
+            if name in found and (isinstance(found[name], bool)
+                                  or not isinstance(found[name], (int, np.integer))
+                                  or found[name] < 1):
+                raise ConfigError(f"{source}: {name}={found[name]!r}, expected an integer >= 1")
+        if "lr" in found and not (isinstance(found["lr"], (int, float)) and
+                                  math.isfinite(found["lr"]) and found["lr"] > 0):
+            raise ConfigError(f"{source}: lr={found['lr']!r}, expected a finite number > 0")
+        return cls(**{k: (float(v) if k == "lr" else v if k == "optimiser" else int(v))
+                      for k, v in found.items()})
+
+    def local_steps(self, samples: int) -> int | None:
+        if self.steps is not None:
+            return self.steps
+        if self.epochs is not None and self.batch is not None:
+            return self.epochs * math.ceil(samples / self.batch)
+        return None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class InversionResult:
+    images: torch.Tensor  # (N, C, H, W) in [0, 1], in the dummy set's order
+    labels: torch.Tensor  # (N,) the labels the attack used
+    labels_inferred: bool
+    l_sim: float  # 1 − cosine between the surrogate gradient and w0 − w_T, at the end
+    method: str
+    training: dict[str, Any]  # what was declared, and the step count used
+    batchnorm: str
+    running_stats: float | None  # the running-statistics mismatch, where matched
+    seconds: float
+    path_position: float
+    warnings: list[str] = field(default_factory=list)
+
+    def summary(self) -> dict[str, Any]:
+        data = {k: v for k, v in asdict(self).items() if k not in ("images", "labels")}
+        return {**data, "label_counts": np.bincount(self.labels.numpy()).tolist()}
+
+
+def split_state(model: nn.Module, state: Mapping[str, Any], field_name: str
+                ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(parameters, buffers) of `state` as the model names them, checked entry by entry."""
+    if not isinstance(state, Mapping):
+        raise ConfigError(f"{field_name}: expected a state dict (name → tensor), found "
+                          f"{type(state).__name__}")
+    parameters = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    missing = [n for n in parameters if n not in state]
+    unknown = [n for n in state if n not in parameters and n not in buffers]
+    if missing:
+        hint = (" (the names differ: a wrapper such as nn.Sequential(Normalize, net) renames "
+                "every parameter; pass the bare model and input_transform= instead)"
+                if unknown else "")
+        raise ConfigError(f"{field_name} lacks {len(missing)} of {type(model).__name__}'s "
+                          f"parameters ({preview(missing)}); it holds "
+                          f"{preview(unknown) if unknown else 'no other names'}{hint}")
+    if unknown:
+        raise ConfigError(f"{field_name} holds names {type(model).__name__} does not have: "
+                          f"{preview(unknown)}")
+    out: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] = ({}, {})
+    for which, reference in enumerate((parameters, buffers)):
+        for name, like in reference.items():
+            if name not in state:
+                continue
+            value = torch.as_tensor(np.asarray(state[name]) if not isinstance(
+                state[name], torch.Tensor) else state[name])
+            if tuple(value.shape) != tuple(like.shape):
+                raise ConfigError(f"{field_name}[{name!r}] has shape {tuple(value.shape)}, "
+                                  f"the model's is {tuple(like.shape)}")
+            if which == 0 and not value.is_floating_point():
+                raise ConfigError(f"{field_name}[{name!r}] is {value.dtype}, a parameter must "
+                                  "be floating point")
+            if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+                raise ConfigError(f"{field_name}[{name!r}] holds NaN or Inf")
+            out[which][name] = value.detach().to(like.dtype) if value.is_floating_point() \
+                else value.detach()
+    return out
+
+
+def preview(names: list[str], shown: int = 4) -> str:
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
+
+
+def check_transform(transform: Transform, shape: tuple[int, ...],
+                    input_range: tuple[float, float] | None) -> None:
+    """The declared transform maps [0, 1] images into the model's declared input range."""
+    probe = torch.stack([torch.zeros(shape), torch.ones(shape), torch.full(shape, 0.5)])
+    try:
+        mapped = transform(probe)
+    except (RuntimeError, TypeError, ValueError) as error:
+        raise ConfigError(f"input_transform failed on a {tuple(probe.shape)} batch in "
+                          f"[0, 1]: {error}") from None
+    if not isinstance(mapped, torch.Tensor) or mapped.shape[0] != 3:
+        raise ConfigError("input_transform must map a batch (N, C, H, W) to a tensor with the "
+                          "same batch size")
+    if input_range is None:
+        return
+    low, high = input_range
+    span = max(high - low, 1e-12)
+    found = (float(mapped.min()), float(mapped.max()))
+    if found[0] < low - 1e-3 * span or found[1] > high + 1e-3 * span:
+        raise ConfigError(f"input_transform maps [0, 1] to [{found[0]:.3g}, {found[1]:.3g}], "
+                          f"outside the model's input range [{low:g}, {high:g}]")
+
+
+def invert_update(model: nn.Module, w0: Mapping[str, Any], wT: Mapping[str, Any], *,
+                  samples: int, shape: tuple[int, ...], labels: Any = None,
+                  input_transform: Transform | None = None,
+                  input_range: tuple[float, float] | None = None,
+                  batchnorm: str = "eval", method: str = "sme",
+                  hyperparameters: Training | Mapping[str, Any] | None = None,
+                  iterations: int = 1000, running_stats: bool = True,
+                  running_weight: float = 1.0, seed: int = 0, progress: bool = False,
+                  **attack_options: Any) -> InversionResult:
+    """Recover the `samples` images of one client's update w0 → w_T (see the module doc).
+
+    batchnorm: the mode the client trained BatchNorm in ("train": per-minibatch statistics,
+    the default of every torch training loop; "eval": frozen running statistics, as SME).
+    running_stats: in train mode, also match the batch statistics the running buffers reveal.
+    attack_options: FedAttackConfig fields (tv, lr_images, cls, ...)."""
+    training = hyperparameters if isinstance(hyperparameters, Training) else \
+        Training.from_mapping(hyperparameters, "hyperparameters")
+    shape = tuple(int(s) for s in shape)
+    if isinstance(samples, bool) or not isinstance(samples, (int, np.integer)) or samples < 1:
+        raise ConfigError(f"samples={samples!r}: expected the client's example count, >= 1")
+    if batchnorm not in BATCHNORM_MODES:
+        raise ConfigError(f"batchnorm={batchnorm!r}: expected 'train' or 'eval' (the mode the "
+                          "client trained BatchNorm in)")
+    if method not in METHODS:
+        raise ConfigError(f"method={method!r}: expected one of {', '.join(METHODS)}")
+    unknown = set(attack_options) - set(FedAttackConfig.__dataclass_fields__) - {"labels"}
+    if unknown:
+        raise ConfigError(f"unknown attack option(s) {', '.join(sorted(unknown))}")
+    config = FedAttackConfig(method=method, iterations=iterations, seed=seed,
+                             **{k: v for k, v in attack_options.items() if k != "labels"})
+    config.check()
+    transform = input_transform or identity
+    check_transform(transform, shape, input_range)
+    params0, buffers0 = split_state(model, w0, "w0")
+    paramsT, buffersT = split_state(model, wT, "w_T")
+    notes: list[str] = []
+    layers = batchnorm_layers(model)
+    float_buffers0 = {n: b for n, b in buffers0.items() if b.is_floating_point()}
+    if layers and batchnorm == "eval" and not all(f"{n}.running_mean" in float_buffers0
+                                                 for n in layers):
+        raise ConfigError("w0 lacks BatchNorm running statistics, which BatchNorm in eval "
+                          "mode reads: send the model's whole state dict")
+    steps = counted_steps(model, buffers0, buffersT) if batchnorm == "train" else None
+    steps = steps or training.local_steps(samples)
+    notes += batchnorm_mismatch(layers, batchnorm, float_buffers0, buffersT)
+    client = ClientForward(buffers=dict(float_buffers0), transform=transform,
+                           batchnorm=batchnorm, batch=training.batch,
+                           running_weight=running_weight)
+    if batchnorm == "train" and running_stats and steps:
+        client.running_targets = running_targets(model, float_buffers0, buffersT, steps)
+    model.eval()
+    classes = count_classes(model, params0, client, shape)
+    chosen, inferred = resolve_labels(model, labels, samples, classes, params0, paramsT,
+                                      client, training, steps, shape, seed)
+    update = ClientUpdate(params0, paramsT, None, steps or 0, chosen)
+    start = time.perf_counter()
+    inversion = UpdateInversion(model, update, shape, classes, config, labels=chosen,
+                                client=client)
+    result = inversion.run(progress)
+    if result["l_sim_raw"] > POOR_FIT:
+        notes.append(f"the dummy data explain the update poorly (1 − cosine "
+                     f"{result['l_sim_raw']:.3f} > {POOR_FIT}): check input_transform (the "
+                     "model's input range), batchnorm (the client's mode) and the labels")
+    for note in notes:
+        warnings.warn(note, FitWarning, stacklevel=2)
+    return InversionResult(
+        images=result["images"], labels=chosen, labels_inferred=inferred,
+        l_sim=result["l_sim_raw"], method=method,
+        training={**training.to_dict(), "steps_used": steps}, batchnorm=batchnorm,
+        running_stats=result.get("running_stats"), seconds=time.perf_counter() - start,
+        path_position=result["position"], warnings=notes)
+
+
+def counted_steps(model: nn.Module, before: dict[str, torch.Tensor],
+                  after: dict[str, torch.Tensor]) -> int | None:
+    """Local steps from BatchNorm's batch counter, which every train-mode step increments."""
+    for name in batchnorm_layers(model):
+        key = f"{name}.num_batches_tracked"
+        if key in before and key in after:
+            steps = int(after[key]) - int(before[key])
+            return steps if steps > 0 else None
+    return None
+
+
+def batchnorm_mismatch(layers: dict[str, nn.Module], mode: str,
+                       before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]
+                       ) -> list[str]:
+    """What the running statistics say about the declared BatchNorm mode."""
+    keys = [f"{n}.running_mean" for n in layers if f"{n}.running_mean" in before
+            and f"{n}.running_mean" in after]
+    if not keys:
+        return []
+    moved = any(not torch.equal(before[k], after[k]) for k in keys)
+    if mode == "eval" and moved:
+        return ["BatchNorm's running statistics changed between w0 and w_T: the client trained "
+                "in train mode, so batchnorm='train' is the faithful replay"]
+    if mode == "train" and not moved:
+        return ["BatchNorm's running statistics did not change between w0 and w_T: the "
+                "client kept BatchNorm in eval mode (batchnorm='eval')"]
+    return []
+
+
+def count_classes(model: nn.Module, parameters: dict[str, torch.Tensor], client: ClientForward,
+                  shape: tuple[int, ...]) -> int:
+    from torch.func import functional_call
+
+    probe = torch.full((2, *shape), 0.5)
+    try:
+        with torch.no_grad(), client.mode(model):
+            logits = functional_call(model, (parameters, client.buffers),
+                                     (client.transform(probe),))
+    except RuntimeError as error:
+        raise ConfigError(f"{type(model).__name__} does not take images of shape {shape} "
+                          f"(after input_transform): {error}") from None
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
+        raise ConfigError(f"{type(model).__name__} must return logits (N, classes); it "
+                          f"returned {getattr(logits, 'shape', type(logits).__name__)}")
+    return int(logits.shape[1])
+
+
+def resolve_labels(model: nn.Module, labels: Any, samples: int, classes: int,
+                   w0: dict[str, torch.Tensor], wT: dict[str, torch.Tensor],
+                   client: ClientForward, training: Training, steps: int | None,
+                   shape: tuple[int, ...], seed: int) -> tuple[torch.Tensor, bool]:
+    if labels is not None:
+        given = torch.as_tensor(np.asarray(labels)).long().reshape(-1)
+        if len(given) != samples:
+            raise ConfigError(f"labels: {len(given)} given, the client trained on {samples} "
+                              "examples")
+        if len(given) and (int(given.min()) < 0 or int(given.max()) >= classes):
+            raise ConfigError(f"labels: values must lie in 0..{classes - 1} (the model has "
+                              f"{classes} outputs)")
+        return given, False
+    if training.optimiser not in (None, "sgd"):
+        raise ConfigError(f"label inference reads a plain-SGD update; this client used "
+                          f"{training.optimiser!r}: pass labels=")
+    if training.lr is None or steps is None:
+        raise ConfigError("labels were not given, and inferring them from the output bias "
+                          "needs the client's learning rate and local step count: declare "
+                          "hyperparameters={'lr': ..., 'epochs': ..., 'batch': ...} (or "
+                          "'steps'), or pass labels=")
+    dummy = torch.rand(samples, *shape, generator=torch.Generator().manual_seed(seed))
+    counts = counts_from_bias(model, w0, wT, client, dummy, classes, lr=training.lr,
+                              steps=steps, samples=samples)
+    return labels_from_counts(counts), True

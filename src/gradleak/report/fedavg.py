@@ -1,0 +1,82 @@
+"""report.html of a FedAvg audit (the Flower strategy, or `gradleak fedavg-invert`): the verdict
+first, then per-method and per-update tables, then each client's pictures."""
+
+from __future__ import annotations
+
+import html
+import json
+from pathlib import Path
+from typing import Any
+
+from gradleak.report.html import figure, page, table, write_page
+
+
+def _fixed(value: Any, digits: int) -> str | None:
+    return None if value is None else f"{value:.{digits}f}"
+
+
+def verdict_lines(audit: dict[str, Any]) -> list[str]:
+    rows, summary = audit.get("rows", []), audit.get("summary", {})
+    if not rows:
+        return ["No client update was audited (see failures below)."]
+    lines = [f"{len({r['update'] for r in rows})} client update(s) audited with "
+             f"{', '.join(summary)}."]
+    for method, entry in summary.items():
+        if "psnr" in entry:
+            reference = entry.get("mean_image_psnr")
+            against = "" if reference is None else (
+                f" against {reference:.2f} dB for the mean image (no gradient): "
+                + ("the update leaks more than the data's average"
+                   if entry["psnr"] > reference else "no better than the average image"))
+            lines.append(f"{method}: {entry['psnr']:.2f} dB, SSIM {entry['ssim']:.3f}"
+                         + (f", LPIPS {entry['lpips']:.3f}" if "lpips" in entry else "")
+                         + against + ".")
+        else:
+            lines.append(f"{method}: matching loss {entry['l_sim']:.4f} (no truth to score).")
+        if "labels_inferred_right" in entry:
+            lines.append(f"{method}: labels inferred from the output bias, "
+                         f"{entry['labels_inferred_right']} of {entry['labels_inferred_of']} "
+                         "right.")
+        if entry.get("poor_fit"):
+            lines.append(f"{method}: {entry['poor_fit']} update(s) carry a warning (poor fit "
+                         "or a BatchNorm mode the running statistics contradict).")
+    return lines
+
+
+def write_fedavg_report(out: Path, audit: dict[str, Any]) -> Path:
+    summary = audit.get("summary", {})
+    method_rows = [{"method": m, "updates": e["updates"], "PSNR": _fixed(e.get("psnr"), 2),
+                    "SSIM": _fixed(e.get("ssim"), 3), "LPIPS": _fixed(e.get("lpips"), 3),
+                    "mean image PSNR": _fixed(e.get("mean_image_psnr"), 2),
+                    "gain (dB)": _fixed(e.get("psnr_gain_over_mean_image"), 2),
+                    "1 − cos": _fixed(e["l_sim"], 4), "s per update": _fixed(e["seconds"], 1)}
+                   for m, e in summary.items()]
+    update_rows = [{"round": r["round"], "node": r["node_id"], "N": r["num_examples"],
+                    "method": r["method"], "PSNR": _fixed(r.get("psnr"), 2),
+                    "SSIM": _fixed(r.get("ssim"), 3), "LPIPS": _fixed(r.get("lpips"), 3),
+                    "labels": ("inferred" if r["labels_inferred"] else "given")
+                    + (f", {r['labels_right']}/{r['num_examples']} right"
+                       if "labels_right" in r else ""),
+                    "1 − cos": _fixed(r["l_sim"], 4), "warnings": "; ".join(r["warnings"])}
+                   for r in audit.get("rows", [])]
+    parts = [f"<h1>FedAvg audit: {html.escape(str(audit.get('model', 'model')))}</h1>",
+             "<div class='verdict'><ul>" + "".join(f"<li>{html.escape(line)}</li>"
+                                                    for line in verdict_lines(audit))
+             + "</ul></div>",
+             "<h2>Per method</h2>",
+             table(method_rows, ["method", "updates", "PSNR", "SSIM", "LPIPS",
+                                 "mean image PSNR", "gain (dB)", "1 − cos", "s per update"]),
+             "<h2>Per client update</h2>",
+             table(update_rows, ["round", "node", "N", "method", "PSNR", "SSIM", "LPIPS",
+                                 "labels", "1 − cos", "warnings"])]
+    if audit.get("failures"):
+        parts += ["<h2>Failures</h2>", table(audit["failures"], ["round", "node_id", "error"])]
+    for row in audit.get("rows", []):
+        picture = out / Path(row["update"]).parent / row["picture"] if row.get("picture") \
+            else None
+        if picture is not None and picture.is_file():
+            parts.append(figure(picture, f"round {row['round']}, node {row['node_id']}, "
+                                         f"{row['method']}: private (top), recovered (bottom)"))
+    settings = {k: audit.get(k) for k in ("options", "every", "shape")}
+    parts += ["<h2>Settings</h2>", f"<pre>{html.escape(json.dumps(settings, indent=2))}</pre>"]
+    return write_page(out / "report.html", page("gradleak FedAvg audit", parts))
