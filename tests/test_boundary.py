@@ -68,7 +68,8 @@ def test_evaluation_gives_the_attacks_captured_gradients_and_nothing_else(
 ATTACK_MODULES = [*sorted((Path(__file__).resolve().parents[1] / "src" / "gradleak" / "attacks")
                           .rglob("*.py")),
                   *(Path(__file__).resolve().parents[1] / "src" / "gradleak" / "fedavg" / name
-                    for name in ("attacks.py", "labels.py"))]
+                    for name in ("attacks.py", "labels.py", "invert.py", "forward.py",
+                                 "update_file.py"))]
 PRIVATE_PATHS = ("gradleak.capture", "gradleak.evaluation", "gradleak.training",
                  "gradleak.fedavg.datasets", "gradleak.fedavg.experiment")
 

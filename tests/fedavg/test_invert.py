@@ -107,7 +107,8 @@ def test_every_wrong_input_gets_one_clear_error() -> None:
     with pytest.raises(ConfigError, match="needs the client's learning rate"):
         invert_update(TinyClassifier(), w0, wT, **{**run, "labels": None})
     with pytest.raises(ConfigError, match="lacks BatchNorm running statistics"):
-        invert_update(TinyClassifier(), {k: v for k, v in w0.items() if "running" not in k}, wT, **run)
+        invert_update(TinyClassifier(), {k: v for k, v in w0.items() if "running" not in k},
+                      wT, **run)
     with pytest.raises(ConfigError, match="batchnorm='training'"):
         invert_update(TinyClassifier(), w0, wT, **run, batchnorm="training")
     with pytest.raises(ConfigError, match="Normalize std"):

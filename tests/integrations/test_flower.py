@@ -30,17 +30,19 @@ def truth(count: int):
 
 
 def audited_run(tmp_path, model_class=Net, count=2, epochs=2, batch=2, rounds=1, lr=0.05,
-                workers=0, **audit):
+                workers=0, wrap=None, mods=None, **audit):
     out = tmp_path / "audit"
     options = {"methods": ("ig",), "iterations": 50, "truth": truth(count),
                "hyperparameters": {"epochs": epochs, "batch": batch}, **audit}
 
     def strategy_fn(inner):
+        inner = wrap(inner) if wrap is not None else inner
         return AuditStrategy(inner, model_fn=model_class, shape=(1, 16, 16), out=out,
                              input_transform=Normalize(0.5, 0.5), workers=workers, **options)
 
     run_in_process(server_app(strategy_fn, model_class, rounds=rounds, lr=lr),
-                   client_app(model_class, count=count, epochs=epochs, batch=batch), NODES)
+                   client_app(model_class, mods, count=count, epochs=epochs, batch=batch),
+                   NODES)
     return out
 
 
@@ -98,6 +100,22 @@ def test_batchnorm_clients_send_an_int_counter_that_gives_the_step_count(tmp_pat
                            iterations=5, hyperparameters={"lr": 0.05, "batch": 2})
     assert result.training["steps_used"] == 2  # 2 epochs × 1 batch, read off the counter
     assert result.running_stats is not None
+
+
+@pytest.mark.filterwarnings("ignore::gradleak.fedavg.FitWarning")
+def test_flowers_clipping_mod_is_audited_as_it_leaves_the_updates(tmp_path) -> None:
+    from flwr.clientapp.mod import fixedclipping_mod
+    from flwr.serverapp.strategy import DifferentialPrivacyClientSideFixedClipping
+
+    def clipped(inner):
+        return DifferentialPrivacyClientSideFixedClipping(
+            inner, noise_multiplier=1.0, clipping_norm=0.05, num_sampled_clients=2)
+
+    out = audited_run(tmp_path, wrap=clipped, mods=[fixedclipping_mod], iterations=5)
+    audit = json.loads((out / "audit.json").read_text())
+    assert [round(r["update_norm"], 6) for r in audit["rows"]] == [0.05, 0.05]
+    assert "Every update has the same norm, 0.05: a clipping bound" in \
+        (out / "report.html").read_text()
 
 
 def test_audit_settings_are_checked_before_any_round(tmp_path) -> None:

@@ -93,6 +93,7 @@ def audit_update(path: Path, model_fn: Callable[[], nn.Module], options: AuditOp
                 running_stats=options.running_stats, seed=options.seed, **options.attack)
         row = {"update": path.name, "round": meta["round"], "node_id": meta["node_id"],
                "num_examples": meta["num_examples"], **result.summary(),
+               "update_norm": update_norm(model, update.w0, update.wT),
                "warnings": [str(w.message) for w in caught if w.category is FitWarning]}
         if truth is not None:
             row.update(score_row(result.images, result.labels, truth, reference, model,
@@ -100,6 +101,14 @@ def audit_update(path: Path, model_fn: Callable[[], nn.Module], options: AuditOp
         rows.append(row)
     write_json(out / f"{path.stem}.json", {"rows": rows, "options": options.to_dict()})
     return rows
+
+
+def update_norm(model: nn.Module, w0: dict[str, torch.Tensor], wT: dict[str, torch.Tensor]
+                ) -> float:
+    """‖w0 − w_T‖ over the parameters (not the buffers): equal across clients when a clipping
+    mod set it."""
+    return float(sum(((w0[n].double() - wT[n].double()) ** 2).sum()
+                     for n, _ in model.named_parameters()) ** 0.5)
 
 
 def score_row(images: torch.Tensor, labels: torch.Tensor, truth: Truth,
@@ -147,3 +156,4 @@ def summarise(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
             entry["labels_inferred_of"] = sum(r["num_examples"] for r in labelled)
         out[method] = entry
     return out
+

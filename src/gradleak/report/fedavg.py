@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import html
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,15 @@ from gradleak.report.html import figure, page, table, write_page
 
 def _fixed(value: Any, digits: int) -> str | None:
     return None if value is None else f"{value:.{digits}f}"
+
+
+def common_norm(rows: Sequence[dict[str, Any]]) -> float | None:
+    """The norm all audited updates share (to 1e-4), as a clipping mod leaves them."""
+    norms = {r["update"]: r["update_norm"] for r in rows if "update_norm" in r}
+    if len(norms) < 2:
+        return None
+    low, high = min(norms.values()), max(norms.values())
+    return high if high > 0 and (high - low) <= 1e-4 * high else None
 
 
 def verdict_lines(audit: dict[str, Any]) -> list[str]:
@@ -40,6 +50,12 @@ def verdict_lines(audit: dict[str, Any]) -> list[str]:
         if entry.get("poor_fit"):
             lines.append(f"{method}: {entry['poor_fit']} update(s) carry a warning (poor fit "
                          "or a BatchNorm mode the running statistics contradict).")
+    norm = common_norm(rows)
+    if norm is not None:
+        lines.append(f"Every update has the same norm, {norm:.4g}: a clipping bound. Clipping "
+                     "rescales an update without turning it, and these attacks match its "
+                     "direction, so it protects only with noise added before the server sees "
+                     "each update.")
     return lines
 
 
@@ -57,7 +73,9 @@ def write_fedavg_report(out: Path, audit: dict[str, Any]) -> Path:
                     "labels": ("inferred" if r["labels_inferred"] else "given")
                     + (f", {r['labels_right']}/{r['num_examples']} right"
                        if "labels_right" in r else ""),
-                    "1 − cos": _fixed(r["l_sim"], 4), "warnings": "; ".join(r["warnings"])}
+                    "1 − cos": _fixed(r["l_sim"], 4),
+                    "‖w0 − w_T‖": _fixed(r.get("update_norm"), 4),
+                    "warnings": "; ".join(r["warnings"])}
                    for r in audit.get("rows", [])]
     parts = [f"<h1>FedAvg audit: {html.escape(str(audit.get('model', 'model')))}</h1>",
              "<div class='verdict'><ul>" + "".join(f"<li>{html.escape(line)}</li>"
@@ -68,7 +86,7 @@ def write_fedavg_report(out: Path, audit: dict[str, Any]) -> Path:
                                  "mean image PSNR", "gain (dB)", "1 − cos", "s per update"]),
              "<h2>Per client update</h2>",
              table(update_rows, ["round", "node", "N", "method", "PSNR", "SSIM", "LPIPS",
-                                 "labels", "1 − cos", "warnings"])]
+                                 "labels", "1 − cos", "‖w0 − w_T‖", "warnings"])]
     if audit.get("failures"):
         parts += ["<h2>Failures</h2>", table(audit["failures"], ["round", "node_id", "error"])]
     for row in audit.get("rows", []):
