@@ -35,6 +35,8 @@ def recorded_update(tmp_path):
             "model": "user_models:TinyClassifier"}
     path = write_update(tmp_path / "node-7.safetensors", w0, model.state_dict(), meta)
     save_file({"images": images, "labels": labels}, str(tmp_path / "truth.safetensors"))
+    save_file({"images": torch.rand(16, 1, 8, 8, generator=generator)},
+              str(tmp_path / "aux.safetensors"))
     return path, labels
 
 
@@ -44,7 +46,8 @@ def test_the_cli_inverts_a_recorded_update_and_scores_it(tmp_path, capsys) -> No
     out = tmp_path / "out"
     code = main(["fedavg-invert", "--update", str(path), "--plugin", "user_models",
                  "--method", "ig", "sme", "--iters", "20", "--truth",
-                 str(tmp_path / "truth.safetensors"), "--out", str(out), "--json"])
+                 str(tmp_path / "truth.safetensors"), "--reference",
+                 str(tmp_path / "aux.safetensors"), "--out", str(out), "--json"])
     assert code == 0
     summary = json.loads(capsys.readouterr().out)
     assert set(summary) == {"ig", "sme"}
@@ -52,6 +55,7 @@ def test_the_cli_inverts_a_recorded_update_and_scores_it(tmp_path, capsys) -> No
     audit = json.loads((out / "audit.json").read_text())
     assert audit["rows"][0]["training"]["steps_used"] == 4
     assert {r["batchnorm"] for r in audit["rows"]} == {"train"}
+    assert summary["sme"]["mean_image_psnr"] > 0  # the reference row, on the same images
     assert (out / "report.html").is_file() and (out / "node-7-sme.png").is_file()
 
 
@@ -68,6 +72,11 @@ def test_the_cli_names_what_is_wrong(tmp_path, capsys) -> None:
     assert main(["fedavg-invert", "--update", str(path), "--plugin", "user_models",
                  "--input-transform", "scale:2", "--out", str(out)]) == 2
     assert "expected none or normalize:MEAN,STD" in capsys.readouterr().err
+    assert main(["fedavg-invert", "--update", str(path), "--plugin", "user_models",
+                 "--truth", str(tmp_path / "truth.safetensors"), "--reference", "digits",
+                 "--out", str(out)]) == 2
+    assert "--reference images are (1, 28, 28), the truth's (1, 8, 8)" in \
+        capsys.readouterr().err
     assert main(["fedavg-invert", "--update", str(tmp_path / "truth.safetensors"),
                  "--plugin", "user_models", "--out", str(out)]) == 2
     assert "no 'gradleak' metadata" in capsys.readouterr().err

@@ -59,6 +59,23 @@ def load_truth(path: str | None) -> Any:
     return Truth(images.float(), labels.long() if labels is not None else None)
 
 
+def load_reference(spec: str | None) -> Any:
+    """Auxiliary images for the mean-image row: a safetensors file with 'images', or one of
+    the datasets `gradleak fedavg` reads (digits, photos, femnist:PATH, cifar100:PATH)."""
+    from gradleak.fedavg.datasets import load_dataset
+    from gradleak.io import load_tensors
+
+    if spec is None:
+        return None
+    if spec.endswith(".safetensors"):
+        images = load_tensors(spec, "--reference").get("images")
+        if images is None or images.dim() != 4 or not images.is_floating_point():
+            raise ConfigError(f"--reference {spec}: expected a float tensor 'images' "
+                              "(M, C, H, W) in [0, 1]")
+        return images.float()
+    return load_dataset(spec).images
+
+
 def run(args: argparse.Namespace) -> None:
     from gradleak.fedavg.audit import AuditOptions, audit_update, summarise
     from gradleak.fedavg.update_file import read_update
@@ -72,29 +89,38 @@ def run(args: argparse.Namespace) -> None:
     options.check()
     transform, shape = parse_transform(args.input_transform), parse_shape(args.shape)
     truth = load_truth(args.truth)
+    reference = load_reference(args.reference)
+    if reference is not None and truth is None:
+        raise ConfigError("--reference scores the mean image beside the attack, which needs "
+                          "--truth too")
+    if reference is not None and tuple(reference.shape[1:]) != tuple(truth.images.shape[1:]):
+        raise ConfigError(f"--reference images are {tuple(reference.shape[1:])}, the truth's "
+                          f"{tuple(truth.images.shape[1:])}")
     if options.labels == "known" and (truth is None or truth.labels is None):
         raise ConfigError("--labels known needs --truth FILE with a 'labels' tensor")
     declared = {k: v for k, v in (("lr", args.lr), ("epochs", args.epochs),
                                   ("batch", args.batch), ("steps", args.steps)) if v is not None}
     updates = [Path(u) for u in args.update]
     metas = [read_update(u).meta for u in updates]  # every file readable before any work
-    reference = args.model or metas[0].get("model")
-    if not reference:
+    model_ref = args.model or metas[0].get("model")
+    if not model_ref:
         raise ConfigError("the update file names no model: pass --model package.module:Class")
-    model_fn = resolve(reference, "--model")
+    model_fn = resolve(model_ref, "--model")
     out = check_output(args.out, "--out", directory=True)
     out.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
     for path in updates:
         rows += [{**r, "update": path.stem} for r in audit_update(
-            path, model_fn, options, out, truth=truth, input_transform=transform,
+            path, model_fn, options, out, truth=truth, reference=reference,
+            input_transform=transform,
             declared=declared, shape=shape)]
-    audit = {"format": "gradleak-fedavg-invert", "model": reference,
+    audit = {"format": "gradleak-fedavg-invert", "model": model_ref,
              "options": options.to_dict(), "summary": summarise(rows), "rows": rows}
     write_json(out / "audit.json", audit)
     write_fedavg_report(out, audit)
     lines = [f"{r['update']} {r['method']}: 1 − cos {r['l_sim']:.4f}"
              + (f", PSNR {r['psnr']:.2f} dB, SSIM {r['ssim']:.3f}" if "psnr" in r else "")
+             + (f" (mean image {r['mean_image']['psnr']:.2f} dB)" if "mean_image" in r else "")
              + "".join(f"\n  warning: {w}" for w in r["warnings"]) for r in rows]
     emit(args, audit["summary"], "\n".join(lines) + f"\n-> {out / 'report.html'}")
 
@@ -120,6 +146,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--labels", choices=["infer", "known"], default="infer")
     p.add_argument("--truth", help="safetensors with 'images' (N, C, H, W) in [0, 1] and "
                    "optionally 'labels': scores the recovery (used for nothing else)")
+    p.add_argument("--reference", help="auxiliary images whose mean is the reference row: "
+                   "digits, photos, femnist:PATH, cifar100:PATH or a safetensors file with "
+                   "'images' (needs --truth)")
     for name in ("epochs", "batch", "steps"):
         p.add_argument(f"--{name}", type=int, help=f"the client's {name} (overrides the file)")
     p.add_argument("--lr", type=float, help="the client's learning rate (overrides the file)")
