@@ -17,8 +17,8 @@ LAYERS = [
     {"report"},
     {"rl"},
     {"capture"},
-    {"attacks", "defenses", "fedavg", "integrations"},
-    {"training"},
+    {"attacks", "defenses", "fedavg"},
+    {"training", "integrations"},  # integrations wrap fedavg and capture for other frameworks
     {"evaluation"},
     {"presets"},
     {"audit"},

@@ -145,14 +145,17 @@ def test_two_captures_of_one_output_a_live_one_and_a_second(capsys, tmp_path: Pa
     """The reported case, with two real processes: the second is refused and names the first,
     whose partial file stays readable and resumes."""
     out = tmp_path / "c.h5"
-    first = subprocess.Popen([sys.executable, "-m", "gradleak.cli", *capture_argv(out, steps=4000),
+    # far more steps than run before the SIGINT: the first must still be live when the second
+    # starts (4,000 steps could finish first on a fast, idle machine)
+    first = subprocess.Popen([sys.executable, "-m", "gradleak.cli",
+                              *capture_argv(out, steps=200_000),
                               "--quiet"], cwd=tmp_path)
     try:
         deadline = time.monotonic() + 60
         while not (tmp_path / "c.h5.partial").exists() and time.monotonic() < deadline:
             time.sleep(0.05)
         assert (tmp_path / "c.h5.partial").exists()
-        assert main([*capture_argv(out, "--overwrite", steps=4000), "--quiet"]) == 2
+        assert main([*capture_argv(out, "--overwrite", steps=200_000), "--quiet"]) == 2
         err = capsys.readouterr().err
         assert f"PID {first.pid}" in err and "being written by another process" in err
     finally:
