@@ -22,6 +22,7 @@ from gradleak.metrics.lpips import PIP_COMMAND, package_weights
 from gradleak.training.checkpoint import load_attacker
 from gradleak.training.data import WindowDataset, collate
 from gradleak.training.fit import (
+    Budget,
     FitConfig,
     fine_tune_under_defense,
     fit_attacker,
@@ -192,6 +193,17 @@ def test_schedules() -> None:
     factor = warmup_cosine(config, steps_per_epoch=5)
     assert factor(0) == pytest.approx(0.1) and factor(9) == pytest.approx(1.0)
     assert factor(50) == pytest.approx(0.01) and factor(49) > factor(50)
+    # a time-limited run decays to its budget: half of it spent is half of the cosine, all of
+    # it is the floor, however few steps ran; warm-up still counts steps
+    spent = [0.5]
+    timed = warmup_cosine(config, steps_per_epoch=5, time_progress=lambda: spent[0])
+    assert timed(12) == pytest.approx(0.01 + 0.99 * 0.5) and timed(3) == factor(3)
+    spent[0] = 1.0
+    assert timed(12) == pytest.approx(0.01)
+    spent[0] = 0.0
+    assert timed(45) == pytest.approx(factor(45))  # steps further along than time win
+    assert Budget(None, "cpu").fraction_spent() == 0.0
+    assert Budget(1e-12, "wall").fraction_spent() == 1.0
 
 
 def test_corrupt_and_foreign_attacker_checkpoints(trained_attackers, tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ from gradleak.cli import (
     defend,
     demo,
     evaluate,
+    experiment,
     fedavg,
     fedavg_invert,
     optim,
@@ -25,8 +26,8 @@ from gradleak.cli import (
 from gradleak.errors import GradleakError
 
 # in the order `gradleak --help` lists them
-COMMAND_MODULES = (demo, audit, scenes, train, capture, attackers, evaluate, defend, optim, analytic,
-                   fedavg, fedavg_invert, actions)
+COMMAND_MODULES = (demo, audit, scenes, train, capture, attackers, evaluate, experiment, defend,
+                   optim, analytic, fedavg, fedavg_invert, actions)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -168,8 +168,8 @@ class AttackerFit(FitLoop):
                                  num_workers=config.workers,
                                  persistent_workers=config.workers > 0)
         steps = max(1, math.ceil(len(self.loader) / config.accumulation))
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimiser,
-                                                           warmup_cosine(config, steps))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimiser, warmup_cosine(config, steps, self.time_progress))
         self.start(resume)
         self.engine = DistributedDataParallel(self.loss) if self.world > 1 else self.loss
 

@@ -61,8 +61,12 @@ class FitSchedule:
     skip_nonfinite: bool = False  # leave out windows with NaN/Inf gradients (else: refuse)
 
 
-def warmup_cosine(config: FitSchedule, steps_per_epoch: int) -> Callable[[int], float]:
-    """The learning-rate factor per optimiser step: linear warm-up, then cosine to min_lr."""
+def warmup_cosine(config: FitSchedule, steps_per_epoch: int,
+                  time_progress: Callable[[], float] = lambda: 0.0) -> Callable[[int], float]:
+    """The learning-rate factor per optimiser step: linear warm-up, then cosine to min_lr.
+    The cosine runs on whichever is further along, the steps or `time_progress()` (the
+    fraction of a time limit spent): a time-limited run decays to its budget, not to an epoch
+    count it never reaches."""
     warmup = max(1, int(config.warmup_epochs * steps_per_epoch))
     total = max(warmup + 1, config.epochs * steps_per_epoch)
     floor = config.min_lr / config.lr
@@ -70,7 +74,7 @@ def warmup_cosine(config: FitSchedule, steps_per_epoch: int) -> Callable[[int], 
     def factor(step: int) -> float:
         if step < warmup:
             return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / (total - warmup))
+        progress = min(1.0, max((step - warmup) / (total - warmup), time_progress()))
         return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return factor
@@ -99,6 +103,12 @@ class Budget:
 
     def spent(self) -> bool:
         return self.minutes_left() <= 0
+
+    def fraction_spent(self) -> float:
+        """0 → 1 across the limit (0 without one)."""
+        if self.minutes is None:
+            return 0.0
+        return min(1.0, (self.now() - self.started) / 60 / self.minutes)
 
 
 @dataclass
@@ -159,6 +169,11 @@ class FitLoop:
     def out_of_time(self, budget: Budget) -> bool:
         return budget.spent()
 
+    def time_progress(self) -> float:
+        """How much of this session's time limit is spent (the schedule decays to it)."""
+        budget = getattr(self, "_budget", None)
+        return budget.fraction_spent() if budget is not None else 0.0
+
     # -- helpers for kinds that fit on frames ----------------------------------------------------
     def shuffled_epoch(self, count: int, batch: Callable[[np.ndarray, np.random.Generator], Any]
                        ) -> Epoch:
@@ -176,8 +191,8 @@ class FitLoop:
         self.optimiser = torch.optim.AdamW(parameters, lr=config.lr,
                                            weight_decay=config.weight_decay)
         steps = max(1, math.ceil(max(1, items // config.batch_size) / config.accumulation))
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimiser,
-                                                           warmup_cosine(config, steps))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimiser, warmup_cosine(config, steps, self.time_progress))
 
     def set_mean_image(self, frames: np.ndarray) -> None:
         """The mean of uint8 (N, H, W, C) frames as the (C, H, W) reference image."""
@@ -199,7 +214,7 @@ class FitLoop:
         config = self.config
         last = config.epochs if session_epochs is None else min(
             config.epochs, self.epochs_done + session_epochs)
-        budget = Budget(config.time_limit_minutes, config.time_limit_clock)
+        budget = self._budget = Budget(config.time_limit_minutes, config.time_limit_clock)
         writer = self._tensorboard()
         try:
             while self.epochs_done < last and not self.out_of_time(budget):

@@ -1,0 +1,109 @@
+"""Experiments as registered grids of cells.
+
+An experiment names its axes (victim × algorithm × attacker × setting × seed); each cell is one
+point of the grid and runs on its own, so a grid can be resumed cell by cell, split across
+processes or machines (`--shard i/n`), and merged into one table at the end. Work that several
+cells share (a trained victim, a capture) is built once under OUT/shared, guarded by a file lock,
+so shards running side by side never build it twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import itertools
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from gradleak.registry import Registry
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One point of an experiment's grid: axis name → value, in the axes' order."""
+
+    values: tuple[tuple[str, Any], ...]
+
+    def __getitem__(self, axis: str) -> Any:
+        return dict(self.values)[axis]
+
+    @property
+    def id(self) -> str:
+        """A file name: 'victim=ppo,components=cnn,seed=0' with unsafe characters replaced."""
+        text = ",".join(f"{k}={v}" for k, v in self.values)
+        return re.sub(r"[^A-Za-z0-9_.,=+-]", "_", text)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.values)
+
+
+@dataclass
+class Context:
+    """What a cell runs with: the run folder, the per-cell budget and its clock, the preset."""
+
+    out: Path
+    budget_minutes: float
+    clock: str
+    preset: Any
+    progress: bool = False
+
+    def shared(self, name: str, build: Callable[[Path], T], done: Callable[[Path], bool]
+               ) -> Path:
+        """OUT/shared/NAME, built once by `build(path)` under a lock; `done(path)` says whether
+        an earlier process (or shard) already built it."""
+        path = self.out / "shared" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with locked(path.with_name(f".{name}.lock")):
+            if not done(path):
+                build(path)
+        return path
+
+
+@contextlib.contextmanager
+def locked(lock: Path) -> Iterator[None]:
+    with lock.open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+class Experiment(ABC):
+    """A subclass names its grid, runs one cell, and turns all cells' results into tables."""
+
+    name: str = ""
+    description: str = ""
+
+    @abstractmethod
+    def axes(self, seeds: int) -> dict[str, list[Any]]:
+        """Axis name → values; the grid is their product, seeds last by convention."""
+
+    def cells(self, seeds: int) -> list[Cell]:
+        axes = self.axes(seeds)
+        return [Cell(tuple(zip(axes, values))) for values in itertools.product(*axes.values())]
+
+    @abstractmethod
+    def run_cell(self, cell: Cell, context: Context) -> dict[str, Any]:
+        """The cell's measurements (numbers and short strings, JSON-ready)."""
+
+    @abstractmethod
+    def summarize(self, results: list[dict[str, Any]]) -> tuple[dict[str, Any], str]:
+        """(the merged JSON's summary, its Markdown) from every cell's record."""
+
+
+EXPERIMENTS: Registry[type[Experiment]] = Registry("experiment")
+
+
+def register_experiment(name: str) -> Callable[[type[Experiment]], type[Experiment]]:
+    def decorate(cls: type[Experiment]) -> type[Experiment]:
+        cls.name = name
+        return EXPERIMENTS.register(name)(cls)
+
+    return decorate

@@ -1,0 +1,176 @@
+"""`gradleak experiment NAME`: run a registered grid cell by cell, resume it, shard it, merge it.
+
+    OUT/experiment.json      the settings (a rerun with other settings is refused, naming them)
+    OUT/cells/<cell>.json    one record per finished cell, written atomically when it finishes
+    OUT/shared/...           work cells share (victims, captures), built once under a lock
+
+`--merge` reads every cell and writes benchmarks/results/NAME.{json,md}: one table per
+experiment, mean ± std over seeds, with what each cell cost (CPU and wall minutes).
+"""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gradleak.errors import ConfigError
+from gradleak.experiments.base import EXPERIMENTS, Cell, Context, Experiment
+from gradleak.io import atomic_path, read_json, write_json
+
+FORMAT = "gradleak-experiment"
+CLOCKS = ("cpu", "wall")
+
+
+@dataclass
+class ExperimentSettings:
+    name: str
+    seeds: int = 2
+    budget_minutes: float = 5.0  # per cell, for whatever the cell trains
+    clock: str = "cpu"  # cells side by side get equal compute, not equal wall time
+    preset: str = "cpu-bench"
+    overrides: list[str] = field(default_factory=list)  # --set section.field=value
+
+    def check(self) -> None:
+        EXPERIMENTS.get(self.name)
+        if isinstance(self.seeds, bool) or not isinstance(self.seeds, int) or self.seeds < 1:
+            raise ConfigError(f"--seeds {self.seeds!r}: expected an integer >= 1")
+        if not self.budget_minutes > 0:
+            raise ConfigError(f"--budget-minutes {self.budget_minutes}: expected > 0")
+        if self.clock not in CLOCKS:
+            raise ConfigError(f"--clock {self.clock!r}: expected cpu or wall")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def parse_shard(text: str | None) -> tuple[int, int]:
+    if text is None:
+        return 0, 1
+    index, _, count = text.partition("/")
+    try:
+        shard = int(index), int(count)
+    except ValueError:
+        shard = (-1, 0)
+    if not 0 <= shard[0] < shard[1]:
+        raise ConfigError(f"--shard {text!r}: expected I/N with 0 <= I < N, e.g. 0/4")
+    return shard
+
+
+def cell_path(out: Path, cell: Cell) -> Path:
+    return out / "cells" / f"{cell.id}.json"
+
+
+def claim(out: Path, settings: ExperimentSettings, resume: bool) -> None:
+    """A new or empty folder, or this experiment's own with the same settings."""
+    meta = out / "experiment.json"
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out}: exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()):
+        if not meta.is_file() or read_json(meta, "experiment").get("format") != FORMAT:
+            raise ConfigError(f"--out {out}: a non-empty folder that is not an experiment run; "
+                              "choose a new folder (nothing there was touched)")
+        before = read_json(meta, "experiment").get("settings", {})
+        changed = sorted(k for k, v in settings.to_dict().items() if before.get(k) != v)
+        if changed:
+            raise ConfigError(f"--out {out} holds a run with other settings ("
+                              + ", ".join(f"{k}: {before.get(k)!r} → {settings.to_dict()[k]!r}"
+                                          for k in changed) + "): use a new --out")
+        if not resume and any((out / "cells").glob("*.json")):
+            raise ConfigError(f"--out {out} already holds finished cells: pass --resume to run "
+                              "only the missing ones")
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(meta, {"format": FORMAT, "settings": settings.to_dict()})
+
+
+def run_experiment(settings: ExperimentSettings, out: Path, resume: bool = False,
+                   shard: str | None = None, progress: bool = False) -> dict[str, Any]:
+    """Run this shard's missing cells; returns what ran and what is still missing."""
+    from tqdm import tqdm
+
+    from gradleak.presets import load_preset, validate_preset
+
+    settings.check()
+    index, count = parse_shard(shard)
+    preset = validate_preset(load_preset(settings.preset, settings.overrides), "--set")
+    experiment: Experiment = EXPERIMENTS.get(settings.name)()
+    cells = experiment.cells(settings.seeds)[index::count]
+    claim(out, settings, resume)
+    context = Context(out, settings.budget_minutes, settings.clock, preset, progress)
+    ran = []
+    for cell in tqdm(cells, disable=not progress, desc=settings.name):
+        path = cell_path(out, cell)
+        if path.exists():
+            continue
+        wall, cpu = time.perf_counter(), time.process_time()
+        result = experiment.run_cell(cell, context)
+        write_json(path, {"cell": cell.to_dict(), "result": result,
+                          "wall_minutes": (time.perf_counter() - wall) / 60,
+                          "cpu_minutes": (time.process_time() - cpu) / 60})
+        ran.append(cell.id)
+    missing = [c.id for c in experiment.cells(settings.seeds) if not cell_path(out, c).exists()]
+    return {"experiment": settings.name, "shard": f"{index}/{count}", "ran": ran,
+            "cells_in_shard": len(cells), "missing_in_grid": missing}
+
+
+def merge_experiment(out: Path, results: Path, allow_partial: bool = False
+                     ) -> tuple[Path, Path]:
+    """Every cell's record → RESULTS/NAME.json and NAME.md (refused while cells are missing,
+    unless allow_partial, which names them in both files)."""
+    meta = read_json(out / "experiment.json", "experiment")
+    if meta.get("format") != FORMAT:
+        raise ConfigError(f"{out}/experiment.json is not an experiment run's")
+    settings = ExperimentSettings(**meta["settings"])
+    experiment: Experiment = EXPERIMENTS.get(settings.name)()
+    cells = experiment.cells(settings.seeds)
+    records = [read_json(cell_path(out, c), f"cell {c.id}") for c in cells
+               if cell_path(out, c).exists()]
+    missing = [c.id for c in cells if not cell_path(out, c).exists()]
+    if missing and not allow_partial:
+        raise ConfigError(f"{len(missing)} of {len(cells)} cells have not run ("
+                          f"{', '.join(missing[:3])}{' …' if len(missing) > 3 else ''}): run "
+                          "the missing shards, or --allow-partial")
+    if not records:
+        raise ConfigError(f"{out}: no cell has finished yet")
+    summary, markdown = experiment.summarize(records)
+    cost = [r["cpu_minutes"] for r in records]
+    data = {"experiment": settings.name, "description": experiment.description,
+            "settings": settings.to_dict(), "summary": summary, "cells": records,
+            "missing": missing, "machine": machine(),
+            "cpu_minutes_total": sum(cost), "cpu_minutes_median_cell": statistics.median(cost)}
+    results.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = results / f"{settings.name}.json", results / f"{settings.name}.md"
+    write_json(json_path, data)
+    note = f"\n\n{len(missing)} cells missing: {', '.join(missing)}\n" if missing else "\n"
+    with atomic_path(md_path) as tmp:
+        tmp.write_text(f"# `gradleak experiment {settings.name}`\n\n{experiment.description}\n\n"
+                       f"Settings: {settings.to_dict()}; {machine()}; "
+                       f"{sum(cost):.1f} CPU minutes over {len(records)} cells.\n\n"
+                       + markdown.rstrip() + note)
+    return json_path, md_path
+
+
+def machine() -> str:
+    import torch
+
+    return (f"{platform.machine()}, {torch.get_num_threads()} torch threads, "
+            f"torch {torch.__version__}")
+
+
+def mean_std(values: list[float], digits: int = 2) -> str:
+    """'m ± s' over seeds (population std; a single value has ± 0)."""
+    if not values:
+        return "-"
+    spread = statistics.pstdev(values) if len(values) > 1 else 0.0
+    return f"{statistics.fmean(values):.{digits}f} ± {spread:.{digits}f}"
+
+
+def grouped(records: list[dict[str, Any]], by: list[str]) -> dict[tuple, list[dict[str, Any]]]:
+    """Records grouped by the values of the axes `by` (seeds pooled), in first-seen order."""
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for record in records:
+        groups.setdefault(tuple(record["cell"][axis] for axis in by), []).append(record)
+    return groups

@@ -1,0 +1,108 @@
+"""`gradleak experiment`: a grid runs cell by cell, resumes, shards and merges; settings and
+folders are checked before any cell runs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gradleak.cli import main
+
+PLUGIN = ["--plugin", "user_experiments"]
+
+
+def ran(out) -> list[str]:
+    return (out / "ran.log").read_text().split() if (out / "ran.log").exists() else []
+
+
+def test_a_grid_runs_resumes_and_merges_with_mean_and_std(tmp_path, capsys) -> None:
+    out, results = tmp_path / "toy", tmp_path / "results"
+    assert main(["experiment", "toy", *PLUGIN, "--seeds", "2", "--budget-minutes", "0.5",
+                 "--out", str(out), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert len(summary["ran"]) == 6 and summary["missing_in_grid"] == []
+    assert len(ran(out)) == 6 and (out / "shared" / "table.json").is_file()
+    # a second run without --resume is refused; with it, nothing is redone
+    assert main(["experiment", "toy", *PLUGIN, "--seeds", "2", "--budget-minutes", "0.5",
+                 "--out", str(out)]) == 2
+    assert "pass --resume" in capsys.readouterr().err
+    assert main(["experiment", "toy", *PLUGIN, "--seeds", "2", "--budget-minutes", "0.5",
+                 "--out", str(out), "--resume", "--quiet"]) == 0
+    assert len(ran(out)) == 6
+    assert main(["experiment", "toy", *PLUGIN, "--merge", "--out", str(out), "--results",
+                 str(results), "--quiet"]) == 0
+    merged = json.loads((results / "toy.json").read_text())
+    assert merged["summary"] == {"a": 0.5, "b": 10.5, "c": 20.5}
+    assert merged["settings"]["budget_minutes"] == 0.5 and len(merged["cells"]) == 6
+    assert all(c["result"]["budget"] == 0.5 and c["cpu_minutes"] >= 0 for c in merged["cells"])
+    assert "| b | 10.50 ± 0.50 |" in (results / "toy.md").read_text()
+
+
+def test_shards_split_the_grid_and_merge_refuses_what_is_missing(tmp_path, capsys) -> None:
+    out, results = tmp_path / "toy", tmp_path / "results"
+    run = ["experiment", "toy", *PLUGIN, "--seeds", "2", "--out", str(out), "--quiet"]
+    assert main([*run, "--shard", "0/2"]) == 0
+    first = ran(out)
+    assert len(first) == 3
+    assert main(["experiment", "toy", *PLUGIN, "--merge", "--out", str(out), "--results",
+                 str(results)]) == 2
+    assert "3 of 6 cells have not run" in capsys.readouterr().err
+    assert not results.exists()
+    assert main(["experiment", "toy", *PLUGIN, "--merge", "--allow-partial", "--out",
+                 str(out), "--results", str(results), "--quiet"]) == 0
+    assert len(json.loads((results / "toy.json").read_text())["missing"]) == 3
+    assert main([*run, "--shard", "1/2", "--resume"]) == 0
+    assert sorted(ran(out)) == sorted(set(ran(out))) and len(ran(out)) == 6  # disjoint
+
+
+def test_settings_and_folders_are_checked_before_any_cell(tmp_path, capsys) -> None:
+    out = tmp_path / "toy"
+    base = ["experiment", "toy", *PLUGIN, "--out", str(out)]
+    assert main([*base, "--seeds", "1", "--quiet"]) == 0
+    assert main([*base, "--seeds", "3", "--resume"]) == 2
+    assert "seeds: 1 → 3" in capsys.readouterr().err
+    for flags, message in ((["--shard", "2/2"], "--shard '2/2'"),
+                           (["--seeds", "0"], "--seeds 0"),
+                           (["--budget-minutes", "0"], "--budget-minutes 0")):
+        assert main([*base, *flags]) == 2
+        assert message in capsys.readouterr().err
+    assert main(["experiment", "nope", "--out", str(tmp_path / "x")]) == 2
+    assert "unknown experiment 'nope'" in capsys.readouterr().err
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    assert main(["experiment", "toy", *PLUGIN, "--out", str(mine)]) == 2
+    assert "not an experiment run" in capsys.readouterr().err
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.slow
+def test_components_restricts_the_captured_gradient_and_scores_trace(tmp_path, capsys) -> None:
+    """Two cells of the real `components` grid on the tiny preset: the heads-only capture
+    holds exactly the heads' parameters, and each cell scores TRACE beside the mean image."""
+    from helpers import TINY
+
+    from gradleak.capture.reader import CaptureFile
+
+    out, results = tmp_path / "components", tmp_path / "results"
+    run = ["experiment", "components", "--seeds", "1", "--budget-minutes", "0.05", *TINY,
+           "--set", "capture.steps_train=48", "--set", "capture.steps_heldout=24",
+           "--out", str(out), "--quiet"]
+    assert main([*run, "--shard", "0/8"]) == 0  # ppo, all gradients
+    assert main([*run, "--shard", "3/8", "--resume"]) == 0  # ppo, heads only
+    shared = out / "shared"
+    with CaptureFile(shared / "capture-ppo-all-heldout.h5") as full, \
+            CaptureFile(shared / "capture-ppo-heads-heldout.h5") as heads:
+        full_dim, heads_dim = full.attrs["gradient_dim"], heads.attrs["gradient_dim"]
+    assert heads_dim < full_dim
+    assert main(["experiment", "components", "--merge", "--allow-partial", "--out", str(out),
+                 "--results", str(results), "--quiet"]) == 0
+    merged = json.loads((results / "components.json").read_text())
+    cells = {c["cell"]["components"]: c["result"] for c in merged["cells"]}
+    assert set(cells) == {"all", "heads"} and len(merged["missing"]) == 6
+    assert cells["heads"]["gradient_dim"] == heads_dim
+    for result in cells.values():
+        assert result["TRACE"]["psnr"] > 0 and result["mean training image"]["psnr"] > 0
+    assert "| ppo | heads |" in (results / "components.md").read_text()

@@ -1,0 +1,34 @@
+"""An experiment a user registers in their own module (loaded with --plugin user_experiments):
+cheap cells whose value depends on the cell, and a log of which cells ran."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from gradleak.experiments import Experiment, grouped, mean_std, register_experiment
+
+
+@register_experiment("toy")
+class Toy(Experiment):
+    description = "cells that cost nothing: value = 10 · setting index + seed"
+
+    def axes(self, seeds: int) -> dict[str, list]:
+        return {"setting": ["a", "b", "c"], "seed": list(range(seeds))}
+
+    def run_cell(self, cell, context) -> dict:
+        shared = context.shared("table.json",
+                                lambda path: path.write_text(json.dumps({"a": 0, "b": 1,
+                                                                         "c": 2})),
+                                lambda path: path.exists())
+        with (context.out / "ran.log").open("a") as log:
+            log.write(cell.id + "\n")
+        index = json.loads(Path(shared).read_text())[cell["setting"]]
+        return {"value": 10.0 * index + cell["seed"], "budget": context.budget_minutes}
+
+    def summarize(self, results: list[dict]) -> tuple[dict, str]:
+        rows = {key[0]: [r["result"]["value"] for r in group]
+                for key, group in grouped(results, ["setting"]).items()}
+        lines = ["| setting | value |", "|---|---|"]
+        lines += [f"| {k} | {mean_std(v)} |" for k, v in rows.items()]
+        return {k: sum(v) / len(v) for k, v in rows.items()}, "\n".join(lines)
