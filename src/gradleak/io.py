@@ -125,6 +125,22 @@ def _umask() -> int:
     return mask
 
 
+def owned_folder(out: Path, marker: str, fmt: str, field: str, what: str
+                 ) -> dict[str, Any] | None:
+    """Check that `out` is new, empty, or a folder this kind of run wrote (its `marker` JSON
+    says `format: fmt`); returns that marker's content, or None for a new or empty folder. A
+    user's folder is refused untouched."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{field} {out}: exists and is not a folder")
+    if not out.is_dir() or not any(out.iterdir()):
+        return None
+    found = read_json(out / marker, marker) if (out / marker).is_file() else {}
+    if found.get("format") != fmt:
+        raise ConfigError(f"{field} {out}: a non-empty folder that is not {what}; choose a "
+                          "new folder (nothing there was touched)")
+    return found
+
+
 def write_json(path: str | os.PathLike[str], data: Any) -> None:
     with atomic_path(path) as tmp:
         tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")

@@ -19,7 +19,7 @@ from typing import Any
 
 from gradleak.errors import ConfigError
 from gradleak.experiments.base import EXPERIMENTS, Cell, Context, Experiment
-from gradleak.io import atomic_path, read_json, write_json
+from gradleak.io import atomic_path, owned_folder, read_json, write_json
 
 FORMAT = "gradleak-experiment"
 CLOCKS = ("cpu", "wall")
@@ -66,14 +66,9 @@ def cell_path(out: Path, cell: Cell) -> Path:
 
 def claim(out: Path, settings: ExperimentSettings, resume: bool) -> None:
     """A new or empty folder, or this experiment's own with the same settings."""
-    meta = out / "experiment.json"
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {out}: exists and is not a folder")
-    if out.is_dir() and any(out.iterdir()):
-        if not meta.is_file() or read_json(meta, "experiment").get("format") != FORMAT:
-            raise ConfigError(f"--out {out}: a non-empty folder that is not an experiment run; "
-                              "choose a new folder (nothing there was touched)")
-        before = read_json(meta, "experiment").get("settings", {})
+    found = owned_folder(out, "experiment.json", FORMAT, "--out", "an experiment run")
+    if found is not None:
+        before = found.get("settings", {})
         changed = sorted(k for k, v in settings.to_dict().items() if before.get(k) != v)
         if changed:
             raise ConfigError(f"--out {out} holds a run with other settings ("
@@ -83,7 +78,7 @@ def claim(out: Path, settings: ExperimentSettings, resume: bool) -> None:
             raise ConfigError(f"--out {out} already holds finished cells: pass --resume to run "
                               "only the missing ones")
     out.mkdir(parents=True, exist_ok=True)
-    write_json(meta, {"format": FORMAT, "settings": settings.to_dict()})
+    write_json(out / "experiment.json", {"format": FORMAT, "settings": settings.to_dict()})
 
 
 def run_experiment(settings: ExperimentSettings, out: Path, resume: bool = False,

@@ -45,7 +45,7 @@ except ImportError as error:  # pragma: no cover - the extra is installed in CI
 
 from gradleak.fedavg.audit import AuditOptions, Truth, audit_update, summarise
 from gradleak.fedavg.update_file import write_update
-from gradleak.io import read_json, write_json
+from gradleak.io import owned_folder, write_json
 
 AUDIT_FORMAT = "gradleak-flower-audit"
 TruthFn = Callable[[int, Message], Truth | None]
@@ -108,15 +108,9 @@ class AuditStrategy(Strategy):
 
     def _claim(self, out: Path) -> Path:
         """An empty or new folder, or one this audit class wrote before (never a user's)."""
-        marker = out / "audit.json"
-        if out.exists() and not out.is_dir():
-            raise ConfigError(f"out={out}: exists and is not a folder")
-        if out.is_dir() and any(out.iterdir()):
-            if not marker.is_file() or read_json(marker, "audit").get("format") != AUDIT_FORMAT:
-                raise ConfigError(f"out={out}: a non-empty folder that is not a Flower audit; "
-                                  "choose a new folder (nothing there was touched)")
+        owned_folder(out, "audit.json", AUDIT_FORMAT, "out", "a Flower audit")
         out.mkdir(parents=True, exist_ok=True)
-        write_json(marker, {"format": AUDIT_FORMAT, "status": "running"})
+        write_json(out / "audit.json", {"format": AUDIT_FORMAT, "status": "running"})
         return out
 
     # --- Flower's Strategy interface, delegated --------------------------------------------
