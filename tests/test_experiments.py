@@ -22,7 +22,7 @@ def test_a_grid_runs_resumes_and_merges_with_mean_and_std(tmp_path, capsys) -> N
                  "--out", str(out), "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert len(summary["ran"]) == 6 and summary["missing_in_grid"] == []
-    assert len(ran(out)) == 6 and (out / "shared" / "table.json").is_file()
+    assert len(ran(out)) == 6 and len(list((out / "shared").glob("*/table.json"))) == 1
     # a second run without --resume is refused; with it, nothing is redone
     assert main(["experiment", "toy", *PLUGIN, "--seeds", "2", "--budget-minutes", "0.5",
                  "--out", str(out)]) == 2
@@ -79,30 +79,39 @@ def test_settings_and_folders_are_checked_before_any_cell(tmp_path, capsys) -> N
 
 
 @pytest.mark.slow
-def test_components_restricts_the_captured_gradient_and_scores_trace(tmp_path, capsys) -> None:
-    """Two cells of the real `components` grid on the tiny preset: the heads-only capture
-    holds exactly the heads' parameters, and each cell scores TRACE beside the mean image."""
+def test_components_and_losses_share_a_victim_and_measure_what_they_say(tmp_path) -> None:
+    """Real cells on the tiny preset: the heads-only capture is smaller than the full one;
+    `losses` without LPIPS trains with its weight at 0; both experiments, given one --shared
+    root, train the victim once and reuse the full capture."""
     from helpers import TINY
 
     from gradleak.capture.reader import CaptureFile
 
-    out, results = tmp_path / "components", tmp_path / "results"
-    run = ["experiment", "components", "--seeds", "1", "--budget-minutes", "0.05", *TINY,
-           "--set", "capture.steps_train=48", "--set", "capture.steps_heldout=24",
-           "--out", str(out), "--quiet"]
-    assert main([*run, "--shard", "0/8"]) == 0  # ppo, all gradients
-    assert main([*run, "--shard", "3/8", "--resume"]) == 0  # ppo, heads only
-    shared = out / "shared"
-    with CaptureFile(shared / "capture-ppo-all-heldout.h5") as full, \
-            CaptureFile(shared / "capture-ppo-heads-heldout.h5") as heads:
+    shared, results = tmp_path / "shared", tmp_path / "results"
+    tiny = ["--seeds", "1", "--budget-minutes", "0.05", *TINY, "--set",
+            "capture.steps_train=48", "--set", "capture.steps_heldout=24", "--shared",
+            str(shared), "--quiet"]
+    components = ["experiment", "components", *tiny, "--out", str(tmp_path / "components")]
+    assert main([*components, "--shard", "0/8"]) == 0  # ppo, all gradients
+    assert main([*components, "--shard", "3/8", "--resume"]) == 0  # ppo, heads only
+    (key,) = shared.iterdir()  # one preset key
+    with CaptureFile(key / "capture-ppo-all-heldout.h5") as full, \
+            CaptureFile(key / "capture-ppo-heads-heldout.h5") as heads:
         full_dim, heads_dim = full.attrs["gradient_dim"], heads.attrs["gradient_dim"]
     assert heads_dim < full_dim
-    assert main(["experiment", "components", "--merge", "--allow-partial", "--out", str(out),
-                 "--results", str(results), "--quiet"]) == 0
+    built = {p.name: p.stat().st_mtime_ns for p in key.iterdir()}
+    losses = tmp_path / "losses"
+    assert main(["experiment", "losses", *tiny, "--out", str(losses), "--shard", "4/12"]) == 0
+    assert {p.name: p.stat().st_mtime_ns for p in key.iterdir()} == built  # nothing rebuilt
+    (cell,) = (losses / "cells").iterdir()
+    record = json.loads(cell.read_text())
+    assert record["cell"]["without"] == "lpips" and record["result"]["weights"]["perceptual"] == 0
+    assert record["result"]["weights"]["mse"] == 1.0 and record["result"]["TRACE"]["psnr"] > 0
+    assert main(["experiment", "components", "--merge", "--allow-partial", "--out",
+                 str(tmp_path / "components"), "--results", str(results), "--quiet"]) == 0
     merged = json.loads((results / "components.json").read_text())
     cells = {c["cell"]["components"]: c["result"] for c in merged["cells"]}
     assert set(cells) == {"all", "heads"} and len(merged["missing"]) == 6
     assert cells["heads"]["gradient_dim"] == heads_dim
-    for result in cells.values():
-        assert result["TRACE"]["psnr"] > 0 and result["mean training image"]["psnr"] > 0
+    assert cells["all"]["mean training image"]["psnr"] > 0
     assert "| ppo | heads |" in (results / "components.md").read_text()

@@ -23,7 +23,8 @@ def run(args: argparse.Namespace) -> None:
                                   budget_minutes=args.budget_minutes, clock=args.clock,
                                   preset=args.preset, overrides=list(args.set or []))
     result = run_experiment(settings, out, resume=args.resume, shard=args.shard,
-                            progress=progress(args))
+                            progress=progress(args),
+                            shared=Path(args.shared) if args.shared else None)
     emit(args, result, f"{args.name} shard {result['shard']}: ran {len(result['ran'])} of "
                        f"{result['cells_in_shard']} cells; {len(result['missing_in_grid'])} "
                        f"missing in the whole grid -> {out}")
@@ -45,6 +46,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--resume", action="store_true", help="run only the missing cells")
     p.add_argument("--shard", metavar="I/N", help="run every N-th cell from the I-th (one "
                    "process or machine per shard, same --out)")
+    p.add_argument("--shared", help="where victims and captures cells share live (default "
+                   "OUT/shared); one root for several experiments trains each victim once "
+                   "(keyed by the preset's env, train and capture sections)")
     p.add_argument("--merge", action="store_true",
                    help="write RESULTS/NAME.json and .md from the finished cells")
     p.add_argument("--allow-partial", action="store_true",

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import itertools
+import json
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
@@ -43,21 +45,35 @@ class Cell:
         return dict(self.values)
 
 
+SHARED_SECTIONS = ("env", "train", "capture")  # what shapes victims and captures
+
+
+def shared_key(preset: Any) -> str:
+    """A short fingerprint of the preset sections that shape shared work: experiments sharing
+    a root reuse a victim or capture only when these sections agree."""
+    data = {section: preset.to_dict()[section] for section in SHARED_SECTIONS}
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
 @dataclass
 class Context:
-    """What a cell runs with: the run folder, the per-cell budget and its clock, the preset."""
+    """What a cell runs with: the run folder, the per-cell budget and its clock, the preset,
+    and where shared work lives (OUT/shared unless --shared names a root several experiments
+    use)."""
 
     out: Path
     budget_minutes: float
     clock: str
     preset: Any
     progress: bool = False
+    shared_root: Path | None = None
 
     def shared(self, name: str, build: Callable[[Path], T], done: Callable[[Path], bool]
                ) -> Path:
-        """OUT/shared/NAME, built once by `build(path)` under a lock; `done(path)` says whether
-        an earlier process (or shard) already built it."""
-        path = self.out / "shared" / name
+        """ROOT/<preset key>/NAME, built once by `build(path)` under a lock; `done(path)` says
+        whether an earlier process (or shard, or experiment) already built it."""
+        root = self.shared_root if self.shared_root is not None else self.out / "shared"
+        path = root / shared_key(self.preset) / name
         path.parent.mkdir(parents=True, exist_ok=True)
         with locked(path.with_name(f".{name}.lock")):
             if not done(path):

@@ -82,7 +82,8 @@ def claim(out: Path, settings: ExperimentSettings, resume: bool) -> None:
 
 
 def run_experiment(settings: ExperimentSettings, out: Path, resume: bool = False,
-                   shard: str | None = None, progress: bool = False) -> dict[str, Any]:
+                   shard: str | None = None, progress: bool = False,
+                   shared: Path | None = None) -> dict[str, Any]:
     """Run this shard's missing cells; returns what ran and what is still missing."""
     from tqdm import tqdm
 
@@ -94,7 +95,7 @@ def run_experiment(settings: ExperimentSettings, out: Path, resume: bool = False
     experiment: Experiment = EXPERIMENTS.get(settings.name)()
     cells = experiment.cells(settings.seeds)[index::count]
     claim(out, settings, resume)
-    context = Context(out, settings.budget_minutes, settings.clock, preset, progress)
+    context = Context(out, settings.budget_minutes, settings.clock, preset, progress, shared)
     ran = []
     for cell in tqdm(cells, disable=not progress, desc=settings.name):
         path = cell_path(out, cell)

@@ -1,0 +1,110 @@
+"""What several experiments' cells do: train the preset's victim, capture its gradients, fit an
+attacker for the cell's budget, score it on held-out scenes beside the references."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from gradleak.experiments.base import Cell, Context
+from gradleak.io import read_json
+
+COMPONENTS = {"all": ["cnn", "fc", "heads"], "cnn": ["cnn"], "fc": ["fc"], "heads": ["heads"]}
+REFERENCES = ("mean training image", "mean colour (oracle)")
+KEEP = ("psnr", "ssim", "lpips", "action_accuracy", "ms_per_frame", "parameters",
+        "psnr_gain_over_mean_image")
+MAX_WINDOWS = 64  # held-out windows scored per cell
+
+
+def trained_victim(context: Context, algorithm: str) -> Path:
+    """The preset's victim trained with `algorithm`, once for every cell, shard and experiment
+    sharing the root; an interrupted training resumes."""
+    from gradleak.rl.trainer import train_victim
+
+    preset = dataclasses.replace(context.preset)
+    preset.train = dataclasses.replace(preset.train, algo=algorithm)
+
+    def done(path: Path) -> bool:  # the victim is saved at every update: count them
+        meta = path / "trainer.json"
+        return meta.is_file() and \
+            int(read_json(meta, "trainer state").get("update", 0)) >= preset.train.updates
+
+    return context.shared(f"victim-{algorithm}",
+                          lambda path: train_victim(preset, path, resume=path.exists(),
+                                                    progress=context.progress), done)
+
+
+def capture(context: Context, victim: Path, algorithm: str, components: str, split: str
+            ) -> Path:
+    """The victim's captures with only `components`' gradients (train or held-out scenes)."""
+    from gradleak.capture.run import CaptureJob, run_capture
+
+    preset = dataclasses.replace(context.preset)
+    preset.capture = dataclasses.replace(preset.capture, components=COMPONENTS[components])
+    steps = preset.capture.steps_train if split == "train" else preset.capture.steps_heldout
+
+    def build(path: Path) -> None:
+        run_capture(CaptureJob(victim=str(victim), split=split, steps=steps, out=path,
+                               preset=preset, progress=context.progress, resume=True))
+
+    return context.shared(f"capture-{algorithm}-{components}-{split}.h5", build,
+                          lambda path: path.is_file())
+
+
+def fit_and_score(cell: Cell, context: Context, train: Path, heldout: Path,
+                  **fit_changes: Any) -> dict[str, Any]:
+    """TRACE fitted on `train` for the cell's budget (seeded by the cell), scored on `heldout`:
+    its row and the reference rows, the capture's gradient size, what the fit ran."""
+    from gradleak.capture.reader import CaptureFile
+    from gradleak.evaluation.reconstructions import evaluate
+    from gradleak.training.fit import fit_attacker
+
+    preset = context.preset
+    fit = dataclasses.replace(preset.attack.trace_fit, seed=int(cell["seed"]),
+                              time_limit_minutes=context.budget_minutes,
+                              time_limit_clock=context.clock, **fit_changes)
+    attacker = context.out / "attackers" / cell.id
+    fitted = fit_attacker("trace", preset.attack.trace, fit, [str(train)], attacker,
+                          resume=(attacker / "attacker.json").is_file(),
+                          progress=context.progress)
+    scored = evaluate([heldout], {"TRACE": str(attacker)}, context.out / "eval" / cell.id,
+                      max_windows=MAX_WINDOWS, reference_data=[train])
+    with CaptureFile(heldout) as handle:
+        gradient_dim = int(handle.attrs["gradient_dim"])
+    rows = scored["methods"]
+    return {"gradient_dim": gradient_dim, "epochs": fitted.get("epochs"),
+            "fit_cpu_minutes": fitted.get("cpu_minutes"),
+            "TRACE": {k: rows["TRACE"].get(k) for k in KEEP},
+            **{name: {k: rows[name].get(k) for k in ("psnr", "ssim", "lpips")}
+               for name in REFERENCES if name in rows}}
+
+
+def trace_rows(results: list[dict[str, Any]], by: list[str], header: str
+               ) -> tuple[dict[str, Any], list[str]]:
+    """Per group of `by`: TRACE's mean ± std over seeds beside the references, and CPU minutes
+    per cell; (summary, Markdown lines after the table's first columns `header`)."""
+    from gradleak.experiments.runner import grouped, mean_std
+
+    summary: dict[str, Any] = {}
+    lines = [f"| {header} | TRACE PSNR | SSIM | LPIPS | actions | mean image PSNR | "
+             "mean colour PSNR | CPU min / cell |",
+             "|" + "---|" * (header.count("|") + 8)]
+    for key, group in grouped(results, by).items():
+        def values(name: str, metric: str) -> list[float]:
+            return [r["result"][name][metric] for r in group
+                    if r["result"].get(name, {}).get(metric) is not None]
+
+        entry = {metric: values("TRACE", metric)
+                 for metric in ("psnr", "ssim", "lpips", "action_accuracy")}
+        entry["mean_image_psnr"] = values("mean training image", "psnr")
+        entry["mean_colour_psnr"] = values("mean colour (oracle)", "psnr")
+        summary["/".join(str(k) for k in key)] = {m: (sum(v) / len(v) if v else None)
+                                                  for m, v in entry.items()}
+        cpu = sum(r["cpu_minutes"] for r in group) / len(group)
+        lines.append("| " + " | ".join(str(k) for k in key) + " | "
+                     f"{mean_std(entry['psnr'])} | {mean_std(entry['ssim'], 3)} | "
+                     f"{mean_std(entry['lpips'], 3)} | {mean_std(entry['action_accuracy'], 3)} | "
+                     f"{mean_std(entry['mean_image_psnr'])} | "
+                     f"{mean_std(entry['mean_colour_psnr'])} | {cpu:.1f} |")
+    return summary, lines
