@@ -115,3 +115,29 @@ def test_components_and_losses_share_a_victim_and_measure_what_they_say(tmp_path
     assert cells["heads"]["gradient_dim"] == heads_dim
     assert cells["all"]["mean training image"]["psnr"] > 0
     assert "| ppo | heads |" in (results / "components.md").read_text()
+
+
+@pytest.mark.slow
+def test_context_under_noise_trains_adaptive_attackers_and_says_whether_t8_beats_t1(
+        tmp_path) -> None:
+    from helpers import TINY
+
+    out, results = tmp_path / "context", tmp_path / "results"
+    run = ["experiment", "context", "--seeds", "1", "--budget-minutes", "0.05", *TINY,
+           "--set", "capture.steps_train=160", "--set", "capture.steps_heldout=60",
+           "--set", "attack.trace_fit.stride=1", "--set", "attack.trace_fit.val_fraction=0.3",
+           "--out", str(out), "--quiet"]
+    assert main([*run, "--shard", "7/22"]) == 0  # ppo, noise:0.1, T = 1
+    assert main([*run, "--shard", "8/22", "--resume"]) == 0  # ppo, noise:0.1, T = 8
+    for window in (1, 8):
+        (attacker,) = (out / "attackers").glob(f"*defense=noise_0.1,window={window},*")
+        meta = json.loads((attacker / "attacker.json").read_text())
+        text = json.dumps(meta)
+        assert '"noise:0.1"' in text and '"structured"' in text
+        assert meta["model"]["window"] == window
+    assert main(["experiment", "context", "--merge", "--allow-partial", "--out", str(out),
+                 "--results", str(results), "--quiet"]) == 0
+    merged = json.loads((results / "context.json").read_text())
+    (verdict,) = merged["summary"]["t8_minus_t1"]
+    assert verdict.startswith("- ppo, noise:0.1: T = 8 ")
+    assert verdict in (results / "context.md").read_text()

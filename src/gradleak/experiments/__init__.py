@@ -16,7 +16,7 @@ from gradleak.experiments.base import (EXPERIMENTS, Cell, Context, Experiment,
 from gradleak.experiments.runner import (ExperimentSettings, grouped, mean_std,
                                          merge_experiment, run_experiment)
 
-from gradleak.experiments import components, losses  # noqa: E402,F401  (the built-ins)
+from gradleak.experiments import components, context, losses  # noqa: E402,F401  (built-ins)
 
 __all__ = ["EXPERIMENTS", "Cell", "Context", "Experiment", "ExperimentSettings", "grouped",
            "mean_std", "merge_experiment", "register_experiment", "run_experiment"]

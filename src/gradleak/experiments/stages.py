@@ -53,23 +53,29 @@ def capture(context: Context, victim: Path, algorithm: str, components: str, spl
 
 
 def fit_and_score(cell: Cell, context: Context, train: Path, heldout: Path,
+                  model_changes: dict[str, Any] | None = None, defense: str = "none",
                   **fit_changes: Any) -> dict[str, Any]:
     """TRACE fitted on `train` for the cell's budget (seeded by the cell), scored on `heldout`:
-    its row and the reference rows, the capture's gradient size, what the fit ran."""
+    its row and the reference rows, the capture's gradient size, what the fit ran. Under a
+    `defense` the attacker trains on defended gradients (adaptive) and is scored on the
+    held-out gradients under the same defense (other noise draws)."""
     from gradleak.capture.reader import CaptureFile
+    from gradleak.defenses.base import parse_defense
     from gradleak.evaluation.reconstructions import evaluate
     from gradleak.training.fit import fit_attacker
 
     preset = context.preset
+    model = dataclasses.replace(preset.attack.trace, **(model_changes or {}))
     fit = dataclasses.replace(preset.attack.trace_fit, seed=int(cell["seed"]),
                               time_limit_minutes=context.budget_minutes,
-                              time_limit_clock=context.clock, **fit_changes)
+                              time_limit_clock=context.clock, defense=defense, **fit_changes)
     attacker = context.out / "attackers" / cell.id
-    fitted = fit_attacker("trace", preset.attack.trace, fit, [str(train)], attacker,
+    fitted = fit_attacker("trace", model, fit, [str(train)], attacker,
                           resume=(attacker / "attacker.json").is_file(),
                           progress=context.progress)
+    chain = parse_defense(defense) if defense != "none" else None
     scored = evaluate([heldout], {"TRACE": str(attacker)}, context.out / "eval" / cell.id,
-                      max_windows=MAX_WINDOWS, reference_data=[train])
+                      max_windows=MAX_WINDOWS, reference_data=[train], defense=chain)
     with CaptureFile(heldout) as handle:
         gradient_dim = int(handle.attrs["gradient_dim"])
     rows = scored["methods"]
