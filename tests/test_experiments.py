@@ -141,3 +141,21 @@ def test_context_under_noise_trains_adaptive_attackers_and_says_whether_t8_beats
     (verdict,) = merged["summary"]["t8_minus_t1"]
     assert verdict.startswith("- ppo, noise:0.1: T = 8 ")
     assert verdict in (results / "context.md").read_text()
+
+
+@pytest.mark.slow
+def test_auxscale_trains_on_nested_fractions_with_the_same_validation(tmp_path) -> None:
+    from helpers import TINY
+
+    out = tmp_path / "auxscale"
+    run = ["experiment", "auxscale", "--seeds", "1", "--budget-minutes", "0.05", *TINY,
+           "--set", "capture.steps_train=200", "--set", "capture.steps_heldout=30",
+           "--set", "attack.trace_fit.val_fraction=0.2", "--out", str(out), "--quiet"]
+    assert main([*run, "--shard", "1/12"]) == 0  # ppo, 30% of the episodes
+    assert main([*run, "--shard", "5/12", "--resume"]) == 0  # ppo, all of them
+    counts = {}
+    for fraction in ("0.3", "1.0"):
+        (attacker,) = (out / "attackers").glob(f"*fraction={fraction},*")
+        meta = json.loads((attacker / "attacker.json").read_text())
+        counts[fraction] = (meta["train_windows"], meta["val_windows"])
+    assert counts["0.3"][0] < counts["1.0"][0] and counts["0.3"][1] == counts["1.0"][1]

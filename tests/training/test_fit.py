@@ -240,3 +240,18 @@ def test_every_fit_reports_its_time_the_same_way(train_capture: Path, tmp_path: 
     assert abs(second["minutes"] - sum(r["train_minutes"] for r in history)) < 1e-9
     assert second["minutes"] > first["minutes"] and second["session_minutes"] > 0
     assert set(first) >= {"minutes", "cpu_minutes", "session_minutes"}
+
+
+def test_fractions_of_the_training_episodes_are_nested_with_one_validation_set(
+        train_capture: Path) -> None:
+    def episodes(part: str, fraction: float) -> set[int]:
+        data = WindowDataset([train_capture], window=1, stride=1, part=part, val_fraction=0.2,
+                             seed=3, train_fraction=fraction)
+        return {int(e) for e in data.rows[:, 2]}
+
+    subsets = [episodes("train", f) for f in (0.3, 0.6, 1.0)]
+    assert subsets[0] < subsets[1] < subsets[2]  # nested, and each fraction adds some
+    assert all(episodes("val", f) == episodes("val", 1.0) for f in (0.3, 0.6))
+    assert not subsets[2] & episodes("val", 1.0)
+    with pytest.raises(ConfigError, match="train_episode_fraction 0"):
+        WindowDataset([train_capture], window=1, part="train", train_fraction=0.0)

