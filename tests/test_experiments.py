@@ -106,7 +106,7 @@ def test_components_and_losses_share_a_victim_and_measure_what_they_say(tmp_path
     (cell,) = (losses / "cells").iterdir()
     record = json.loads(cell.read_text())
     assert record["cell"]["without"] == "lpips" and record["result"]["weights"]["perceptual"] == 0
-    assert record["result"]["weights"]["mse"] == 1.0 and record["result"]["TRACE"]["psnr"] > 0
+    assert record["result"]["weights"]["mse"] == 1.0 and record["result"]["attack"]["psnr"] > 0
     assert main(["experiment", "components", "--merge", "--allow-partial", "--out",
                  str(tmp_path / "components"), "--results", str(results), "--quiet"]) == 0
     merged = json.loads((results / "components.json").read_text())
@@ -159,3 +159,28 @@ def test_auxscale_trains_on_nested_fractions_with_the_same_validation(tmp_path) 
         meta = json.loads((attacker / "attacker.json").read_text())
         counts[fraction] = (meta["train_windows"], meta["val_windows"])
     assert counts["0.3"][0] < counts["1.0"][0] and counts["0.3"][1] == counts["1.0"][1]
+
+
+@pytest.mark.slow
+def test_table1_scores_learned_training_free_and_optimisation_attacks_alike(tmp_path) -> None:
+    from helpers import TINY
+
+    out, results = tmp_path / "table1", tmp_path / "results"
+    run = ["experiment", "table1", "--seeds", "2", "--budget-minutes", "0.05", *TINY,
+           "--set", "capture.steps_train=48", "--set", "capture.steps_heldout=24",
+           "--set", "attack.ig.iterations=3", "--set", "attack.decoder_fit.extra_frames=0",
+           "--out", str(out), "--quiet"]
+    # ppo cells: trace 0-1, lti 2-3, decoder 4-5, exact 6 (one seed: deterministic), dlg 7-8,
+    # ig 9-10; then a2c 11-21
+    for index in (2, 4, 6, 9):
+        assert main([*run, "--shard", f"{index}/22", "--resume"]) == 0
+    assert main(["experiment", "table1", "--merge", "--allow-partial", "--out", str(out),
+                 "--results", str(results), "--quiet"]) == 0
+    merged = json.loads((results / "table1.json").read_text())
+    labels = {c["cell"]["method"]: c["result"]["method_label"] for c in merged["cells"]}
+    assert labels == {"lti": "LtI", "decoder": "analytic decoder",
+                      "exact": "exact (training-free)", "ig": "IG"}
+    for cell in merged["cells"]:
+        assert cell["result"]["attack"]["psnr"] > 0
+        assert cell["result"]["mean training image"]["psnr"] > 0
+    assert len(merged["missing"]) == 22 - 4

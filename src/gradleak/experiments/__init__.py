@@ -21,6 +21,7 @@ from gradleak.experiments import (  # noqa: E402,F401  (the built-ins register t
     components,
     context,
     losses,
+    table1,
 )
 
 __all__ = ["EXPERIMENTS", "Cell", "Context", "Experiment", "ExperimentSettings", "grouped",

@@ -59,9 +59,6 @@ def fit_and_score(cell: Cell, context: Context, train: Path, heldout: Path,
     its row and the reference rows, the capture's gradient size, what the fit ran. Under a
     `defense` the attacker trains on defended gradients (adaptive) and is scored on the
     held-out gradients under the same defense (other noise draws)."""
-    from gradleak.capture.reader import CaptureFile
-    from gradleak.defenses.base import parse_defense
-    from gradleak.evaluation.reconstructions import evaluate
     from gradleak.training.fit import fit_attacker
 
     preset = context.preset
@@ -73,27 +70,43 @@ def fit_and_score(cell: Cell, context: Context, train: Path, heldout: Path,
     fitted = fit_attacker("trace", model, fit, [str(train)], attacker,
                           resume=(attacker / "attacker.json").is_file(),
                           progress=context.progress)
+    result = score_cell(cell, context, heldout, train, {"TRACE": str(attacker)}, "TRACE",
+                        defense=defense)
+    return {**result, "epochs": fitted.get("epochs"),
+            "fit_cpu_minutes": fitted.get("cpu_minutes")}
+
+
+def score_cell(cell: Cell, context: Context, heldout: Path, train: Path,
+               attackers: dict[str, str], label: str, baselines: dict[str, Any] | None = None,
+               baseline_windows: int = 2, defense: str = "none") -> dict[str, Any]:
+    """One method (an attacker directory, or a baseline) scored on `heldout`: its row (under
+    "attack", its evaluation name under "method_label"), the reference rows, and the
+    capture's gradient size."""
+    from gradleak.capture.reader import CaptureFile
+    from gradleak.defenses.base import parse_defense
+    from gradleak.evaluation.reconstructions import evaluate
+
     chain = parse_defense(defense) if defense != "none" else None
-    scored = evaluate([heldout], {"TRACE": str(attacker)}, context.out / "eval" / cell.id,
-                      max_windows=MAX_WINDOWS, reference_data=[train], defense=chain)
+    scored = evaluate([heldout], attackers, context.out / "eval" / cell.id,
+                      max_windows=MAX_WINDOWS, reference_data=[train], defense=chain,
+                      baselines=baselines, baseline_windows=baseline_windows)
     with CaptureFile(heldout) as handle:
         gradient_dim = int(handle.attrs["gradient_dim"])
     rows = scored["methods"]
-    return {"gradient_dim": gradient_dim, "epochs": fitted.get("epochs"),
-            "fit_cpu_minutes": fitted.get("cpu_minutes"),
-            "TRACE": {k: rows["TRACE"].get(k) for k in KEEP},
+    return {"gradient_dim": gradient_dim, "method_label": label,
+            "attack": {k: rows[label].get(k) for k in KEEP},
             **{name: {k: rows[name].get(k) for k in ("psnr", "ssim", "lpips")}
                for name in REFERENCES if name in rows}}
 
 
 def trace_rows(results: list[dict[str, Any]], by: list[str], header: str
                ) -> tuple[dict[str, Any], list[str]]:
-    """Per group of `by`: TRACE's mean ± std over seeds beside the references, and CPU minutes
+    """Per group of `by`: the attack's mean ± std over seeds beside the references, and CPU minutes
     per cell; (summary, Markdown lines after the table's first columns `header`)."""
     from gradleak.experiments.runner import grouped, mean_std
 
     summary: dict[str, Any] = {}
-    lines = [f"| {header} | TRACE PSNR | SSIM | LPIPS | actions | mean image PSNR | "
+    lines = [f"| {header} | PSNR | SSIM | LPIPS | actions | mean image PSNR | "
              "mean colour PSNR | CPU min / cell |",
              "|" + "---|" * (header.count("|") + 8)]
     for key, group in grouped(results, by).items():
@@ -101,7 +114,7 @@ def trace_rows(results: list[dict[str, Any]], by: list[str], header: str
             return [r["result"][name][metric] for r in group
                     if r["result"].get(name, {}).get(metric) is not None]
 
-        entry = {metric: values("TRACE", metric)
+        entry = {metric: values("attack", metric)
                  for metric in ("psnr", "ssim", "lpips", "action_accuracy")}
         entry["mean_image_psnr"] = values("mean training image", "psnr")
         entry["mean_colour_psnr"] = values("mean colour (oracle)", "psnr")

@@ -1,0 +1,79 @@
+"""`table1` (the paper's Table 1): every attack on the same held-out windows of trained PPO and
+A2C victims. TRACE and LtI (the paper's learned attacks) and gradleak's analytic decoder, each
+trained for the same CPU budget; the training-free attack (the conv-stack recursion and the
+first conv's equations, deterministic: one seed); DLG and Inverting Gradients (the victim's
+exact loss, on the first held-out window, seeded); beside the mean image and mean colour."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from gradleak.experiments.base import Cell, Context, Experiment, register_experiment
+from gradleak.experiments.stages import capture, score_cell, trace_rows, trained_victim
+
+LEARNED = {"trace": "TRACE", "lti": "LtI", "decoder": "analytic decoder"}
+OPTIMISED = {"dlg": "DLG", "ig": "IG"}
+METHODS = [*LEARNED, "exact", *OPTIMISED]
+OPTIMISED_WINDOWS = 1  # DLG and IG take seconds to minutes a frame on the CPU
+EXACT_WINDOWS = 4
+
+
+@register_experiment("table1")
+class Table1(Experiment):
+    description = __doc__.split("\n\n")[0]
+
+    def axes(self, seeds: int) -> dict[str, list[Any]]:
+        return {"victim": ["ppo", "a2c"], "method": METHODS, "seed": list(range(seeds))}
+
+    def cells(self, seeds: int) -> list[Cell]:
+        return [c for c in super().cells(seeds) if c["method"] != "exact" or c["seed"] == 0]
+
+    def run_cell(self, cell: Cell, context: Context) -> dict[str, Any]:
+        victim = trained_victim(context, cell["victim"])
+        train, heldout = (capture(context, victim, cell["victim"], "all", split)
+                          for split in ("train", "heldout"))
+        method, preset, seed = cell["method"], context.preset, int(cell["seed"])
+        if method in LEARNED:
+            label = LEARNED[method]
+            directory = context.out / "attackers" / cell.id
+            fitted = self._fit(method, context, seed, str(train), directory)
+            return {**score_cell(cell, context, heldout, train, {label: str(directory)}, label),
+                    "epochs": fitted.get("epochs"), "fit_cpu_minutes": fitted.get("cpu_minutes")}
+        if method == "exact":
+            from gradleak.attacks.exact import NAME
+
+            return score_cell(cell, context, heldout, train, {}, NAME,
+                              baselines={NAME: preset.attack.exact},
+                              baseline_windows=EXACT_WINDOWS)
+        from gradleak.attacks.optim.config import baseline_config
+
+        config = baseline_config(method, {"ig": preset.attack.ig, "dlg": preset.attack.dlg})
+        if any(f.name == "seed" for f in dataclasses.fields(config)):
+            config = dataclasses.replace(config, seed=seed)
+        label = OPTIMISED[method]
+        return score_cell(cell, context, heldout, train, {}, label, baselines={label: config},
+                          baseline_windows=OPTIMISED_WINDOWS)
+
+    @staticmethod
+    def _fit(method: str, context: Context, seed: int, train: str, directory: Any
+             ) -> dict[str, Any]:
+        preset = context.preset
+        budget = {"seed": seed, "time_limit_minutes": context.budget_minutes,
+                  "time_limit_clock": context.clock}
+        resume = (directory / "attacker.json").is_file()
+        if method == "decoder":
+            from gradleak.training.decoder_fit import fit_decoder
+
+            config = dataclasses.replace(preset.attack.decoder_fit, **budget)
+            return fit_decoder(preset.attack.decoder, config, [train], directory, resume=resume,
+                               progress=context.progress)
+        from gradleak.training.fit import fit_attacker
+
+        config = dataclasses.replace(getattr(preset.attack, f"{method}_fit"), **budget)
+        return fit_attacker(method, getattr(preset.attack, method), config, [train], directory,
+                            resume=resume, progress=context.progress)
+
+    def summarize(self, results: list[dict[str, Any]]) -> tuple[dict[str, Any], str]:
+        summary, lines = trace_rows(results, ["victim", "method"], "victim | method")
+        return summary, "\n".join(lines)
