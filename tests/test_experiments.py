@@ -184,3 +184,29 @@ def test_table1_scores_learned_training_free_and_optimisation_attacks_alike(tmp_
         assert cell["result"]["attack"]["psnr"] > 0
         assert cell["result"]["mean training image"]["psnr"] > 0
     assert len(merged["missing"]) == 22 - 4
+
+
+@pytest.mark.slow
+def test_fewshot_fine_tunes_the_trained_attacker_on_other_heldout_episodes(tmp_path) -> None:
+    from helpers import TINY
+
+    from gradleak.capture.reader import CaptureFile
+
+    out, shared = tmp_path / "fewshot", tmp_path / "shared"
+    run = ["experiment", "fewshot", "--seeds", "1", "--budget-minutes", "0.05", *TINY,
+           "--set", "capture.steps_train=60", "--set", "capture.steps_heldout=120",
+           "--set", "attack.trace_fit.val_fraction=0.3", "--shared", str(shared),
+           "--out", str(out), "--quiet"]
+    assert main([*run, "--shard", "0/12"]) == 0  # ppo, 0%: the trained attacker as it is
+    assert main([*run, "--shard", "5/12", "--resume"]) == 0  # ppo, fine-tuned on 50%
+    records = {json.loads(p.read_text())["cell"]["percent"]: json.loads(p.read_text())["result"]
+               for p in (out / "cells").iterdir()}
+    assert records[50]["finetune_windows"] > 0 and "finetune_windows" not in records[0]
+    (tuned,) = (out / "attackers").iterdir()
+    meta = json.loads((tuned / "attacker.json").read_text())
+    assert str(out / "base" / "ppo-seed0") in json.dumps(meta)  # started from the base
+    (key,) = shared.iterdir()
+    with CaptureFile(key / "capture-ppo-all-heldout.h5") as evaluation, \
+            CaptureFile(key / "capture-ppo-all-heldout-finetune.h5") as finetune:
+        assert evaluation.attrs["split"] == finetune.attrs["split"] == "heldout"
+        assert evaluation.attrs["seed"] != finetune.attrs["seed"]  # other episodes

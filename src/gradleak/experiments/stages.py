@@ -4,11 +4,12 @@ attacker for the cell's budget, score it on held-out scenes beside the reference
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from gradleak.experiments.base import Cell, Context
-from gradleak.io import read_json
+from gradleak.io import read_json, write_json
 
 COMPONENTS = {"all": ["cnn", "fc", "heads"], "cnn": ["cnn"], "fc": ["fc"], "heads": ["heads"]}
 REFERENCES = ("mean training image", "mean colour (oracle)")
@@ -35,9 +36,10 @@ def trained_victim(context: Context, algorithm: str) -> Path:
                                                     progress=context.progress), done)
 
 
-def capture(context: Context, victim: Path, algorithm: str, components: str, split: str
-            ) -> Path:
-    """The victim's captures with only `components`' gradients (train or held-out scenes)."""
+def capture(context: Context, victim: Path, algorithm: str, components: str, split: str,
+            seed_offset: int = 0, tag: str = "") -> Path:
+    """The victim's captures with only `components`' gradients (train or held-out scenes);
+    `seed_offset` draws other episodes of the same scenes (named by `tag`)."""
     from gradleak.capture.run import CaptureJob, run_capture
 
     preset = dataclasses.replace(context.preset)
@@ -46,10 +48,26 @@ def capture(context: Context, victim: Path, algorithm: str, components: str, spl
 
     def build(path: Path) -> None:
         run_capture(CaptureJob(victim=str(victim), split=split, steps=steps, out=path,
-                               preset=preset, progress=context.progress, resume=True))
+                               preset=preset, progress=context.progress, resume=True,
+                               seed=preset.capture.seed + seed_offset))
 
-    return context.shared(f"capture-{algorithm}-{components}-{split}.h5", build,
+    return context.shared(f"capture-{algorithm}-{components}-{split}{tag}.h5", build,
                           lambda path: path.is_file())
+
+
+def fit_once(directory: Path, fit: Callable[[bool], dict[str, Any]]) -> dict[str, Any]:
+    """`fit(resume)` unless an earlier run of this cell finished it: a time-limited fit stops
+    before its epochs, and resuming it would train a second budget. The summary is kept in
+    DIR/fit.json, written once the fit is done."""
+    marker = directory / "fit.json"
+    if marker.is_file():
+        return read_json(marker, "fit summary")
+    summary = fit((directory / "attacker.json").is_file())
+    meta = read_json(directory / "attacker.json", "attacker config")
+    summary = {**summary, "train_windows": meta.get("train_windows"),
+               "val_windows": meta.get("val_windows")}
+    write_json(marker, summary)
+    return summary
 
 
 def fit_and_score(cell: Cell, context: Context, train: Path, heldout: Path,
@@ -67,9 +85,8 @@ def fit_and_score(cell: Cell, context: Context, train: Path, heldout: Path,
                               time_limit_minutes=context.budget_minutes,
                               time_limit_clock=context.clock, defense=defense, **fit_changes)
     attacker = context.out / "attackers" / cell.id
-    fitted = fit_attacker("trace", model, fit, [str(train)], attacker,
-                          resume=(attacker / "attacker.json").is_file(),
-                          progress=context.progress)
+    fitted = fit_once(attacker, lambda resume: fit_attacker(
+        "trace", model, fit, [str(train)], attacker, resume=resume, progress=context.progress))
     result = score_cell(cell, context, heldout, train, {"TRACE": str(attacker)}, "TRACE",
                         defense=defense)
     return {**result, "epochs": fitted.get("epochs"),

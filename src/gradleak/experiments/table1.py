@@ -10,7 +10,8 @@ import dataclasses
 from typing import Any
 
 from gradleak.experiments.base import Cell, Context, Experiment, register_experiment
-from gradleak.experiments.stages import capture, score_cell, trace_rows, trained_victim
+from gradleak.experiments.stages import (capture, fit_once, score_cell, trace_rows,
+                                         trained_victim)
 
 LEARNED = {"trace": "TRACE", "lti": "LtI", "decoder": "analytic decoder"}
 OPTIMISED = {"dlg": "DLG", "ig": "IG"}
@@ -61,18 +62,19 @@ class Table1(Experiment):
         preset = context.preset
         budget = {"seed": seed, "time_limit_minutes": context.budget_minutes,
                   "time_limit_clock": context.clock}
-        resume = (directory / "attacker.json").is_file()
         if method == "decoder":
             from gradleak.training.decoder_fit import fit_decoder
 
             config = dataclasses.replace(preset.attack.decoder_fit, **budget)
-            return fit_decoder(preset.attack.decoder, config, [train], directory, resume=resume,
-                               progress=context.progress)
+            return fit_once(directory, lambda resume: fit_decoder(
+                preset.attack.decoder, config, [train], directory, resume=resume,
+                progress=context.progress))
         from gradleak.training.fit import fit_attacker
 
         config = dataclasses.replace(getattr(preset.attack, f"{method}_fit"), **budget)
-        return fit_attacker(method, getattr(preset.attack, method), config, [train], directory,
-                            resume=resume, progress=context.progress)
+        return fit_once(directory, lambda resume: fit_attacker(
+            method, getattr(preset.attack, method), config, [train], directory, resume=resume,
+            progress=context.progress))
 
     def summarize(self, results: list[dict[str, Any]]) -> tuple[dict[str, Any], str]:
         summary, lines = trace_rows(results, ["victim", "method"], "victim | method")

@@ -85,6 +85,10 @@ class FitConfig(FitSchedule):
     # train on this fraction of the training episodes: nested subsets as it grows, the same
     # validation episodes (the paper's auxiliary-data scale, Table 12)
     train_episode_fraction: float = 1.0
+    # the scenes the training captures must hold: "train", or "heldout" only where an
+    # experiment declares few-shot fine-tuning on held-out scenes (the paper's Tables 2 and 8;
+    # its evaluation then uses other episodes of those scenes)
+    data_split: str = "train"
 
 
 def scheduled_sampling_beta(config: FitConfig, epoch: int) -> float:
@@ -145,7 +149,8 @@ class AttackerFit(FitLoop):
         refuse_overwrite(self.out, resume)
         common = dict(window=self.fit_kind.window(model_config),
                       stride=config.stride if self.fit_kind.strided else 1,
-                      val_fraction=config.val_fraction, seed=config.seed, expect_split="train",
+                      val_fraction=config.val_fraction, seed=config.seed,
+                      expect_split=config.data_split,
                       defense=parse_defense(config.defense, config.defense_seed),
                       skip_nonfinite=config.skip_nonfinite)
         self.train_data = WindowDataset(train_paths, part="train",
