@@ -166,8 +166,10 @@ def test_an_adaptive_fine_tune_starts_from_the_clean_attacker_and_trains_under_t
 def test_two_gloo_processes_end_with_identical_weights(train_capture: Path,
                                                        tmp_path: Path) -> None:
     out = tmp_path / "ddp"
+    logs = tmp_path / "logs"  # each rank's own output: the launcher's summary hides why
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc_per_node=2", "-m", "gradleak.cli", "train-attacker", "--kind", "trace",
+               "--nproc_per_node=2", "--log-dir", str(logs), "--redirects", "3",
+               "-m", "gradleak.cli", "train-attacker", "--kind", "trace",
                "--data", str(train_capture), "--out", str(out), "--epochs", "1", "--quiet",
                "--preset", "cpu-quick",
                "--set", "attack.trace.window=4", "--set", "attack.trace.encoder_width=32",
@@ -178,7 +180,9 @@ def test_two_gloo_processes_end_with_identical_weights(train_capture: Path,
                "--set", "attack.trace_fit.normaliser_rows=32"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-2000:]
+    ranks = "\n".join(f"{p.relative_to(logs)}: {p.read_text()[-1500:]}"
+                       for p in sorted(logs.rglob("*.log")) if p.stat().st_size)
+    assert result.returncode == 0, result.stderr[-1000:] + "\n" + ranks
     meta = json.loads((out / "attacker.json").read_text())
     assert meta["world_size"] == 2
     assert meta["history"][-1]["replica_spread"] == 0.0
