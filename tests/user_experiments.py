@@ -4,9 +4,18 @@ cheap cells whose value depends on the cell, and a log of which cells ran."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 from gradleak.experiments import Experiment, grouped, mean_std, register_experiment
+
+
+def build_table(path: Path) -> None:
+    """Shared work that costs CPU (0.3 s), so the runner's accounting of it can be seen."""
+    start = time.process_time()
+    while time.process_time() - start < 0.3:
+        pass
+    path.write_text(json.dumps({"a": 0, "b": 1, "c": 2}))
 
 
 @register_experiment("toy")
@@ -17,10 +26,7 @@ class Toy(Experiment):
         return {"setting": ["a", "b", "c"], "seed": list(range(seeds))}
 
     def run_cell(self, cell, context) -> dict:
-        shared = context.shared("table.json",
-                                lambda path: path.write_text(json.dumps({"a": 0, "b": 1,
-                                                                         "c": 2})),
-                                lambda path: path.exists())
+        shared = context.shared("table.json", build_table, lambda path: path.exists())
         with (context.out / "ran.log").open("a") as log:
             log.write(cell.id + "\n")
         index = json.loads(Path(shared).read_text())[cell["setting"]]

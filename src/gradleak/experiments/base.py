@@ -15,6 +15,7 @@ import hashlib
 import itertools
 import json
 import re
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -67,6 +68,8 @@ class Context:
     preset: Any
     progress: bool = False
     shared_root: Path | None = None
+    # CPU minutes this process spent building shared work (counted apart from the cells)
+    shared_cpu_minutes: float = 0.0
 
     def shared(self, name: str, build: Callable[[Path], T], done: Callable[[Path], bool]
                ) -> Path:
@@ -77,7 +80,9 @@ class Context:
         path.parent.mkdir(parents=True, exist_ok=True)
         with locked(path.with_name(f".{name}.lock")):
             if not done(path):
+                start = time.process_time()
                 build(path)
+                self.shared_cpu_minutes += (time.process_time() - start) / 60
         return path
 
 

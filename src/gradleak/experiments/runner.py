@@ -102,10 +102,14 @@ def run_experiment(settings: ExperimentSettings, out: Path, resume: bool = False
         if path.exists():
             continue
         wall, cpu = time.perf_counter(), time.process_time()
+        shared_before = context.shared_cpu_minutes
         result = experiment.run_cell(cell, context)
+        shared = context.shared_cpu_minutes - shared_before
+        # the cell's own cost; the victims and captures it happened to build are apart
         write_json(path, {"cell": cell.to_dict(), "result": result,
                           "wall_minutes": (time.perf_counter() - wall) / 60,
-                          "cpu_minutes": (time.process_time() - cpu) / 60})
+                          "cpu_minutes": (time.process_time() - cpu) / 60 - shared,
+                          "shared_cpu_minutes": shared})
         ran.append(cell.id)
     missing = [c.id for c in experiment.cells(settings.seeds) if not cell_path(out, c).exists()]
     return {"experiment": settings.name, "shard": f"{index}/{count}", "ran": ran,
@@ -133,10 +137,12 @@ def merge_experiment(out: Path, results: Path, allow_partial: bool = False
         raise ConfigError(f"{out}: no cell has finished yet")
     summary, markdown = experiment.summarize(records)
     cost = [r["cpu_minutes"] for r in records]
+    shared_cost = sum(r.get("shared_cpu_minutes", 0.0) for r in records)
     data = {"experiment": settings.name, "description": experiment.description,
             "settings": settings.to_dict(), "summary": summary, "cells": records,
             "missing": missing, "machine": machine(),
-            "cpu_minutes_total": sum(cost), "cpu_minutes_median_cell": statistics.median(cost)}
+            "cpu_minutes_total": sum(cost), "cpu_minutes_median_cell": statistics.median(cost),
+            "shared_cpu_minutes": shared_cost}
     results.mkdir(parents=True, exist_ok=True)
     json_path, md_path = results / f"{settings.name}.json", results / f"{settings.name}.md"
     write_json(json_path, data)
@@ -144,7 +150,8 @@ def merge_experiment(out: Path, results: Path, allow_partial: bool = False
     with atomic_path(md_path) as tmp:
         tmp.write_text(f"# `gradleak experiment {settings.name}`\n\n{experiment.description}\n\n"
                        f"Settings: {settings.to_dict()}; {machine()}; "
-                       f"{sum(cost):.1f} CPU minutes over {len(records)} cells.\n\n"
+                       f"{sum(cost):.1f} CPU minutes over {len(records)} cells, and "
+                       f"{shared_cost:.1f} building the victims and captures they share.\n\n"
                        + markdown.rstrip() + note)
     return json_path, md_path
 
