@@ -117,11 +117,15 @@ class EpochSampler(Sampler[int]):
         return min(self.size, self.limit) if self.limit else self.size
 
 
+_OWNED_GROUP = [False]  # whether gradleak started the process group (then it ends it too)
+
+
 def _distributed() -> tuple[int, int, torch.device]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend)
+        _OWNED_GROUP[0] = True
     rank = dist.get_rank() if dist.is_initialized() else 0
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
@@ -281,9 +285,22 @@ class AttackerFit(FitLoop):
 
 def fit_attacker(kind: str, model_config: Any, config: FitConfig, train_paths: list[str],
                  out: Path, resume: bool = False, progress: bool = True) -> dict[str, Any]:
-    return run_fit(lambda: AttackerFit(kind, model_config, config, train_paths, out, resume,
-                                       progress),
-                   out, config.epochs, resume, SUMMARY_FIELDS)
+    summary = run_fit(lambda: AttackerFit(kind, model_config, config, train_paths, out, resume,
+                                          progress),
+                      out, config.epochs, resume, SUMMARY_FIELDS)
+    release_distributed()  # on success only: after a failure a barrier could wait forever
+    return summary
+
+
+def release_distributed() -> None:
+    """End the process group gradleak started, every rank together: left to the interpreter's
+    exit, gloo's threads are torn down in no set order and a rank can abort ("terminate called
+    without an active exception", SIGABRT) after the run itself succeeded. A group the caller
+    started is the caller's to end."""
+    if _OWNED_GROUP[0] and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+        _OWNED_GROUP[0] = False
 
 def fine_tune_under_defense(kind: str, model_config: Any, config: FitConfig, clean: Path,
                             spec: str, minutes: float, train_paths: list[str], out: Path,
