@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from gradleak.experiments.base import Cell, Context, Experiment, register_experiment
-from gradleak.experiments.stages import capture, fit_and_score, trace_rows, trained_victim
+from gradleak.experiments.stages import fit_and_score, trace_rows, victim_captures
 
 FRACTIONS = [0.1, 0.3, 0.5, 0.7, 0.9, 1.0]
 
@@ -22,9 +22,7 @@ class AuxiliaryScale(Experiment):
         return {"victim": ["ppo", "a2c"], "fraction": FRACTIONS, "seed": list(range(seeds))}
 
     def run_cell(self, cell: Cell, context: Context) -> dict[str, Any]:
-        victim = trained_victim(context, cell["victim"])
-        train, heldout = (capture(context, victim, cell["victim"], "all", split)
-                          for split in ("train", "heldout"))
+        _, train, heldout = victim_captures(context, cell["victim"])
         return fit_and_score(cell, context, train, heldout,
                              train_episode_fraction=float(cell["fraction"]))
 

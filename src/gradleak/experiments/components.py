@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 from gradleak.experiments.base import Cell, Context, Experiment, register_experiment
-from gradleak.experiments.stages import (COMPONENTS, capture, fit_and_score, trace_rows,
-                                         trained_victim)
+from gradleak.experiments.stages import (COMPONENTS, fit_and_score, trace_rows,
+                                         victim_captures)
 
 
 @register_experiment("components")
@@ -22,9 +22,7 @@ class Components(Experiment):
                 "seed": list(range(seeds))}
 
     def run_cell(self, cell: Cell, context: Context) -> dict[str, Any]:
-        victim = trained_victim(context, cell["victim"])
-        train, heldout = (capture(context, victim, cell["victim"], cell["components"], split)
-                          for split in ("train", "heldout"))
+        _, train, heldout = victim_captures(context, cell["victim"], cell["components"])
         return fit_and_score(cell, context, train, heldout)
 
     def summarize(self, results: list[dict[str, Any]]) -> tuple[dict[str, Any], str]:

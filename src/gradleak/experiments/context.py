@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from gradleak.experiments.base import Cell, Context, Experiment, register_experiment
-from gradleak.experiments.stages import capture, fit_and_score, trace_rows, trained_victim
+from gradleak.experiments.stages import fit_and_score, trace_rows, victim_captures
 
 WINDOWS = [1, 8, 16, 32, 64]
 DEFENSES = ["none", "noise:0.01", "noise:0.1", "dpsgd:eps=10"]
@@ -32,9 +32,7 @@ class TemporalContext(Experiment):
                 if cell["defense"] == "none" or cell["window"] in DEFENDED_WINDOWS]
 
     def run_cell(self, cell: Cell, context: Context) -> dict[str, Any]:
-        victim = trained_victim(context, cell["victim"])
-        train, heldout = (capture(context, victim, cell["victim"], "all", split)
-                          for split in ("train", "heldout"))
+        _, train, heldout = victim_captures(context, cell["victim"])
         window = int(cell["window"])
         model = {"window": window, "projection": "structured"}
         if window >= LONG:

@@ -13,7 +13,7 @@ from typing import Any
 
 from gradleak.experiments.base import Cell, Context, Experiment, register_experiment
 from gradleak.experiments.stages import (capture, fit_once, score_cell, trace_rows,
-                                         trained_victim)
+                                         victim_captures)
 
 PERCENTS = [0, 10, 20, 30, 40, 50]
 FINETUNE_SEED_OFFSET = 1000  # the fine-tuning capture's episodes differ from the evaluation's
@@ -30,9 +30,7 @@ class FewShot(Experiment):
         from gradleak.training.fit import fit_attacker
 
         algorithm, seed = cell["victim"], int(cell["seed"])
-        victim = trained_victim(context, algorithm)
-        train, heldout = (capture(context, victim, algorithm, "all", split)
-                          for split in ("train", "heldout"))
+        victim, train, heldout = victim_captures(context, algorithm)
         preset = context.preset
         budget = {"seed": seed, "time_limit_minutes": context.budget_minutes,
                   "time_limit_clock": context.clock}

@@ -9,7 +9,7 @@ import dataclasses
 from typing import Any
 
 from gradleak.experiments.base import Cell, Context, Experiment, register_experiment
-from gradleak.experiments.stages import capture, fit_and_score, trace_rows, trained_victim
+from gradleak.experiments.stages import fit_and_score, trace_rows, victim_captures
 
 # the paper's names → LossWeights fields
 TERMS = {"none": None, "mse": "mse", "l1": "l1", "action": "action", "lpips": "perceptual",
@@ -24,9 +24,7 @@ class Losses(Experiment):
         return {"victim": ["ppo", "a2c"], "without": list(TERMS), "seed": list(range(seeds))}
 
     def run_cell(self, cell: Cell, context: Context) -> dict[str, Any]:
-        victim = trained_victim(context, cell["victim"])
-        train, heldout = (capture(context, victim, cell["victim"], "all", split)
-                          for split in ("train", "heldout"))
+        _, train, heldout = victim_captures(context, cell["victim"])
         weights = context.preset.attack.trace_fit.weights
         field = TERMS[cell["without"]]
         if field is not None:

@@ -55,6 +55,16 @@ def capture(context: Context, victim: Path, algorithm: str, components: str, spl
                           lambda path: path.is_file())
 
 
+def victim_captures(context: Context, algorithm: str, components: str = "all"
+                    ) -> tuple[Path, Path, Path]:
+    """(victim, training capture, held-out capture) for a cell: what every experiment starts
+    from, each built once."""
+    victim = trained_victim(context, algorithm)
+    train, heldout = (capture(context, victim, algorithm, components, split)
+                      for split in ("train", "heldout"))
+    return victim, train, heldout
+
+
 def fit_once(directory: Path, fit: Callable[[bool], dict[str, Any]]) -> dict[str, Any]:
     """`fit(resume)` unless an earlier run of this cell finished it: a time-limited fit stops
     before its epochs, and resuming it would train a second budget. The summary is kept in

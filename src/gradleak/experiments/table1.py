@@ -10,8 +10,7 @@ import dataclasses
 from typing import Any
 
 from gradleak.experiments.base import Cell, Context, Experiment, register_experiment
-from gradleak.experiments.stages import (capture, fit_once, score_cell, trace_rows,
-                                         trained_victim)
+from gradleak.experiments.stages import fit_once, score_cell, trace_rows, victim_captures
 
 LEARNED = {"trace": "TRACE", "lti": "LtI", "decoder": "analytic decoder"}
 OPTIMISED = {"dlg": "DLG", "ig": "IG"}
@@ -31,9 +30,7 @@ class Table1(Experiment):
         return [c for c in super().cells(seeds) if c["method"] != "exact" or c["seed"] == 0]
 
     def run_cell(self, cell: Cell, context: Context) -> dict[str, Any]:
-        victim = trained_victim(context, cell["victim"])
-        train, heldout = (capture(context, victim, cell["victim"], "all", split)
-                          for split in ("train", "heldout"))
+        _, train, heldout = victim_captures(context, cell["victim"])
         method, preset, seed = cell["method"], context.preset, int(cell["seed"])
         if method in LEARNED:
             label = LEARNED[method]
