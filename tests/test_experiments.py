@@ -84,7 +84,8 @@ def test_settings_and_folders_are_checked_before_any_cell(tmp_path, capsys) -> N
 
 @pytest.mark.slow
 def test_components_and_losses_share_a_victim_and_measure_what_they_say(tmp_path) -> None:
-    """Real cells on the tiny preset: the heads-only capture is smaller than the full one;
+    """Real cells on the tiny preset: the heads-only capture is smaller than the full one, and
+    a CNN-only one (no policy head for the action rule) is still scored;
     `losses` without LPIPS trains with its weight at 0; both experiments, given one --shared
     root, train the victim once and reuse the full capture."""
     from helpers import TINY
@@ -98,6 +99,8 @@ def test_components_and_losses_share_a_victim_and_measure_what_they_say(tmp_path
     components = ["experiment", "components", *tiny, "--out", str(tmp_path / "components")]
     assert main([*components, "--shard", "0/8"]) == 0  # ppo, all gradients
     assert main([*components, "--shard", "3/8", "--resume"]) == 0  # ppo, heads only
+    # CNN only: no policy-head gradient for the action rule; TRACE still predicts actions
+    assert main([*components, "--shard", "1/8", "--resume"]) == 0
     (key,) = shared.iterdir()  # one preset key
     with CaptureFile(key / "capture-ppo-all-heldout.h5") as full, \
             CaptureFile(key / "capture-ppo-heads-heldout.h5") as heads:
@@ -115,7 +118,8 @@ def test_components_and_losses_share_a_victim_and_measure_what_they_say(tmp_path
                  str(tmp_path / "components"), "--results", str(results), "--quiet"]) == 0
     merged = json.loads((results / "components.json").read_text())
     cells = {c["cell"]["components"]: c["result"] for c in merged["cells"]}
-    assert set(cells) == {"all", "heads"} and len(merged["missing"]) == 6
+    assert set(cells) == {"all", "cnn", "heads"} and len(merged["missing"]) == 5
+    assert 0 <= cells["cnn"]["attack"]["action_accuracy"] <= 1
     assert cells["heads"]["gradient_dim"] == heads_dim
     assert cells["all"]["mean training image"]["psnr"] > 0
     assert "| ppo | heads |" in (results / "components.md").read_text()

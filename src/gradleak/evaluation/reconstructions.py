@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gradleak.attacks.action_rules import recover_actions
+from gradleak.attacks.action_rules import policy_weight, recover_actions
 from gradleak.attacks.exact import ExactConfig
 from gradleak.attacks.optim.config import OptimConfig
 from gradleak.attacks.optim.solve import GradientMatchingAttack
@@ -52,6 +52,8 @@ SINGLE_STEP: dict[type, tuple[str, Callable[..., Any]]] = {
                   GradientMatchingAttack(observation, config, progress)),
     ExactConfig: ("training-free", lambda observation, config, progress:
                   exact_attack(observation, config))}
+
+RULE = "action rule (odd-sign)"
 
 
 class Evaluation:
@@ -135,7 +137,8 @@ class Evaluation:
                    for name, (model, meta) in self.models.items()}
         methods.update({name: MethodScores(name, SINGLE_STEP[type(config)][0])
                         for name, config in self.baselines.items()})
-        methods["action rule (odd-sign)"] = MethodScores("action rule (odd-sign)", "rule")
+        if self._captures_policy_head():
+            methods[RULE] = MethodScores(RULE, "rule")
         methods[MEAN_IMAGE] = MethodScores(MEAN_IMAGE, "reference")
         methods[MEAN_COLOUR] = MethodScores(MEAN_COLOUR, "reference")
         if self.dataset.span > 1:
@@ -159,7 +162,8 @@ class Evaluation:
             self._add(methods[name], torch.from_numpy(images).permute(0, 1, 4, 2, 3)
                       .float() / 255.0, truth, None, time.perf_counter() - tick)
             score_actions(methods[name], probs, actions)
-        self._add_rule(methods["action rule (odd-sign)"], observed, actions)
+        if RULE in methods:
+            self._add_rule(methods[RULE], observed, actions)
         if UNIFORM in methods:
             score_actions(methods[UNIFORM], np.full(actions.shape, 1.0 / actions.shape[-1]),
                            actions)
@@ -217,6 +221,11 @@ class Evaluation:
                            episode_ids=np.repeat(np.arange(b), t),
                            step_in_episode=np.tile(np.arange(t), b), theta0=self.theta0,
                            roles=self.roles)
+
+    def _captures_policy_head(self) -> bool:
+        """A capture restricted to other components (`--components cnn`) leaves the rule
+        nothing to read; the learned attackers still predict actions."""
+        return any(layer.name == policy_weight(self.roles) for layer in self.layers)
 
     def _add_rule(self, scores: MethodScores, observed: ObservedWindows,
                   actions: np.ndarray) -> None:
