@@ -105,6 +105,7 @@ def test_components_and_losses_share_a_victim_and_measure_what_they_say(tmp_path
     with CaptureFile(key / "capture-ppo-all-heldout.h5") as full, \
             CaptureFile(key / "capture-ppo-heads-heldout.h5") as heads:
         full_dim, heads_dim = full.attrs["gradient_dim"], heads.attrs["gradient_dim"]
+        assert heads.attrs["restricted_from"] == str(full.path)  # cut, not recorded again
     assert heads_dim < full_dim
     built = {p.name: p.stat().st_mtime_ns for p in key.iterdir()}
     losses = tmp_path / "losses"

@@ -105,6 +105,36 @@ def test_components_subset_stores_only_those_layers(tmp_path: Path) -> None:
         assert capture.observation().gradients.shape == (10, 5 * 257 + 257)
 
 
+def test_a_restricted_copy_is_the_capture_of_those_components(tmp_path: Path) -> None:
+    """Cutting the CNN's columns out of a full capture gives what `--components cnn` records
+    on the same seed, byte for byte; the copy opens as a capture; what it lacks is refused."""
+    from gradleak.capture.subset import restrict_components
+
+    preset = tiny_preset()
+    full, cnn = tmp_path / "full.h5", tmp_path / "cnn.h5"
+    run_capture(CaptureJob(victim="cnn-small", random_init=True, split="train", steps=12,
+                           out=full, preset=preset, progress=False))
+    preset.capture.components = ["cnn"]
+    run_capture(CaptureJob(victim="cnn-small", random_init=True, split="train", steps=12,
+                           out=cnn, preset=preset, progress=False))
+    cut = tmp_path / "cut" / "cnn.h5"
+    result = restrict_components(full, ["cnn"], cut)
+    with CaptureFile(cnn) as direct, CaptureFile(cut) as restricted:
+        assert restricted.layers == direct.layers
+        assert result["gradient_dim"] == direct.attrs["gradient_dim"]
+        np.testing.assert_array_equal(restricted.observation().gradients,
+                                      direct.observation().gradients)
+        np.testing.assert_array_equal(restricted.private_column("images"),
+                                      direct.private_column("images"))
+        assert json.loads(restricted.attrs["settings"]) == json.loads(direct.attrs["settings"])
+    with pytest.raises(ConfigError, match="not of fc"):
+        restrict_components(cnn, ["fc"], tmp_path / "fc.h5")
+    with pytest.raises(CaptureFileError, match="already exists"):
+        restrict_components(full, ["heads"], cut)
+    assert not (tmp_path / "fc.h5").exists() and sorted(p.name for p in cut.parent.iterdir()) \
+        == ["cnn.h5"]
+
+
 def test_shards_split_the_scenes_and_read_as_one(tmp_path: Path) -> None:
     preset = tiny_preset()
     outs = []

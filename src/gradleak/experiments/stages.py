@@ -39,17 +39,24 @@ def trained_victim(context: Context, algorithm: str) -> Path:
 def capture(context: Context, victim: Path, algorithm: str, components: str, split: str,
             seed_offset: int = 0, tag: str = "") -> Path:
     """The victim's captures with only `components`' gradients (train or held-out scenes);
-    `seed_offset` draws other episodes of the same scenes (named by `tag`)."""
+    `seed_offset` draws other episodes of the same scenes (named by `tag`). A part of the
+    gradient is cut from the full capture: the same steps, without a second rollout."""
     from gradleak.capture.run import CaptureJob, run_capture
+    from gradleak.capture.subset import restrict_components
 
-    preset = dataclasses.replace(context.preset)
-    preset.capture = dataclasses.replace(preset.capture, components=COMPONENTS[components])
+    preset = context.preset
     steps = preset.capture.steps_train if split == "train" else preset.capture.steps_heldout
 
-    def build(path: Path) -> None:
+    def record(path: Path) -> None:
         run_capture(CaptureJob(victim=str(victim), split=split, steps=steps, out=path,
                                preset=preset, progress=context.progress, resume=True,
                                seed=preset.capture.seed + seed_offset))
+
+    def cut(path: Path) -> None:
+        full = capture(context, victim, algorithm, "all", split, seed_offset, tag)
+        restrict_components(full, COMPONENTS[components], path, progress=context.progress)
+
+    build = record if components == "all" else cut
 
     return context.shared(f"capture-{algorithm}-{components}-{split}{tag}.h5", build,
                           lambda path: path.is_file())
