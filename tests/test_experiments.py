@@ -153,6 +153,41 @@ def test_context_under_noise_trains_adaptive_attackers_and_says_whether_t8_beats
 
 
 @pytest.mark.slow
+def test_defense_figure_draws_the_best_adapted_attacker_per_defense(tmp_path) -> None:
+    """Two defenses of the grid: every learned attacker trained under its cell's defense, the
+    best of the three attacks named per cell, and --merge draws the picture from the cells'
+    saved frames (refused, naming the cell, when those frames are gone)."""
+    from helpers import TINY
+    from PIL import Image
+
+    out, results = tmp_path / "figure", tmp_path / "results"
+    run = ["experiment", "defense-figure", "--seeds", "1", "--budget-minutes", "0.05", *TINY,
+           "--set", "capture.steps_train=96", "--set", "capture.steps_heldout=40",
+           "--out", str(out), "--quiet"]
+    assert main([*run, "--shard", "0/5"]) == 0  # no defense
+    assert main([*run, "--shard", "1/5", "--resume"]) == 0  # quant:8
+    for defense in ("none", "quant_8"):
+        for method in ("trace", "lti"):
+            (attacker,) = (out / "attackers").glob(f"*defense={defense},*/{method}")
+            fit = json.loads((attacker / "attacker.json").read_text())["fit"]
+            assert fit["defense"] == defense.replace("_", ":")
+    for cell in (out / "cells").iterdir():
+        result = json.loads(cell.read_text())["result"]
+        assert set(result["attacks"]) == {"TRACE", "LtI", "exact (training-free)"}
+        assert result["best"] == max(result["attacks"],
+                                     key=lambda n: result["attacks"][n]["psnr"])
+    assert main(["experiment", "defense-figure", "--merge", "--allow-partial", "--out",
+                 str(out), "--results", str(results), "--quiet"]) == 0
+    assert "![defense-figure](defense-figure.png)" in (results / "defense-figure.md").read_text()
+    width, height = Image.open(results / "defense-figure.png").size
+    assert height > width / 8 * 2  # ground truth and two defenses' rows of 8 frames
+    (samples,) = (out / "eval").glob("*defense=quant_8*/samples.npz")
+    samples.unlink()
+    assert main(["experiment", "defense-figure", "--merge", "--allow-partial", "--out",
+                 str(out), "--results", str(results), "--quiet"]) == 2
+
+
+@pytest.mark.slow
 def test_auxscale_trains_on_nested_fractions_with_the_same_validation(tmp_path) -> None:
     from helpers import TINY
 

@@ -20,6 +20,7 @@ from gradleak.experiments import (  # noqa: E402,F401  (the built-ins register t
     auxscale,
     components,
     context,
+    defense_figure,
     fewshot,
     losses,
     table1,

@@ -120,6 +120,15 @@ class Experiment(ABC):
     def summarize(self, results: list[dict[str, Any]]) -> tuple[dict[str, Any], str]:
         """(the merged JSON's summary, its Markdown) from every cell's record."""
 
+    def cell_of(self, record: dict[str, Any]) -> Cell:
+        """The cell a merged record is of (records keep its values, not their axis order)."""
+        return Cell(tuple((axis, record["cell"][axis]) for axis in self.axes(1)))
+
+    def figures(self, results: list[dict[str, Any]], out: Path, folder: Path) -> list[Path]:
+        """Pictures drawn at --merge into `folder` from the cells' records and what they left
+        under `out` (their evaluations); the Markdown shows each. None by default."""
+        return []
+
 
 EXPERIMENTS: Registry[type[Experiment]] = Registry("experiment")
 

@@ -136,14 +136,16 @@ def merge_experiment(out: Path, results: Path, allow_partial: bool = False
     if not records:
         raise ConfigError(f"{out}: no cell has finished yet")
     summary, markdown = experiment.summarize(records)
+    results.mkdir(parents=True, exist_ok=True)
+    pictures = experiment.figures(records, out, results)
+    markdown += "".join(f"\n\n![{p.stem}]({p.name})" for p in pictures)
     cost = [r["cpu_minutes"] for r in records]
     shared_cost = sum(r.get("shared_cpu_minutes", 0.0) for r in records)
     data = {"experiment": settings.name, "description": experiment.description,
             "settings": settings.to_dict(), "summary": summary, "cells": records,
             "missing": missing, "machine": machine(),
             "cpu_minutes_total": sum(cost), "cpu_minutes_median_cell": statistics.median(cost),
-            "shared_cpu_minutes": shared_cost}
-    results.mkdir(parents=True, exist_ok=True)
+            "shared_cpu_minutes": shared_cost, "figures": [p.name for p in pictures]}
     json_path, md_path = results / f"{settings.name}.json", results / f"{settings.name}.md"
     write_json(json_path, data)
     note = f"\n\n{len(missing)} cells missing: {', '.join(missing)}\n" if missing else "\n"

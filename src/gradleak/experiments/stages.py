@@ -15,6 +15,7 @@ COMPONENTS = {"all": ["cnn", "fc", "heads"], "cnn": ["cnn"], "fc": ["fc"], "head
 REFERENCES = ("mean training image", "mean colour (oracle)")
 KEEP = ("psnr", "ssim", "lpips", "action_accuracy", "ms_per_frame", "parameters",
         "psnr_gain_over_mean_image")
+ATTACK_KINDS = ("learned", "training-free", "optimisation")
 MAX_WINDOWS = 64  # held-out windows scored per cell
 
 
@@ -112,23 +113,26 @@ def fit_and_score(cell: Cell, context: Context, train: Path, heldout: Path,
 
 def score_cell(cell: Cell, context: Context, heldout: Path, train: Path,
                attackers: dict[str, str], label: str, baselines: dict[str, Any] | None = None,
-               baseline_windows: int = 2, defense: str = "none") -> dict[str, Any]:
-    """One method (an attacker directory, or a baseline) scored on `heldout`: its row (under
-    "attack", its evaluation name under "method_label"), the reference rows, and the
-    capture's gradient size."""
+               baseline_windows: int = 2, defense: str = "none",
+               max_windows: int = MAX_WINDOWS) -> dict[str, Any]:
+    """Attackers (directories) and baselines scored on `heldout`: the row of the one named
+    `label` under "attack" (its name under "method_label"), every attack's under "attacks",
+    the reference rows, and the capture's gradient size."""
     from gradleak.capture.reader import CaptureFile
     from gradleak.defenses.base import parse_defense
     from gradleak.evaluation.reconstructions import evaluate
 
     chain = parse_defense(defense) if defense != "none" else None
     scored = evaluate([heldout], attackers, context.out / "eval" / cell.id,
-                      max_windows=MAX_WINDOWS, reference_data=[train], defense=chain,
+                      max_windows=max_windows, reference_data=[train], defense=chain,
                       baselines=baselines, baseline_windows=baseline_windows)
     with CaptureFile(heldout) as handle:
         gradient_dim = int(handle.attrs["gradient_dim"])
     rows = scored["methods"]
-    return {"gradient_dim": gradient_dim, "method_label": label,
-            "attack": {k: rows[label].get(k) for k in KEEP},
+    attacks = {name: {k: row.get(k) for k in KEEP} for name, row in rows.items()
+               if row["kind"] in ATTACK_KINDS}
+    return {"gradient_dim": gradient_dim, "method_label": label, "attack": attacks[label],
+            "attacks": attacks,
             **{name: {k: rows[name].get(k) for k in ("psnr", "ssim", "lpips")}
                for name in REFERENCES if name in rows}}
 

@@ -1,4 +1,5 @@
-"""The files of one evaluation: metrics.json, metrics.md, reconstructions.png, psnr_by_t.png."""
+"""The files of one evaluation: metrics.json, metrics.md, reconstructions.png, psnr_by_t.png,
+samples.npz."""
 
 from __future__ import annotations
 
@@ -148,4 +149,22 @@ def write_evaluation(out: Path, result: dict[str, Any], methods: dict[str, Any],
                if scores.kind in ("learned", "training-free", "optimisation")
                or name.startswith("mean training")}
     plot_reconstructions(truth, samples, out / "reconstructions.png")
+    save_samples(out / "samples.npz", truth, samples)
     plot_psnr_by_t(result["methods"], out / "psnr_by_t.png")
+
+
+def save_samples(path: Path, truth: np.ndarray, samples: dict[str, np.ndarray]) -> None:
+    """The pictured windows as arrays, so a figure across evaluations (an experiment's merge)
+    is drawn from them: `truth` and `method_<i>` (S, T, H, W, 3) uint8, with `methods` naming
+    them in order; plain arrays, readable with allow_pickle=False."""
+    names = list(samples)
+    with atomic_path(path) as tmp, tmp.open("wb") as handle:
+        np.savez_compressed(handle, truth=truth, methods=np.array(names, dtype=str),
+                            **{f"method_{i}": samples[name] for i, name in enumerate(names)})
+
+
+def load_samples(path: Path) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """(truth, method name → frames) as save_samples wrote them."""
+    with np.load(path, allow_pickle=False) as data:
+        names = [str(name) for name in data["methods"]]
+        return data["truth"], {name: data[f"method_{i}"] for i, name in enumerate(names)}
