@@ -135,6 +135,41 @@ def test_a_restricted_copy_is_the_capture_of_those_components(tmp_path: Path) ->
         == ["cnn.h5"]
 
 
+def gradient_filter(path: Path) -> int:
+    with h5py.File(path, "r") as handle:
+        return handle["gradients"].id.get_create_plist().get_filter(0)[0]
+
+
+def test_captures_are_lz4_and_plain_h5py_reads_them_with_hdf5plugin(random_capture: Path,
+                                                                    tmp_path: Path) -> None:
+    """The filter is recorded and is HDF5's registered LZ4 (id 32004): a reader with h5py and
+    `import hdf5plugin` gets the rows, one without it cannot decode them; a copy of the file
+    (`gradleak defend`) keeps the filter; an unknown filter is refused before any compute."""
+    with CaptureFile(random_capture) as capture:
+        assert capture.attrs["compression"] == "lz4"
+        expected = capture.observation().gradients[3]
+    assert gradient_filter(random_capture) == 32004
+    read = ("import sys, h5py{}\nf = h5py.File(sys.argv[1], 'r')\n"
+            "sys.stdout.buffer.write(f['gradients'][3].tobytes())")
+    plain = subprocess.run([sys.executable, "-c", read.format(", hdf5plugin"),
+                            str(random_capture)], capture_output=True, check=True)
+    assert np.array_equal(np.frombuffer(plain.stdout, expected.dtype), expected)
+    bare = subprocess.run([sys.executable, "-c", read.format(""), str(random_capture)],
+                          capture_output=True, env={**os.environ, "HDF5_PLUGIN_PATH": "/none"})
+    assert bare.returncode != 0 and b"read data" in bare.stderr
+    from gradleak.defenses import parse_defense
+    from gradleak.defenses.files import defend_capture
+
+    defend_capture(random_capture, parse_defense("quant:8"), tmp_path / "q.h5")
+    assert gradient_filter(tmp_path / "q.h5") == 32004
+    preset = tiny_preset()
+    preset.capture.compression = "snappy"
+    with pytest.raises(ConfigError, match="capture.compression='snappy': expected one of lz4"):
+        run_capture(CaptureJob(victim="cnn-small", random_init=True, split="train", steps=4,
+                               out=tmp_path / "never.h5", preset=preset, progress=False))
+    assert not (tmp_path / "never.h5").exists()
+
+
 def test_shards_split_the_scenes_and_read_as_one(tmp_path: Path) -> None:
     preset = tiny_preset()
     outs = []

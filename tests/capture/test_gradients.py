@@ -1,11 +1,19 @@
-"""Per-step gradients: vmap equals the autograd loop, their mean equals the batch gradient."""
+"""Per-step gradients: einsum and vmap equal the autograd loop, their mean equals the batch
+gradient."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from gradleak.capture.grads import StepBatch, batch_gradient, loop_gradients, per_step_gradients
+from gradleak.capture.grads import (
+    StepBatch,
+    StepGradients,
+    batch_gradient,
+    einsum_gradients,
+    loop_gradients,
+    per_step_gradients,
+)
 from gradleak.rl.losses import LossCoefficients
 from gradleak.victims import create_victim, layer_table
 
@@ -31,9 +39,30 @@ def test_vmap_equals_loop(name: str, size: int, ppo: bool) -> None:
     victim.encoder[2].running_var.fill_(2.0)  # eval-mode BatchNorm with non-trivial statistics
     batch, layers = make_batch(6, size, torch.Generator().manual_seed(2)), layer_table(victim)
     vmapped = per_step_gradients(victim, batch, LossCoefficients(), layers, ppo=ppo, chunk=4)
+    summed = einsum_gradients(victim, batch, LossCoefficients(), layers, ppo=ppo, chunk=4)
     looped = loop_gradients(victim, batch, LossCoefficients(), layers, ppo=ppo)
-    assert vmapped.shape == (6, sum(layer.size for layer in layers))
+    assert vmapped.shape == summed.shape == (6, sum(layer.size for layer in layers))
     assert relative_error(vmapped, looped) <= 1e-5
+    assert relative_error(summed, looped) <= 1e-5
+
+
+def test_einsum_reuses_its_buffer_and_zeroes_what_the_loss_never_reaches() -> None:
+    """The buffer is overwritten call after call (a stale row would leak the last batch in);
+    a layer outside the loss (the value head when c_v = 0) gets zeros, as autograd gives."""
+    torch.manual_seed(6)
+    victim = create_victim("cnn-small", frame_size=32).eval()
+    layers, method = layer_table(victim), StepGradients("einsum", chunk=3)
+    no_value = LossCoefficients(value=0.0)
+    for seed in (7, 8):
+        batch = make_batch(5, 32, torch.Generator().manual_seed(seed))
+        method.buffer = None if seed == 7 else method.buffer.fill_(float("nan"))
+        rows = method(victim, batch, no_value, layers)
+        assert relative_error(rows, loop_gradients(victim, batch, no_value, layers)) <= 1e-5
+    value = next(layer for layer in layers if layer.name == "value_head.weight")
+    assert bool((rows[:, value.offset:value.offset + value.size] == 0).all())
+    assert StepGradients("auto").resolve(victim, layers) == "einsum"
+    with pytest.raises(ValueError, match="expected one of auto, einsum, vmap, loop"):
+        StepGradients("opacus")
 
 
 def test_mean_of_per_step_gradients_is_the_batch_gradient() -> None:

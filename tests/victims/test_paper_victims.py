@@ -11,7 +11,13 @@ import pytest
 import torch
 
 from gradleak.attacks.analytic import linear_layers, recover_analytically
-from gradleak.capture.grads import StepBatch, loop_gradients, per_step_gradients
+from gradleak.capture.grads import (
+    StepBatch,
+    StepGradients,
+    einsum_gradients,
+    loop_gradients,
+    per_step_gradients,
+)
 from gradleak.errors import ConfigError
 from gradleak.rl.losses import LossCoefficients, actor_critic_loss
 from gradleak.threat import Observation
@@ -88,12 +94,24 @@ def assert_same_per_step(fast: torch.Tensor, slow: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("name, actions", FEEDFORWARD_SMALL)
-def test_vmap_equals_the_autograd_loop_on_every_victim(name: str, actions: int) -> None:
+def test_vmap_and_einsum_equal_the_autograd_loop_on_every_victim(name: str, actions: int
+                                                                 ) -> None:
+    """einsum takes every victim whose parameters all sit in layers with a rule; the ViT's free
+    class token and position embedding have none: einsum refuses it by name and `auto` picks
+    vmap."""
     victim, batch = steps(name, actions)
     layers = layer_table(victim)
     fast = per_step_gradients(victim, batch, LossCoefficients(), layers, ppo=True, chunk=4)
     slow = loop_gradients(victim, batch, LossCoefficients(), layers, ppo=True)
     assert_same_per_step(fast, slow)
+    if name.startswith("vit"):
+        assert StepGradients("auto").resolve(victim, layers) == "vmap"
+        with pytest.raises(ValueError, match="no rule for cls_token, pos_embed"):
+            einsum_gradients(victim, batch, LossCoefficients(), layers)
+        return
+    assert StepGradients("auto").resolve(victim, layers) == "einsum"
+    assert_same_per_step(einsum_gradients(victim, batch, LossCoefficients(), layers, chunk=4),
+                         slow)
 
 
 @pytest.mark.parametrize("name, actions", FEEDFORWARD_SMALL)
@@ -145,12 +163,15 @@ def test_the_grus_pre_step_hidden_state_comes_back_in_closed_form() -> None:
 
 
 def test_vmap_equals_the_loop_for_the_gru_with_its_recorded_state() -> None:
+    """The GRU cell's Linear layers are each applied once per step here; einsum's rows agree."""
     victim, batch = steps("cnn-gru-small", 5)
     batch.hidden = torch.rand(len(batch), victim.hidden_size) * 2 - 1
     layers = layer_table(victim)
     fast = per_step_gradients(victim, batch, LossCoefficients(), layers, ppo=True, chunk=4)
     slow = loop_gradients(victim, batch, LossCoefficients(), layers, ppo=True)
     assert_same_per_step(fast, slow)
+    assert_same_per_step(einsum_gradients(victim, batch, LossCoefficients(), layers, chunk=4),
+                         slow)
     stateless = per_step_gradients(victim, replace(batch, hidden=None), LossCoefficients(),
                                    layers, ppo=True)
     assert not torch.allclose(fast, stateless)  # the state really enters the gradient

@@ -212,3 +212,36 @@ def test_gradient_matching_runs_on_a_users_model_and_learned_attackers_refuse_st
                  "--quiet"]) == 2
     assert "the learned attackers reconstruct square RGB frames" in capsys.readouterr().err
     assert not (tmp_path / "att").exists()
+
+
+class TiedTwice(nn.Module):
+    """One Linear applied twice per step (weights tied, as in a recurrent refinement)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, stride=2)
+        self.mix = nn.Linear(36, 36)
+        self.pi, self.v = nn.Linear(36, 3), nn.Linear(36, 1)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.relu(self.conv(x)).flatten(1)
+        h = torch.tanh(self.mix(torch.tanh(self.mix(h))))
+        return self.pi(h), self.v(h).squeeze(-1)
+
+
+def test_einsum_adds_up_a_layer_applied_twice_as_autograd_does() -> None:
+    from gradleak.capture.grads import StepBatch, einsum_gradients, loop_gradients
+    from gradleak.rl.losses import LossCoefficients
+    from gradleak.victims import layer_table
+
+    torch.manual_seed(0)
+    victim = gradleak.wrap(TiedTwice(), policy_head="pi", value_head="v", frame_shape=(8, 8, 3))
+    n, generator = 5, torch.Generator().manual_seed(1)
+    batch = StepBatch(torch.randint(0, 256, (n, 8, 8, 3), dtype=torch.uint8,
+                                    generator=generator), torch.arange(n) % 3,
+                      torch.randn(n, generator=generator), torch.randn(n, generator=generator),
+                      -torch.rand(n, generator=generator) - 1)
+    layers = layer_table(victim)
+    looped = loop_gradients(victim, batch, LossCoefficients(), layers)
+    summed = einsum_gradients(victim, batch, LossCoefficients(), layers, chunk=2)
+    assert torch.allclose(summed, looped, rtol=1e-5, atol=1e-7)

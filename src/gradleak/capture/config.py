@@ -16,12 +16,15 @@ class CaptureConfig:
     steps_train: int = 1024
     steps_heldout: int = 512
     components: list[str] = field(default_factory=lambda: list(COMPONENTS))
-    chunk: int = 32  # steps per vmap call: bounds memory
-    gradient_method: str = "vmap"  # or "loop" (one autograd call per step; the reference)
+    chunk: int = 64  # steps per batched backward (einsum) or vmap call: bounds memory
+    # auto: einsum (per-layer rules on one batched backward) where every parameter has a rule,
+    # else vmap; or name one of them, or loop (one autograd call per step; the reference)
+    gradient_method: str = "auto"
     # what the client sends: float32, the wire format of a PPO/A2C client. float16 is a lossy
     # storage option (it rounds every entry to 2^-11 relative, a quantisation that hides
     # leakage: the recursion through a trained victim's conv stack fails on it)
     gradient_dtype: str = "float32"
+    compression: str = "lz4"  # the HDF5 filter (gradleak.capture.storage): lz4, zstd, lzf, ...
     seed: int = 0
 
 

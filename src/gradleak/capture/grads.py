@@ -1,14 +1,22 @@
 """Per-step gradients of the shared actor-critic loss at θ0, as a distributed client sends them.
 
-Batched with torch.func: vmap over steps of grad of a functional call of the victim. The loop
-of torch.autograd.grad is kept as the reference the tests compare against.
+Three ways to the same numbers (tested equal): `einsum`, one batched backward of the summed
+per-step losses with each layer's per-step weight gradient formed from its saved input and
+output gradient (δ_i aᵢᵀ for a Linear, δ_i unfold(a_i)ᵀ for a Conv2d, as Opacus' grad-sample
+rules do), for victims whose every parameter sits in a layer with a rule; `vmap` (torch.func:
+grad of a functional call, vmapped over steps), for any victim; and the loop of
+torch.autograd.grad, the reference. At θ0 in eval mode the steps do not interact (BatchNorm uses
+its running statistics), so the batched backward's δ_i is step i's own.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 from torch.func import functional_call, grad, vmap
 
 from gradleak.rl.losses import LossCoefficients, actor_critic_loss
@@ -118,3 +126,220 @@ def batch_gradient(victim: Victim, batch: StepBatch, coefficients: LossCoefficie
     loss = _mean_loss(victim, parameters, buffers, batch, coefficients, ppo)
     grads = torch.autograd.grad(loss, [named[layer.name] for layer in layers])
     return torch.cat([g.reshape(-1) for g in grads])
+
+
+# -- einsum: per-step weight gradients from each layer's input and output gradient --------------
+# A rule writes step i's gradient of each of the layer's parameters into out[name][i] (views of
+# the final (N, d) rows, so the gradients are formed where they are sent from, in one pass).
+Rule = Callable[[nn.Module, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]], None]
+
+
+def _linear(module: nn.Linear, a: torch.Tensor, delta: torch.Tensor,
+            out: dict[str, torch.Tensor]) -> None:
+    n = a.shape[0]
+    a, delta = a.reshape(n, -1, a.shape[-1]), delta.reshape(n, -1, delta.shape[-1])
+    if a.shape[1] == 1:  # one position: an outer product, which bmm does poorly
+        torch.mul(delta[:, 0, :, None], a[:, 0, None, :], out=out["weight"])
+    else:
+        torch.bmm(delta.transpose(1, 2), a, out=out["weight"])
+    if "bias" in out:
+        torch.sum(delta, 1, out=out["bias"])
+
+
+def _conv2d(module: nn.Conv2d, a: torch.Tensor, delta: torch.Tensor,
+            out: dict[str, torch.Tensor]) -> None:
+    n = a.shape[0]
+    columns = F.unfold(a, module.kernel_size, module.dilation, module.padding, module.stride)
+    delta = delta.flatten(2)  # (N, C_out, P) against columns (N, C_in·k·k, P)
+    torch.bmm(delta, columns.transpose(1, 2), out=out["weight"].view(n, delta.shape[1], -1))
+    if "bias" in out:
+        torch.sum(delta, 2, out=out["bias"])
+
+
+def _affine(normalised: torch.Tensor, delta: torch.Tensor, out: dict[str, torch.Tensor]
+            ) -> None:
+    """A normalisation's scale and shift, given its normalised input: sums over every axis
+    after the batch's and the channels' (delta and normalised are (N, C, S))."""
+    torch.sum(delta * normalised, 2, out=out["weight"])
+    if "bias" in out:
+        torch.sum(delta, 2, out=out["bias"])
+
+
+def _batchnorm(module: nn.BatchNorm2d, a: torch.Tensor, delta: torch.Tensor,
+               out: dict[str, torch.Tensor]) -> None:
+    shape = (1, -1, 1, 1)
+    normalised = (a - module.running_mean.view(shape)) * torch.rsqrt(
+        module.running_var.view(shape) + module.eps)
+    _affine(normalised.flatten(2), delta.flatten(2), out)
+
+
+def _groupnorm(module: nn.GroupNorm, a: torch.Tensor, delta: torch.Tensor,
+               out: dict[str, torch.Tensor]) -> None:
+    normalised = F.group_norm(a, module.num_groups, eps=module.eps)
+    _affine(normalised.flatten(2), delta.flatten(2), out)
+
+
+def _layernorm(module: nn.LayerNorm, a: torch.Tensor, delta: torch.Tensor,
+               out: dict[str, torch.Tensor]) -> None:
+    n, shape = a.shape[0], module.normalized_shape
+    normalised = F.layer_norm(a, shape, eps=module.eps)
+    # (N, S, C) → (N, C, S): the positions are summed, the normalised axes kept
+    _affine(normalised.reshape(n, -1, *shape).flatten(2).transpose(1, 2),
+            delta.reshape(n, -1, *shape).flatten(2).transpose(1, 2),
+            {k: v.reshape(n, -1) for k, v in out.items()})
+
+
+RULES: dict[type, Rule] = {nn.Linear: _linear, nn.Conv2d: _conv2d, nn.BatchNorm2d: _batchnorm,
+                           nn.GroupNorm: _groupnorm, nn.LayerNorm: _layernorm}
+
+
+def _rule_for(module: nn.Module) -> Rule | None:
+    if isinstance(module, nn.Conv2d) and (module.groups != 1 or isinstance(module.padding, str)
+                                          or module.padding_mode != "zeros"):
+        return None
+    if isinstance(module, nn.BatchNorm2d) and (module.running_mean is None or module.training):
+        return None
+    if isinstance(module, nn.LayerNorm) and not module.elementwise_affine:
+        return None
+    if isinstance(module, nn.GroupNorm) and not module.affine:
+        return None
+    return RULES.get(type(module))
+
+
+def _own_parameters(prefix: str, module: nn.Module) -> list[str]:
+    return [f"{prefix}.{name}" if prefix else name
+            for name, _ in module.named_parameters(recurse=False)]
+
+
+def einsum_unsupported(victim: Victim, layers: list[LayerInfo]) -> list[str]:
+    """The wanted parameters no rule covers (a free nn.Parameter such as a ViT's position
+    embedding, a layer type without a rule): empty when `einsum` can take the victim."""
+    covered = {name for prefix, module in victim.named_modules()
+               if _rule_for(module) is not None for name in _own_parameters(prefix, module)}
+    return [layer.name for layer in layers if layer.name not in covered]
+
+
+def einsum_gradients(victim: Victim, batch: StepBatch, coefficients: LossCoefficients,
+                     layers: list[LayerInfo], ppo: bool = True, chunk: int = 64,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """(N, d): per-step gradients from one batched backward per `chunk` steps (see the module
+    docstring), written into `out[:N]` when given (a buffer kept across calls: a fresh
+    allocation of N·d floats costs more in page faults than the arithmetic); refuses a victim
+    with a parameter no rule covers (use vmap there)."""
+    _check_frozen(victim)
+    missing = einsum_unsupported(victim, layers)
+    if missing:
+        raise ValueError(f"per-step gradients by einsum: no rule for {', '.join(missing[:3])}"
+                         f"{' …' if len(missing) > 3 else ''}; use capture.gradient_method=vmap")
+    wanted = {layer.name: layer for layer in layers}
+    modules = {prefix: module for prefix, module in victim.named_modules()
+               if _rule_for(module) is not None
+               and any(name in wanted for name in _own_parameters(prefix, module))}
+    output = _output(victim, len(batch), layers, out)
+    for start in range(0, len(batch), chunk):
+        part = batch.slice(start, start + chunk)
+        rows = output[start:start + len(part)]
+        saved = _saved_activations(victim, modules, part, coefficients, ppo)
+        calls = {prefix: sum(1 for p, *_ in saved if p == prefix) for prefix in modules}
+        written: set[str] = set()  # modules, and below the parameters, given a gradient
+        for prefix, module, a, delta in saved:
+            names = [name for name in _own_parameters(prefix, module) if name in wanted]
+            views = {name.rsplit(".", 1)[-1]: _block(rows, wanted[name]) for name in names}
+            if calls[prefix] == 1:
+                RULES[type(module)](module, a, delta, views)
+            else:  # a module applied several times: its contributions add up, as in autograd
+                parts = {name: torch.empty_like(view) for name, view in views.items()}
+                RULES[type(module)](module, a, delta, parts)
+                for name, view in views.items():
+                    view.add_(parts[name]) if prefix in written else view.copy_(parts[name])
+            written.add(prefix)
+            written.update(names)
+        for layer in layers:  # a layer the loss did not reach has a zero gradient
+            if layer.name not in written:
+                _block(rows, layer).zero_()
+    return output
+
+
+def _output(victim: Victim, steps: int, layers: list[LayerInfo], out: torch.Tensor | None
+            ) -> torch.Tensor:
+    dtype = next(victim.parameters()).dtype
+    width = sum(layer.size for layer in layers)
+    if out is None:
+        return torch.empty(steps, width, dtype=dtype)
+    if out.dtype != dtype or out.dim() != 2 or out.shape[1] != width or len(out) < steps \
+            or not out.is_contiguous():
+        raise ValueError(f"out: expected a contiguous ({steps}+, {width}) {dtype} buffer, got "
+                         f"{tuple(out.shape)} {out.dtype}")
+    return out[:steps]
+
+
+def _block(rows: torch.Tensor, layer: LayerInfo) -> torch.Tensor:
+    """(n, *shape): one parameter's columns of the rows, a view."""
+    return rows[:, layer.offset:layer.offset + layer.size].view(len(rows), *layer.shape)
+
+
+def _saved_activations(victim: Victim, modules: dict[str, nn.Module], batch: StepBatch,
+                       coefficients: LossCoefficients, ppo: bool
+                       ) -> list[tuple[str, nn.Module, torch.Tensor, torch.Tensor]]:
+    """(prefix, module, input, output gradient) of every call of `modules` in one forward and
+    backward of the summed per-step losses."""
+    saved: list[tuple[str, nn.Module, torch.Tensor, torch.Tensor]] = []
+
+    def keep(prefix: str) -> Callable[..., None]:
+        def hook(module: nn.Module, inputs: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
+            a = inputs[0].detach()
+            out.register_hook(lambda g: saved.append((prefix, module, a, g.detach())))
+        return hook
+
+    handles = [module.register_forward_hook(keep(prefix)) for prefix, module in modules.items()]
+    try:
+        logits, values = victim(batch.images, batch.goals, batch.hidden)
+        losses = actor_critic_loss(logits, values, batch.actions, batch.advantages,
+                                   batch.returns, coefficients, batch.old_log_probs if ppo
+                                   else None)
+        # asking for the biases' gradients only makes autograd reach every layer's output
+        # without forming the batch's weight gradients, which the rules replace
+        targets = [module.bias if getattr(module, "bias", None) is not None else module.weight
+                   for module in modules.values()]
+        torch.autograd.grad(losses.sum(), targets, allow_unused=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return saved
+
+
+# -- the methods, by name (capture.gradient_method) ---------------------------------------------
+class StepGradients:
+    """Per-step gradients by one method, into a buffer reused from call to call (the rows
+    returned are valid until the next call). `auto`: einsum where every wanted parameter has
+    a rule, vmap otherwise."""
+
+    def __init__(self, method: str, chunk: int = 32) -> None:
+        if method not in GRADIENT_METHODS:
+            raise ValueError(f"gradient method {method!r}: expected one of "
+                             f"{', '.join(GRADIENT_METHODS)}")
+        self.method, self.chunk = method, chunk
+        self.buffer: torch.Tensor | None = None
+
+    def resolve(self, victim: Victim, layers: list[LayerInfo]) -> str:
+        if self.method != "auto":
+            return self.method
+        return "vmap" if einsum_unsupported(victim, layers) else "einsum"
+
+    def __call__(self, victim: Victim, batch: StepBatch, coefficients: LossCoefficients,
+                 layers: list[LayerInfo], ppo: bool = True) -> torch.Tensor:
+        method = self.resolve(victim, layers)
+        if method == "loop":
+            return loop_gradients(victim, batch, coefficients, layers, ppo=ppo)
+        if method == "vmap":
+            return per_step_gradients(victim, batch, coefficients, layers, ppo=ppo,
+                                      chunk=self.chunk)
+        width = sum(layer.size for layer in layers)
+        if self.buffer is None or len(self.buffer) < len(batch) or self.buffer.shape[1] != width:
+            self.buffer = torch.empty(max(len(batch), 2 * self.chunk), width,
+                                      dtype=next(victim.parameters()).dtype)
+        return einsum_gradients(victim, batch, coefficients, layers, ppo=ppo,
+                                chunk=self.chunk, out=self.buffer)
+
+
+GRADIENT_METHODS = ("auto", "einsum", "vmap", "loop")

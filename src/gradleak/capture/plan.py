@@ -14,6 +14,8 @@ import torch
 
 from gradleak import __version__
 from gradleak.capture.config import CaptureSetup
+from gradleak.capture.grads import GRADIENT_METHODS
+from gradleak.capture.storage import check_compression
 from gradleak.capture.schema import FORMAT, FORMAT_VERSION, layers_to_json
 from gradleak.capture.writer import partial_path
 from gradleak.envs.factory import num_actions, scene_names
@@ -34,7 +36,6 @@ SPLITS = ("train", "heldout")
 
 
 
-GRADIENT_METHODS = ("vmap", "loop")
 
 
 
@@ -219,6 +220,7 @@ def plan_capture(job: CaptureJob) -> CapturePlan:
     if job.preset.capture.gradient_method not in GRADIENT_METHODS:
         raise ConfigError(f"capture.gradient_method={job.preset.capture.gradient_method!r}: "
                           f"expected one of {', '.join(GRADIENT_METHODS)}")
+    check_compression(job.preset.capture.compression)
     dtype = job.preset.capture.gradient_dtype
     if dtype not in GRADIENT_DTYPES:
         raise ConfigError(f"capture.gradient_dtype={dtype!r}: expected one of "

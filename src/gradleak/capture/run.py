@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from gradleak.capture.config import CaptureConfig
 from gradleak.capture.episodes import episode_targets, run_episode
-from gradleak.capture.grads import StepBatch, loop_gradients, per_step_gradients
+from gradleak.capture.grads import StepBatch, StepGradients
 from gradleak.capture.lock import capture_lock
 from gradleak.capture.plan import CaptureJob, CapturePlan, plan_capture
 from gradleak.capture.schema import step_columns
@@ -57,7 +57,7 @@ def _run_locked(plan: CapturePlan, job: CaptureJob) -> dict[str, Any]:
         writer = CaptureWriter(plan.out, plan.attrs, columns, plan.attrs["gradient_dim"],
                                theta0, job.resume, job.overwrite,
                                gradient_dtype=job.preset.capture.gradient_dtype,
-                               steps=plan.steps)
+                               steps=plan.steps, compression=job.preset.capture.compression)
         if writer.already_complete:
             return {"out": str(plan.out), "status": "already complete"}
         try:
@@ -78,6 +78,7 @@ def _capture_loop(plan: CapturePlan, env: Any, writer: CaptureWriter, job: Captu
                   ) -> dict[str, float]:
     max_steps = job.preset.env.doomnav.max_steps
     timings = {"episode_s": 0.0, "gradient_s": 0.0, "write_s": 0.0}
+    method = StepGradients(job.preset.capture.gradient_method, job.preset.capture.chunk)
     with tqdm(total=plan.steps, initial=min(writer.num_rows, plan.steps), unit="step",
               disable=not job.progress, desc=f"capture {job.split}") as bar:
         while writer.num_rows < plan.steps:
@@ -91,7 +92,7 @@ def _capture_loop(plan: CapturePlan, env: Any, writer: CaptureWriter, job: Captu
             targets = episode_targets(episode, bootstrap, plan.gamma, plan.lam,
                                       job.advantage_norm)
             tock = time.perf_counter()
-            gradients = _gradients(plan, episode, targets, job.preset.capture, index)
+            gradients = _gradients(plan, episode, targets, job.preset.capture, index, method)
             tack = time.perf_counter()
             writer.append_episode(_rows(episode, targets, index, plan.all_scenes.index(scene)),
                                   gradients)
@@ -103,7 +104,9 @@ def _capture_loop(plan: CapturePlan, env: Any, writer: CaptureWriter, job: Captu
 
 
 def _gradients(plan: CapturePlan, episode: Any, targets: dict[str, np.ndarray],
-               config: CaptureConfig, episode_index: int) -> np.ndarray:
+               config: CaptureConfig, episode_index: int, method: StepGradients) -> np.ndarray:
+    """The episode's per-step gradients in the stored dtype (float32 rows are `method`'s
+    buffer: valid until its next call, which comes after they are written)."""
     batch = StepBatch(images=torch.from_numpy(episode.images),
                       actions=torch.from_numpy(episode.actions),
                       advantages=torch.from_numpy(targets["advantages"]),
@@ -111,14 +114,12 @@ def _gradients(plan: CapturePlan, episode: Any, targets: dict[str, np.ndarray],
                       old_log_probs=torch.from_numpy(episode.log_probs),
                       goals=torch.from_numpy(episode.goals),
                       hidden=None if episode.hidden is None else torch.from_numpy(episode.hidden))
-    ppo = plan.algorithm == "ppo"
-    if config.gradient_method == "loop":
-        gradients = loop_gradients(plan.victim, batch, plan.coefficients, plan.layers, ppo=ppo)
-    else:
-        gradients = per_step_gradients(plan.victim, batch, plan.coefficients, plan.layers,
-                                       ppo=ppo, chunk=config.chunk)
+    gradients = method(plan.victim, batch, plan.coefficients, plan.layers,
+                       ppo=plan.algorithm == "ppo")
     out = plan.out
-    peak = float(gradients.abs().amax()) if gradients.numel() else 0.0  # NaN/Inf propagate
+    # no |g| temporary: a copy of every row would cost as much as forming them
+    peak = max(float(gradients.amax()), -float(gradients.amin())) if gradients.numel() \
+        else 0.0  # NaN propagates; ±Inf shows in one of the two
     if not math.isfinite(peak):
         raise CaptureFileError(f"{out}: episode {episode_index} produced non-finite gradients; "
                                "the victim checkpoint θ0 is probably diverged")

@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from gradleak.capture.reader import CaptureFile
 from gradleak.capture.schema import GRADIENTS
+from gradleak.capture.storage import compression_options, file_compression
 from gradleak.errors import CaptureFileError, ConfigError
 from gradleak.io import atomic_path, check_output, created_directories
 from gradleak.victims.base import COMPONENTS, LayerInfo, layers_to_json
@@ -70,13 +71,14 @@ def restrict_components(source: str | os.PathLike[str], components: list[str],
                           "gradient_dim": sum(layer.size for layer in table),
                           "settings": json.dumps(settings, sort_keys=True),
                           "restricted_from": str(source)})
-        _copy_columns(src[GRADIENTS], dst, layers, table, progress)
+        _copy_columns(src[GRADIENTS], dst, layers, table, progress,
+                      compression_options(file_compression(src.attrs)))
     return {"in": str(source), "out": str(out), "components": order,
             "gradient_dim": sum(layer.size for layer in table)}
 
 
 def _copy_columns(gradients: h5py.Dataset, dst: h5py.File, layers: list[LayerInfo],
-                  table: list[LayerInfo], progress: bool) -> None:
+                  table: list[LayerInfo], progress: bool, filters: dict[str, Any]) -> None:
     by_name = {layer.name: layer for layer in layers}
     columns = np.concatenate([np.arange(by_name[layer.name].offset,
                                         by_name[layer.name].offset + layer.size)
@@ -84,9 +86,7 @@ def _copy_columns(gradients: h5py.Dataset, dst: h5py.File, layers: list[LayerInf
     rows = gradients.shape[0]
     chunks = (min(gradients.chunks[0], rows), len(columns)) if gradients.chunks else None
     out = dst.create_dataset(GRADIENTS, shape=(rows, len(columns)), dtype=gradients.dtype,
-                             chunks=chunks, compression=gradients.compression,
-                             compression_opts=gradients.compression_opts,
-                             shuffle=gradients.shuffle)
+                             chunks=chunks, **filters)
     for start in tqdm(range(0, rows, CHUNK_ROWS), disable=not progress, unit="chunk",
                       desc="restrict"):
         out[start:start + CHUNK_ROWS] = gradients[start:start + CHUNK_ROWS][:, columns]

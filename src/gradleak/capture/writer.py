@@ -22,6 +22,7 @@ from gradleak.capture.schema import (
     THETA0_GROUP,
     Column,
 )
+from gradleak.capture.storage import COMPRESSION_ATTR, DEFAULT, compression_options
 from gradleak.errors import CaptureFileError
 
 SMALL_CHUNK = 1024
@@ -35,10 +36,10 @@ class CaptureWriter:
     def __init__(self, path: Path, attrs: dict[str, Any], columns: tuple[Column, ...],
                  gradient_dim: int, theta0: dict[str, np.ndarray], resume: bool = False,
                  overwrite: bool = False, gradient_dtype: str = "float32",
-                 steps: int | None = None) -> None:
+                 steps: int | None = None, compression: str = DEFAULT) -> None:
         """The caller holds the output's lock (capture.lock): opening "w" truncates."""
         self.path, self.partial = Path(path), partial_path(Path(path))
-        self.gradient_dtype = gradient_dtype
+        self.gradient_dtype, self.compression = gradient_dtype, compression
         self.columns = columns
         self.already_complete = False
         if self.path.exists() and not overwrite:
@@ -75,21 +76,22 @@ class CaptureWriter:
     def _create(self, attrs: dict[str, Any], gradient_dim: int,
                 theta0: dict[str, np.ndarray]) -> h5py.File:
         handle = h5py.File(self.partial, "w")
+        filters = compression_options(self.compression)
         for column in self.columns:
             chunk = (1,) + column.shape if column.shape else (SMALL_CHUNK,)
             handle.create_dataset(column.name, shape=(0,) + column.shape,
                                   maxshape=(None,) + column.shape, dtype=column.dtype,
-                                  chunks=chunk, compression="lzf" if column.shape else None)
+                                  chunks=chunk, **(filters if column.shape else {}))
         # One gradient per chunk row: readers fetch single steps or windows without decoding
-        # neighbours; lzf because it is ~3x faster to write than gzip for ~25% less saving.
+        # neighbours (the filter: gradleak.capture.storage).
         handle.create_dataset(GRADIENTS, shape=(0, gradient_dim), maxshape=(None, gradient_dim),
-                              dtype=self.gradient_dtype, chunks=(1, gradient_dim),
-                              compression="lzf")
+                              dtype=self.gradient_dtype, chunks=(1, gradient_dim), **filters)
         group = handle.create_group(THETA0_GROUP)
         for name, tensor in theta0.items():
             group.create_dataset(name, data=tensor)
         for key, value in attrs.items():
             handle.attrs[key] = value
+        handle.attrs[COMPRESSION_ATTR] = self.compression
         handle.attrs["num_rows"] = 0
         handle.attrs["num_episodes"] = 0
         handle.attrs["complete"] = False

@@ -14,6 +14,7 @@ from tqdm import tqdm
 
 from gradleak.capture.reader import CaptureFile
 from gradleak.capture.schema import DEFENSES_ATTR, GRADIENTS, THETA0_GROUP
+from gradleak.capture.storage import compression_options, file_compression
 from gradleak.defenses.base import Chain, row_keys
 from gradleak.errors import CaptureFileError, ConfigError
 from gradleak.io import atomic_path, check_output, created_directories
@@ -50,13 +51,14 @@ def defend_capture(source: str | os.PathLike[str], chain: Chain, out: str | os.P
     kept = np.flatnonzero(~np.isin(episodes, dropped))
     with created_directories(out.parent), h5py.File(source, "r") as src, \
             atomic_path(out) as tmp, h5py.File(tmp, "w") as dst:
+        filters = compression_options(file_compression(src.attrs))
         for name in src:
             if name == GRADIENTS:
                 continue
             if len(kept) == rows or name == THETA0_GROUP:
                 src.copy(src[name], dst, name=name)
             else:
-                _copy_rows(src[name], dst, name, kept)
+                _copy_rows(src[name], dst, name, kept, filters)
         for key, value in src.attrs.items():
             dst.attrs[key] = value
         if len(kept) < rows:
@@ -64,26 +66,27 @@ def defend_capture(source: str | os.PathLike[str], chain: Chain, out: str | os.P
                 int(src.attrs["num_episodes"]) - len(dropped)
         history = applied_defenses(src.attrs) + [chain.describe()]
         dst.attrs[DEFENSES_ATTR] = json.dumps(history)
-        _defend_gradients(src[GRADIENTS], dst, chain, kept, dict(src.attrs), progress)
+        _defend_gradients(src[GRADIENTS], dst, chain, kept, dict(src.attrs), progress, filters)
     return {"in": str(source), "out": str(out), "rows": len(kept), "defenses": history,
             "skipped_nonfinite_rows": int((~usable).sum()),
             "skipped_episodes": len(dropped), "skipped_rows": rows - len(kept)}
 
 
-def _copy_rows(data: h5py.Dataset, dst: h5py.File, name: str, kept: np.ndarray) -> None:
+def _copy_rows(data: h5py.Dataset, dst: h5py.File, name: str, kept: np.ndarray,
+               filters: dict[str, Any]) -> None:
     out = dst.create_dataset(name, shape=(len(kept),) + data.shape[1:], dtype=data.dtype,
                              maxshape=(None,) + data.shape[1:], chunks=data.chunks,
-                             compression=data.compression)
+                             **(filters if data.ndim > 1 else {}))
     for start in range(0, len(kept), CHUNK_ROWS):
         out[start:start + CHUNK_ROWS] = data[kept[start:start + CHUNK_ROWS]]
 
 
 def _defend_gradients(gradients: h5py.Dataset, dst: h5py.File, chain: Chain, kept: np.ndarray,
-                      attributes: dict[str, Any], progress: bool) -> None:
+                      attributes: dict[str, Any], progress: bool, filters: dict[str, Any]
+                      ) -> None:
     """Defends the `kept` rows; the noise is keyed by each row's place in the source file."""
     out = dst.create_dataset(GRADIENTS, shape=(len(kept), gradients.shape[1]),
-                             dtype=gradients.dtype, chunks=gradients.chunks,
-                             compression=gradients.compression)
+                             dtype=gradients.dtype, chunks=gradients.chunks, **filters)
     limit = float(np.finfo(gradients.dtype).max)
     every = len(kept) == gradients.shape[0]
     for start in tqdm(range(0, len(kept), CHUNK_ROWS), disable=not progress, unit="chunk",

@@ -47,12 +47,16 @@ class Cell:
 
 
 SHARED_SECTIONS = ("env", "train", "capture")  # what shapes victims and captures
+# how the per-step gradients are computed and stored, not what they are (the methods are
+# tested equal; the filters are lossless)
+HOW_NOT_WHAT = {"capture": ("gradient_method", "chunk", "compression")}
 
 
 def shared_key(preset: Any) -> str:
     """A short fingerprint of the preset sections that shape shared work: experiments sharing
     a root reuse a victim or capture only when these sections agree."""
-    data = {section: preset.to_dict()[section] for section in SHARED_SECTIONS}
+    data = {section: {k: v for k, v in preset.to_dict()[section].items()
+                      if k not in HOW_NOT_WHAT.get(section, ())} for section in SHARED_SECTIONS}
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
