@@ -170,6 +170,38 @@ def test_captures_are_lz4_and_plain_h5py_reads_them_with_hdf5plugin(random_captu
     assert not (tmp_path / "never.h5").exists()
 
 
+def test_overlapped_rollouts_write_the_same_file_and_report_their_errors(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Episodes rolled out in the child process (the default) give the file the in-process
+    loop gives; an error in the child is raised here as itself, and a failure
+    no resume would fix leaves no partial file."""
+    files = {}
+    for overlap in (True, False):
+        preset = tiny_preset()
+        preset.capture.overlap = overlap
+        files[overlap] = tmp_path / f"overlap-{overlap}.h5"
+        run_capture(CaptureJob(victim="cnn-small", random_init=True, split="train", steps=45,
+                               out=files[overlap], preset=preset, progress=False))
+    with h5py.File(files[True], "r") as child, h5py.File(files[False], "r") as here:
+        for name in here:
+            if isinstance(here[name], h5py.Dataset) and name != "gradients":
+                assert np.array_equal(here[name][()], child[name][()]), name
+        # the gradients here were formed on one thread fewer (the rollout holds a core):
+        # sums in another order, equal to float32 rounding
+        ours, theirs = here["gradients"][()], child["gradients"][()]
+        assert np.abs(ours - theirs).max() <= 1e-6 * np.abs(ours).max()
+
+    def broken(*args, **kwargs):
+        raise ConfigError("the scene cannot be loaded")
+
+    monkeypatch.setattr("gradleak.capture.run.run_episode", broken)  # the child is forked
+    out = tmp_path / "broken.h5"
+    with pytest.raises(ConfigError, match="the scene cannot be loaded"):
+        run_capture(CaptureJob(victim="cnn-small", random_init=True, split="train", steps=10,
+                               out=out, preset=tiny_preset(), progress=False))
+    assert not out.exists() and not (tmp_path / "broken.h5.partial").exists()
+
+
 def test_shards_split_the_scenes_and_read_as_one(tmp_path: Path) -> None:
     preset = tiny_preset()
     outs = []
@@ -226,6 +258,32 @@ def test_resume_after_a_killed_capture_matches_an_uninterrupted_one(tmp_path: Pa
         for name in clean:
             if isinstance(clean[name], h5py.Dataset):
                 assert np.array_equal(clean[name][()], resumed[name][()]), name
+
+
+def test_a_killed_capture_leaves_no_rollout_or_engine_behind(tmp_path: Path) -> None:
+    """Only the capture's own process is killed (SIGKILL, not its group): the rollout process
+    it forked dies with it, and that one's game engine with it, so nothing keeps running or
+    keeps the lock; the partial file resumes."""
+    process = cli_capture(tmp_path / "killed.h5", 400)
+    partial = tmp_path / "killed.h5.partial"
+    deadline = time.time() + 120
+    while time.time() < deadline and process.poll() is None:
+        if partial.exists() and partial.stat().st_size > 2 * 2**20:
+            break
+        time.sleep(0.02)
+    assert process.poll() is None, "the capture finished before it could be killed"
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    deadline = time.time() + 20
+    while time.time() < deadline:
+        try:
+            os.killpg(process.pid, 0)  # anything left in the capture's session?
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("processes of the killed capture are still running")
+    assert cli_capture(tmp_path / "killed.h5", 400, "--resume").wait(timeout=300) == 0
 
 
 def test_resume_with_other_settings_is_refused(tmp_path: Path, random_capture: Path) -> None:

@@ -24,6 +24,8 @@ class CaptureConfig:
     # storage option (it rounds every entry to 2^-11 relative, a quantisation that hides
     # leakage: the recursion through a trained victim's conv stack fails on it)
     gradient_dtype: str = "float32"
+    # the engine and rollout in a child process, an episode ahead of the gradients and writer
+    overlap: bool = True
     compression: str = "lz4"  # the HDF5 filter (gradleak.capture.storage): lz4, zstd, lzf, ...
     seed: int = 0
 

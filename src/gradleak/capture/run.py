@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +17,10 @@ from gradleak.capture.episodes import episode_targets, run_episode
 from gradleak.capture.grads import StepBatch, StepGradients
 from gradleak.capture.lock import capture_lock
 from gradleak.capture.plan import CaptureJob, CapturePlan, plan_capture
+from gradleak.capture.producer import EpisodeProducer, Produced
 from gradleak.capture.schema import step_columns
 from gradleak.capture.writer import CaptureWriter, partial_path
+from gradleak.rl.rollout import torch_threads
 from gradleak.envs.factory import make_env
 from gradleak.errors import CaptureFileError, GradleakError
 from gradleak.io import (
@@ -45,13 +48,12 @@ def run_capture(job: CaptureJob) -> dict[str, Any]:
 
 
 def _run_locked(plan: CapturePlan, job: CaptureJob) -> dict[str, Any]:
-    env = make_env(job.preset.env, plan.scenes, job.preset.env.doomnav.max_steps)
+    # The engine starts before the HDF5 file is opened: its process would otherwise inherit
+    # the file's descriptor and lock, and outlive a killed capture holding both.
+    source = _EpisodeSource(plan, job)
     try:
-        # Start the engine before the HDF5 file is opened: its process would otherwise inherit
-        # the file's descriptor and lock, and outlive a killed capture holding both.
-        env.reset(seed=plan.seed)
-        theta0 = {k: v.detach().numpy() for k, v in plan.victim.state_dict().items()}
         victim = plan.victim
+        theta0 = {k: v.detach().numpy() for k, v in victim.state_dict().items()}
         columns = step_columns(victim.input_transform.frame_shape, victim.config.num_actions,
                                victim.hidden_size)
         writer = CaptureWriter(plan.out, plan.attrs, columns, plan.attrs["gradient_dim"],
@@ -61,44 +63,92 @@ def _run_locked(plan: CapturePlan, job: CaptureJob) -> dict[str, Any]:
         if writer.already_complete:
             return {"out": str(plan.out), "status": "already complete"}
         try:
-            timings = _capture_loop(plan, env, writer, job)
+            timings = _capture_loop(plan, source, writer, job)
         except GradleakError:
             writer.discard()  # a deterministic failure: resuming would only repeat it
             raise
         finally:
             writer.close()  # after a crash or Ctrl-C the partial file stays, resumable
     finally:
-        env.close()
+        source.close()
     writer.finish()
     return {"out": str(plan.out), "status": "complete", "steps": plan.steps,
             "episodes": _count_episodes(plan.out), **timings}
 
 
-def _capture_loop(plan: CapturePlan, env: Any, writer: CaptureWriter, job: CaptureJob
-                  ) -> dict[str, float]:
-    max_steps = job.preset.env.doomnav.max_steps
-    timings = {"episode_s": 0.0, "gradient_s": 0.0, "write_s": 0.0}
+class _EpisodeSource:
+    """The plan's episodes in order: rolled out in a child process one episode ahead
+    (capture.overlap, the default), or here, one at a time."""
+
+    def __init__(self, plan: CapturePlan, job: CaptureJob) -> None:
+        self.plan, self.job = plan, job
+        self.env: Any = None
+        self.producer: EpisodeProducer | None = None
+        if job.preset.capture.overlap:
+            self.producer = EpisodeProducer(self._started_env, self._rollout)
+        else:
+            self.env = self._started_env()
+
+    def _started_env(self) -> Any:
+        env = make_env(self.job.preset.env, self.plan.scenes, self.job.preset.env.doomnav.max_steps)
+        env.reset(seed=self.plan.seed)
+        return env
+
+    def _rollout(self, env: Any, index: int, remaining: int) -> tuple[str, Any, float]:
+        plan = self.plan
+        scene = plan.scenes[index % len(plan.scenes)]
+        seed = episode_seed(plan.seed, plan.shard_index, index)
+        episode, bootstrap = run_episode(env, plan.victim, seed, scene,
+                                         min(self.job.preset.env.doomnav.max_steps, remaining),
+                                         torch.Generator().manual_seed(seed))
+        return scene, episode, bootstrap
+
+    def episodes(self, first: int, remaining: int) -> Iterator[Produced]:
+        if self.producer is not None:
+            # the rollout holds a core: torch's threads here get the others (oversubscribed,
+            # every parallel region waits for a thread the engine preempted: 13x slower)
+            with torch_threads(max(1, torch.get_num_threads() - 1)):
+                yield from self.producer.start(first, remaining)
+            return
+        index = first
+        while remaining > 0:
+            tick = time.perf_counter()
+            scene, episode, bootstrap = self._rollout(self.env, index, remaining)
+            yield Produced(index, scene, episode, bootstrap, time.perf_counter() - tick)
+            remaining -= len(episode)
+            index += 1
+
+    def close(self) -> None:
+        if self.producer is not None:
+            self.producer.close()
+        if self.env is not None:
+            self.env.close()
+
+
+def _capture_loop(plan: CapturePlan, source: _EpisodeSource, writer: CaptureWriter,
+                  job: CaptureJob) -> dict[str, float]:
+    """episode_s: the rollouts' own time (in the child when they overlap); wait_s: this process
+    waiting for the next episode; gradient_s, write_s: this process's work."""
+    timings = {"episode_s": 0.0, "wait_s": 0.0, "gradient_s": 0.0, "write_s": 0.0}
     method = StepGradients(job.preset.capture.gradient_method, job.preset.capture.chunk)
     with tqdm(total=plan.steps, initial=min(writer.num_rows, plan.steps), unit="step",
               disable=not job.progress, desc=f"capture {job.split}") as bar:
-        while writer.num_rows < plan.steps:
-            index = writer.num_episodes
-            scene = plan.scenes[index % len(plan.scenes)]
-            seed = episode_seed(plan.seed, plan.shard_index, index)
-            tick = time.perf_counter()
-            episode, bootstrap = run_episode(env, plan.victim, seed, scene,
-                                             min(max_steps, plan.steps - writer.num_rows),
-                                             torch.Generator().manual_seed(seed))
-            targets = episode_targets(episode, bootstrap, plan.gamma, plan.lam,
-                                      job.advantage_norm)
+        tick = time.perf_counter()
+        for produced in source.episodes(writer.num_episodes, plan.steps - writer.num_rows):
+            episode = produced.episode
             tock = time.perf_counter()
-            gradients = _gradients(plan, episode, targets, job.preset.capture, index, method)
+            targets = episode_targets(episode, produced.bootstrap, plan.gamma, plan.lam,
+                                      job.advantage_norm)
+            gradients = _gradients(plan, episode, targets, job.preset.capture, produced.index,
+                                   method)
             tack = time.perf_counter()
-            writer.append_episode(_rows(episode, targets, index, plan.all_scenes.index(scene)),
-                                  gradients)
-            timings["episode_s"] += tock - tick
+            writer.append_episode(_rows(episode, targets, produced.index,
+                                        plan.all_scenes.index(produced.scene)), gradients)
+            timings["episode_s"] += produced.seconds
+            timings["wait_s"] += tock - tick
             timings["gradient_s"] += tack - tock
-            timings["write_s"] += time.perf_counter() - tack
+            tick = time.perf_counter()
+            timings["write_s"] += tick - tack
             bar.update(len(episode))
     return {key: round(value, 3) for key, value in timings.items()}
 

@@ -22,8 +22,15 @@ def single_threaded_torch() -> Iterator[None]:
     slower on 2 cores (1.6 vs 31 ms per step measured): the second intra-op thread goes to sleep
     while the engine runs and every parallel region then waits for it to wake.
     """
+    with torch_threads(1):
+        yield
+
+
+@contextlib.contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    """torch's intra-op threads set to `count` for the block."""
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(count)
     try:
         yield
     finally:
