@@ -1,9 +1,12 @@
-"""Capture throughput: environment, per-step gradients (vmap vs loop), the whole capture.
+"""Capture throughput: environment, per-step gradients (gradleak's einsum rules, torch.func
+vmap, the autograd loop, Opacus' GradSampleModule, BackPACK's BatchGrad), the HDF5 filters,
+the whole capture (with and without the rollout overlapped in a child process).
 
 Prints JSON and writes benchmarks/results/capture.json. Every figure is a median over repeats,
-and every ratio is taken between timings measured side by side in this one run.
+and every ratio is taken between timings measured side by side in this one run. BackPACK is
+measured when `backpack-for-pytorch` is installed (it is not a dependency).
 
-    python benchmarks/capture.py [--repeats 3] [--steps 300]
+    python benchmarks/capture.py [--repeats 5] [--steps 256]
 """
 
 from __future__ import annotations
@@ -15,16 +18,26 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
-from gradleak.capture.grads import StepBatch, batch_gradient, loop_gradients, per_step_gradients
+import h5py
+
+from gradleak.capture.grads import (
+    StepBatch,
+    StepGradients,
+    batch_gradient,
+    loop_gradients,
+    per_step_gradients,
+)
+from gradleak.capture.storage import COMPRESSIONS, compression_options
 from gradleak.capture.run import CaptureJob, run_capture
 from gradleak.envs.factory import make_env, scene_names
 from gradleak.io import atomic_path
 from gradleak.presets import load_preset
-from gradleak.rl.losses import LossCoefficients
+from gradleak.rl.losses import LossCoefficients, actor_critic_loss
 from gradleak.rl.rollout import single_threaded_torch
 from gradleak.victims import create_victim, layer_table
 
@@ -60,7 +73,7 @@ def environment_rate(frame_size: int, steps: int, repeats: int) -> tuple[float, 
     return steps / seconds, np.stack(frames[-steps:])
 
 
-def gradient_rates(victim_name: str, frames: np.ndarray, repeats: int) -> dict[str, float]:
+def gradient_rates(victim_name: str, frames: np.ndarray, repeats: int) -> dict[str, Any]:
     torch.manual_seed(0)
     size = frames.shape[1]
     victim = create_victim(victim_name, frame_size=size).eval()
@@ -70,34 +83,131 @@ def gradient_rates(victim_name: str, frames: np.ndarray, repeats: int) -> dict[s
                       torch.randn(n, generator=g), torch.randn(n, generator=g),
                       -torch.rand(n, generator=g) - 1)
     layers, coefficients = layer_table(victim), LossCoefficients()
-    vmap_s = median_seconds(lambda: per_step_gradients(victim, batch, coefficients, layers,
-                                                       chunk=32), repeats)
-    loop_s = median_seconds(lambda: loop_gradients(victim, batch, coefficients, layers), repeats)
+    einsum = StepGradients("einsum", chunk=64)  # its buffer reused, as the capture keeps it
+    seconds = {
+        "einsum": median_seconds(lambda: einsum(victim, batch, coefficients, layers), repeats),
+        "einsum_fresh_buffer": median_seconds(lambda: StepGradients("einsum", 64)(
+            victim, batch, coefficients, layers), repeats),
+        "vmap": median_seconds(lambda: per_step_gradients(victim, batch, coefficients, layers,
+                                                          chunk=32), repeats),
+        "loop": median_seconds(lambda: loop_gradients(victim, batch, coefficients, layers),
+                               repeats),
+        "backpack": _backpack_seconds(victim, batch, coefficients, layers, repeats)}
     batched_s = median_seconds(lambda: batch_gradient(victim, batch, coefficients, layers),
                                repeats)
-    return {"victim": victim_name, "frame_size": size, "steps": n,
-            "parameters": sum(layer.size for layer in layers),
-            "vmap_ms_per_step": 1e3 * vmap_s / n, "loop_ms_per_step": 1e3 * loop_s / n,
-            "batched_forward_backward_ms_per_step": 1e3 * batched_s / n,
-            "vmap_speedup_over_loop": loop_s / vmap_s,
-            "vmap_cost_vs_one_batched_backward": vmap_s / batched_s,
-            "loop_cost_vs_one_batched_backward": loop_s / batched_s}
+    result: dict[str, Any] = {"victim": victim_name, "frame_size": size, "steps": n,
+                              "parameters": sum(layer.size for layer in layers),
+                              "batched_forward_backward_ms_per_step": 1e3 * batched_s / n,
+                              "opacus": _opacus_refusal(victim)}
+    for name, value in seconds.items():
+        if isinstance(value, str):
+            result[f"{name}_note"] = value
+            continue
+        result[f"{name}_ms_per_step"] = 1e3 * value / n
+        result[f"{name}_cost_vs_one_batched_backward"] = value / batched_s
+    result["einsum_speedup_over_vmap"] = seconds["vmap"] / seconds["einsum"]
+    return result
 
 
-def capture_rates(steps: int, repeats: int) -> dict[str, float]:
-    rates = {}
+def _opacus_refusal(victim: torch.nn.Module) -> str:
+    """Opacus' GradSampleModule on the victim: what it says (it refuses BatchNorm, whose
+    buffers it cannot account for in training, although at θ0 in eval mode they are fixed)."""
+    from opacus import GradSampleModule
+
+    try:
+        GradSampleModule(victim, batch_first=True, loss_reduction="sum", strict=False)._close()
+    except NotImplementedError as error:
+        return f"refused: {error}"
+    return "accepted"
+
+
+def _backpack_seconds(victim: torch.nn.Module, batch: StepBatch,
+                      coefficients: LossCoefficients, layers: list[Any], repeats: int
+                      ) -> float | str:
+    try:
+        from backpack import backpack, extend
+        from backpack.extensions import BatchGrad
+    except ImportError:
+        return "backpack-for-pytorch not installed"
+    model = extend(victim)
+    named = dict(victim.named_parameters())
+
+    def run() -> torch.Tensor:
+        rows = []
+        for start in range(0, len(batch), 64):
+            part = batch.slice(start, start + 64)
+            logits, values = model(part.images, part.goals, part.hidden)
+            loss = actor_critic_loss(logits, values, part.actions, part.advantages,
+                                     part.returns, coefficients, part.old_log_probs).sum()
+            model.zero_grad()
+            with backpack(BatchGrad()):
+                loss.backward()
+            rows.append(torch.cat([named[layer.name].grad_batch.reshape(len(part), -1)
+                                   for layer in layers], 1))
+        return torch.cat(rows)
+
+    reference = loop_gradients(victim, batch.slice(0, 4), coefficients, layers)
+    error = float(((run()[:4] - reference).abs().amax(1) / reference.abs().amax(1)).max())
+    if error > 1e-5:
+        return f"disagrees with autograd (relative error {error:.1e})"
+    return median_seconds(run, repeats)
+
+
+def filter_rates(capture: Path, rows: int, repeats: int) -> list[dict[str, Any]]:
+    """Each HDF5 filter on the first `rows` gradient rows of a capture (float32 and float16):
+    bytes per step, write and read MB/s, one step per chunk as captures store them."""
+    with h5py.File(capture, "r") as handle:
+        data32 = handle["gradients"][:rows].astype(np.float32)
+    results = []
+    for dtype in ("float32", "float16"):
+        data = data32.astype(dtype)
+        for name in COMPRESSIONS:
+            writes, reads, size = [], [], 0
+            for _ in range(repeats):
+                with tempfile.TemporaryDirectory() as tmp:
+                    path = Path(tmp) / "rows.h5"
+                    start = time.perf_counter()
+                    with h5py.File(path, "w") as handle:
+                        out = handle.create_dataset("g", shape=data.shape, dtype=dtype,
+                                                    chunks=(1, data.shape[1]),
+                                                    **compression_options(name))
+                        for first in range(0, rows, 64):
+                            out[first:first + 64] = data[first:first + 64]
+                    writes.append(time.perf_counter() - start)
+                    size = path.stat().st_size
+                    start = time.perf_counter()
+                    with h5py.File(path, "r") as handle:
+                        handle["g"][()]
+                    reads.append(time.perf_counter() - start)
+            megabytes = data.nbytes / 1e6
+            results.append({"filter": name, "dtype": dtype, "bytes_per_step": size / rows,
+                            "ratio": data.nbytes / size,
+                            "write_mb_per_s": megabytes / statistics.median(writes),
+                            "read_mb_per_s": megabytes / statistics.median(reads)})
+    return results
+
+
+def capture_rates(victim: str, frame_size: int, steps: int, repeats: int) -> dict[str, Any]:
+    """The whole capture of `victim` (float32, LZ4) with the rollout overlapped in a child
+    process (the default) and in this process, against the engine alone."""
+    rates: dict[str, Any] = {"victim": victim, "frame_size": frame_size, "steps": steps}
     with tempfile.TemporaryDirectory() as tmp:
-        for method in ("vmap", "loop"):
-            preset = load_preset("cpu-bench", [f"capture.gradient_method={method}"])
+        for overlap in (True, False):
+            preset = load_preset("cpu-bench", [f"env.doomnav.frame_size={frame_size}",
+                                               f"capture.overlap={overlap}"])
+            timings: list[dict[str, float]] = []
 
-            def run(method: str = method, preset=preset) -> None:
-                run_capture(CaptureJob(victim="cnn-small", random_init=True, split="train",
-                                       steps=steps, out=Path(tmp) / f"{method}.h5",
-                                       preset=preset, progress=False, overwrite=True))
+            def run(preset=preset, overlap=overlap, timings=timings) -> None:
+                result = run_capture(CaptureJob(victim=victim, random_init=True, split="train",
+                                                steps=steps, out=Path(tmp) / f"{overlap}.h5",
+                                                preset=preset, progress=False, overwrite=True))
+                timings.append({k: v for k, v in result.items() if k.endswith("_s")})
 
-            rates[f"capture_steps_per_s_{method}"] = steps / median_seconds(run, repeats)
-    rates["capture_vmap_over_loop"] = (rates["capture_steps_per_s_vmap"]
-                                       / rates["capture_steps_per_s_loop"])
+            key = "overlapped" if overlap else "in_process"
+            rates[f"steps_per_s_{key}"] = steps / median_seconds(run, repeats)
+            rates[f"ms_per_step_{key}"] = {
+                part: 1e3 * statistics.median(t[part] for t in timings) / steps
+                for part in timings[0]}
     return rates
 
 
@@ -106,9 +216,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--steps", type=int, default=256)
     args = parser.parse_args()
-    results = {"machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads, "
-                          f"{platform.processor() or 'cpu'}",
-               "torch": torch.__version__, "repeats": args.repeats, "statistic": "median"}
+    results: dict[str, Any] = {
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads, "
+                   f"{platform.processor() or 'cpu'}",
+        "torch": torch.__version__, "repeats": args.repeats, "statistic": "median"}
     with single_threaded_torch():  # the environment alone, as capture runs it
         rate64, frames64 = environment_rate(64, args.steps, args.repeats)
         rate84, frames84 = environment_rate(84, args.steps, args.repeats)
@@ -116,18 +227,25 @@ def main() -> None:
     time.sleep(2.0)  # let the engine processes exit before timing torch alone
     results["gradients"] = [gradient_rates("cnn-small", frames64, args.repeats),
                             gradient_rates("cnn", frames84[:128], args.repeats)]
-    results.update(capture_rates(args.steps * 2, args.repeats))
-    # The whole capture (engine, sampling, per-step gradients, HDF5) against what a trainer
-    # spends on the same steps: one batched forward+backward of the mean loss.
-    batched_ms = results["gradients"][0]["batched_forward_backward_ms_per_step"]
-    for method in ("vmap", "loop"):
-        capture_ms = 1e3 / results[f"capture_steps_per_s_{method}"]
-        results[f"capture_{method}_cost_vs_one_batched_backward"] = capture_ms / batched_ms
+    captures = [capture_rates("cnn-small", 64, args.steps * 4, args.repeats),
+                capture_rates("cnn", 84, args.steps * 2, max(1, args.repeats // 2))]
+    for capture in captures:
+        engine = results["env_steps_per_s"][f"{capture['frame_size']}x{capture['frame_size']}"]
+        for key in ("overlapped", "in_process"):
+            capture[f"{key}_vs_engine"] = capture[f"steps_per_s_{key}"] / engine
+    results["captures"] = captures
+    with tempfile.TemporaryDirectory() as tmp:  # filters on real rows: a cnn-small capture's
+        path = Path(tmp) / "rows.h5"
+        run_capture(CaptureJob(victim="cnn-small", random_init=True, split="train", steps=256,
+                               out=path, preset=load_preset("cpu-bench", []), progress=False))
+        results["filters"] = filter_rates(path, 256, args.repeats)
+        with h5py.File(path, "r") as handle:
+            results["filter_rows_zero_fraction"] = float((handle["gradients"][()] == 0).mean())
     text = json.dumps(results, indent=2)
     print(text)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_path(RESULTS) as tmp:
-        tmp.write_text(text + "\n")
+    with atomic_path(RESULTS) as tmp_path:
+        tmp_path.write_text(text + "\n")
 
 
 if __name__ == "__main__":

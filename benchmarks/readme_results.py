@@ -102,13 +102,17 @@ def capture() -> tuple[str, str]:
     data = load("capture.json")
     env = ", ".join(f"{size} {rate:.0f} steps/s" for size, rate in
                     data["env_steps_per_s"].items())
-    grads = "; ".join(f"{g['victim']} @{g['frame_size']} vmap {g['vmap_ms_per_step']:.2f} vs loop "
-                      f"{g['loop_ms_per_step']:.2f} ms/step ({g['vmap_speedup_over_loop']:.2f}×)"
-                      for g in data["gradients"])
+    grads = "; ".join(f"{g['victim']} @{g['frame_size']} einsum {g['einsum_ms_per_step']:.2f}, "
+                      f"vmap {g['vmap_ms_per_step']:.2f}, loop {g['loop_ms_per_step']:.2f} "
+                      f"ms/step (einsum {g['einsum_cost_vs_one_batched_backward']:.1f}× one "
+                      f"batched forward+backward)" for g in data["gradients"])
+    whole = "; ".join(f"{c['victim']} @{c['frame_size']} {c['steps_per_s_overlapped']:.0f} "
+                      f"steps/s ({c['overlapped_vs_engine']:.2f}× the engine)"
+                      for c in data["captures"])
+    lz4 = next(f for f in data["filters"] if f["filter"] == "lz4" and f["dtype"] == "float32")
     return (f"environment and capture speed ({data['statistic']}s of {data['repeats']})",
-            f"random policy {env}; per-step gradients {grads}; whole capture "
-            f"{data['capture_steps_per_s_vmap']:.0f} steps/s with vmap, "
-            f"{data['capture_steps_per_s_loop']:.0f} with the loop")
+            f"random policy {env}; per-step gradients {grads}; whole capture (float32, LZ4 "
+            f"{lz4['bytes_per_step'] / 1e3:.0f} kB/step for cnn-small) {whole}")
 
 
 def victim_training(algo: str) -> Callable[[], tuple[str, str]]:

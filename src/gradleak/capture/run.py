@@ -167,9 +167,9 @@ def _gradients(plan: CapturePlan, episode: Any, targets: dict[str, np.ndarray],
     gradients = method(plan.victim, batch, plan.coefficients, plan.layers,
                        ppo=plan.algorithm == "ppo")
     out = plan.out
-    # no |g| temporary: a copy of every row would cost as much as forming them
-    peak = max(float(gradients.amax()), -float(gradients.amin())) if gradients.numel() \
-        else 0.0  # NaN propagates; ±Inf shows in one of the two
+    # one pass, no |g| temporary: a copy of every row would cost as much as forming them
+    low, high = torch.aminmax(gradients) if gradients.numel() else (torch.zeros(()),) * 2
+    peak = max(float(high), -float(low))  # NaN propagates; ±Inf shows in one of the two
     if not math.isfinite(peak):
         raise CaptureFileError(f"{out}: episode {episode_index} produced non-finite gradients; "
                                "the victim checkpoint θ0 is probably diverged")
