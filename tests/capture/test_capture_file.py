@@ -163,6 +163,12 @@ def test_captures_are_lz4_and_plain_h5py_reads_them_with_hdf5plugin(random_captu
     defend_capture(random_capture, parse_defense("quant:8"), tmp_path / "q.h5")
     assert gradient_filter(tmp_path / "q.h5") == 32004
     preset = tiny_preset()
+    preset.capture.compression = "lzf"  # as every capture was written before LZ4
+    run_capture(CaptureJob(victim="cnn-small", random_init=True, split="heldout", steps=50,
+                           out=tmp_path / "lzf.h5", preset=preset, progress=False, seed=3))
+    with CaptureFile(tmp_path / "lzf.h5") as older:
+        assert np.array_equal(older.observation().gradients[3], expected)
+    assert gradient_filter(tmp_path / "lzf.h5") == h5py.h5z.FILTER_LZF
     preset.capture.compression = "snappy"
     with pytest.raises(ConfigError, match="capture.compression='snappy': expected one of lz4"):
         run_capture(CaptureJob(victim="cnn-small", random_init=True, split="train", steps=4,
