@@ -436,3 +436,53 @@ def test_private_columns_are_served_only_by_their_named_readers(tmp_path: Path) 
                 capture.read(name)
         assert capture.private_column("actions").shape == (12,)
         assert capture.target().images.shape == (12, 32, 32, 3)
+
+
+def test_a_planned_job_array_merges_into_one_capture_without_copying(tmp_path: Path,
+                                                                    capsys) -> None:
+    """`capture-plan` prints each shard's command (run here as a job array would) and a
+    Slurm script; `merge` joins the shards as virtual datasets: the same rows as reading the
+    shards together, episode ids unique, a file of kilobytes; a moved or missing shard is
+    named, never read as zeros; shards that are not one capture are refused."""
+    import shlex
+
+    from gradleak.capture.merge import merge_shards
+    from gradleak.cli import main
+
+    out, script = tmp_path / "train.h5", tmp_path / "array.sh"
+    plan = ["capture-plan", "--victim", "cnn-small", "--random-init", "--scenes", "train",
+            "--steps", "60", "--out", str(out), "--shards", "3", "--slurm", str(script),
+            "--json", *TINY_FLAGS]
+    assert main(plan) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert len(result["commands"]) == 3 and "${SLURM_ARRAY_TASK_ID}/3" in script.read_text()
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    assert main(plan) == 2  # the script exists: never replaced
+    for command in reversed(result["commands"]):
+        assert main(shlex.split(command)[1:]) == 0
+    assert main(shlex.split(result["merge"])[1:]) == 0
+    files = open_captures(result["shards"])
+    joined = concat_observations([f.observation() for f in files])
+    for f in files:
+        f.close()
+    with CaptureFile(out) as merged:
+        observation = merged.observation()
+        assert merged.attrs["shard"] == "0/1" and merged.attrs["num_rows"] == 60
+        assert np.array_equal(observation.gradients, joined.gradients)
+        assert np.array_equal(observation.episode_ids, joined.episode_ids)
+        assert len(merged.scenes) == len(json.loads(merged.attrs["scenes"]))
+    assert out.stat().st_size < 0.1 * sum(Path(s).stat().st_size for s in result["shards"])
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    for path in [out, *map(Path, result["shards"])]:
+        shutil.move(path, moved / path.name)
+    with CaptureFile(moved / out.name) as merged:  # shards named relative to the merged file
+        assert np.array_equal(merged.observation().gradients, joined.gradients)
+    (moved / Path(result["shards"][1]).name).unlink()
+    with pytest.raises(CaptureFileError, match="shard .*shard-1-of-3.h5 is missing"):
+        CaptureFile(moved / out.name)
+    with pytest.raises(CaptureFileError, match="shard\\(s\\) 1 of 3 are missing"):
+        merge_shards([moved / Path(s).name for s in result["shards"][::2]], tmp_path / "m.h5")
+    with pytest.raises(CaptureFileError, match="both shard 0"):
+        merge_shards([moved / Path(result["shards"][0]).name] * 2, tmp_path / "m.h5")
+    assert not (tmp_path / "m.h5").exists()

@@ -64,11 +64,24 @@ class CaptureFile:
         try:
             header = read_header(self._h5, self.path)
             check_layout(self._h5, self.path, header)
+            self._check_merged_shards()
         except CaptureFileError:
             self._h5.close()
             raise
         self.victim, self.layers, self.roles = header.victim, header.layers, header.roles
         self.hidden_size = header.hidden_size
+
+    def _check_merged_shards(self) -> None:
+        """A merged capture's rows live in its shards (virtual datasets): HDF5 would read a
+        missing shard's rows as zeros, silently, so each is looked for first."""
+        if "merged_from" not in self._h5.attrs:
+            return
+        for name in json.loads(self._h5.attrs["merged_from"]):
+            shard = Path(name) if os.path.isabs(name) else self.path.parent / name
+            if not shard.is_file():
+                raise CaptureFileError(f"{self.path} is merged from shards, and shard {shard} "
+                                       "is missing: put it back (shards named without a folder "
+                                       "sit beside the merged file)")
 
     # -- metadata ------------------------------------------------------------------------------
     @property

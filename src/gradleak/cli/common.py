@@ -61,12 +61,14 @@ def defense_from_args(args: argparse.Namespace) -> Any:
 
 
 # -- flags ------------------------------------------------------------------------------------
-def common_flags(parser: argparse.ArgumentParser) -> None:
+def common_flags(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """--quiet, --json, and --plugin (returned: what a command run elsewhere needs too)."""
     parser.add_argument("--quiet", action="store_true", help="print nothing but errors")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
-    parser.add_argument("--plugin", action="append", default=[], metavar="MODULE",
-                        help="import MODULE first: it registers victims, attacks or defenses "
-                        "(repeatable; entry points in the group gradleak.plugins load too)")
+    return [parser.add_argument(
+        "--plugin", action="append", default=[], metavar="MODULE",
+        help="import MODULE first: it registers victims, attacks or defenses (repeatable; "
+        "entry points in the group gradleak.plugins load too)")]
 
 
 def nonfinite_flag(parser: argparse.ArgumentParser) -> None:
@@ -75,8 +77,8 @@ def nonfinite_flag(parser: argparse.ArgumentParser) -> None:
                         "(default: refuse the file, naming the rows)")
 
 
-def set_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE",
+def set_flag(parser: argparse.ArgumentParser) -> argparse.Action:
+    return parser.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE",
                         help="override one preset field, e.g. train.updates=3 or "
                         "attack.ig.lr=0.05 (repeatable; typed from the field)")
 
@@ -110,15 +112,17 @@ def prior_flag(parser: argparse.ArgumentParser) -> None:
                    "train-prior")
 
 
-def preset_flags(parser: argparse.ArgumentParser, environment: bool = True) -> None:
-    parser.add_argument("--preset", default=None,
-                        help="cpu-quick (default), cpu-bench or paper")
-    set_flag(parser)
+def preset_flags(parser: argparse.ArgumentParser, environment: bool = True
+                 ) -> list[argparse.Action]:
+    actions = [parser.add_argument("--preset", default=None,
+                                   help="cpu-quick (default), cpu-bench or paper"),
+               set_flag(parser)]
     if environment:
-        parser.add_argument("--wad", default=None, help="another Doom IWAD/PWAD (default: "
-                            "freedoom2.wad shipped with vizdoom)")
-        parser.add_argument("--env", default=None, help="gym:ENV_ID to use any RGB Gymnasium "
-                            "environment instead of DoomNav")
+        actions += [parser.add_argument("--wad", default=None, help="another Doom IWAD/PWAD "
+                                        "(default: freedoom2.wad shipped with vizdoom)"),
+                    parser.add_argument("--env", default=None, help="gym:ENV_ID to use any "
+                                        "RGB Gymnasium environment instead of DoomNav")]
+    return actions
 
 
 def defense_flags(parser: argparse.ArgumentParser, required: bool, seed: int = 0) -> None:
