@@ -139,6 +139,28 @@ def test_a_time_limit_stops_at_the_step_that_spends_it_and_resume_starts_the_nex
     assert not any(h["time_limit_reached"] for h in meta["history"][1:])
 
 
+def test_each_epoch_records_the_share_of_its_time_spent_waiting_for_data(
+        train_capture: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A loader made slow (40 ms a window, in this process) shows as most of the epoch spent
+    waiting; the same fit with the usual loader waits a small share."""
+    import time
+
+    model, fit = tiny_attack_settings("lti")
+    fit.epochs, fit.batch_size = 1, 4
+    fit_attacker("lti", model, fit, [str(train_capture)], tmp_path / "usual", progress=False)
+    slow = WindowDataset.__getitem__
+
+    def sleepy(self, index):
+        time.sleep(0.04)
+        return slow(self, index)
+
+    monkeypatch.setattr(WindowDataset, "__getitem__", sleepy)
+    fit_attacker("lti", model, fit, [str(train_capture)], tmp_path / "slow", progress=False)
+    usual, starved = (json.loads((tmp_path / name / "attacker.json").read_text())["history"][0]
+                      ["data_wait_fraction"] for name in ("usual", "slow"))
+    assert starved > 0.6 and usual < 0.5 * starved
+
+
 def test_an_adaptive_fine_tune_starts_from_the_clean_attacker_and_trains_under_the_defense(
         trained_attackers, train_capture: Path, tmp_path: Path) -> None:
     """At a vanishing learning rate (steps far below float32's resolution of the weights) the

@@ -244,8 +244,10 @@ class FitLoop:
         totals: dict[str, float] = {}
         batches = tqdm(epoch.batches, total=epoch.steps, disable=not self.progress, leave=False,
                        desc=f"{self.kind} epoch {self.epochs_done + 1}/{config.epochs}")
-        done, stopped = 0, False
+        done, stopped, waited = 0, False, 0.0
+        fetched = time.perf_counter()
         for step, batch in enumerate(batches):
+            waited += time.perf_counter() - fetched  # the loader's batch was not ready yet
             loss, parts = self.objective(batch, epoch.settings)
             check_finite_loss(loss, self.out, self.epochs_done, step)
             (loss / config.accumulation).backward()
@@ -261,10 +263,14 @@ class FitLoop:
                 stopped = self.out_of_time(budget)
                 if stopped:
                     break
+            fetched = time.perf_counter()
         batches.close()
+        seconds = time.perf_counter() - start
         return {"epoch": self.epochs_done + 1, **epoch.settings,
                 "lr": self.scheduler.get_last_lr()[0],
-                "train_minutes": (time.perf_counter() - start) / 60,
+                "train_minutes": seconds / 60,
+                # the share of the epoch spent waiting for the data loader (starved if large)
+                "data_wait_fraction": waited / max(seconds, 1e-9),
                 "train_cpu_minutes": (time.process_time() - cpu_start) / 60,
                 "epoch_fraction": done / max(1, epoch.steps), "time_limit_reached": stopped,
                 **{f"train_{k}": v / max(1, done) for k, v in totals.items()}}
