@@ -115,6 +115,19 @@ def capture() -> tuple[str, str]:
             f"{lz4['bytes_per_step'] / 1e3:.0f} kB/step for cnn-small) {whole}")
 
 
+def recovery_speed() -> tuple[str, str]:
+    data = load("recovery_speed.json")
+    parts = "; ".join(f"{r['victim']} {r['observed_conv_inputs_ms_per_frame']:.0f} + "
+                      f"{r['solve_frames_ms_per_frame']:.0f}" for r in data["training_free"])
+    peak = max(r["peak_rss_gb"] for r in data["analytic"])
+    text = (f"recursion + frame solve, ms per frame: {parts}; `analytic` peak {peak:.2f} GB "
+            f"for {data['analytic'][0]['rows']} to {data['analytic'][-1]['rows']} rows")
+    if "learned" in data:
+        text += (f"; TRACE (cpu-bench) inference "
+                 f"{data['learned']['inference_ms_per_frame_batch_16']:.1f} ms per frame")
+    return "recovery speed (2 cores)", text
+
+
 def victim_training(algo: str) -> Callable[[], tuple[str, str]]:
     def row() -> tuple[str, str]:
         data = load(f"victim_training_{algo}.json")
@@ -368,6 +381,7 @@ ROWS: dict[str, Callable[[], tuple[str, str]]] = {
     "demo.json": demo,
     "audit_paper.json": audit_paper,
     "action_recovery.json": action_recovery, "capture.json": capture,
+    "recovery_speed.json": recovery_speed,
     "victim_training_ppo.json": victim_training("ppo"),
     "victim_training_a2c.json": victim_training("a2c"), "trace_vs_lti.json": trace_vs_lti,
     "optim_baselines.json": optim_baselines,

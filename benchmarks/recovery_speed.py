@@ -1,0 +1,171 @@
+"""Recovery speed: the training-free attack's two parts per frame on both victim sizes, the peak
+memory of `gradleak analytic` as rows grow, and a learned attacker's inference and data wait.
+
+- the conv-stack recursion (batched over the frames) and the frame solve, ms per frame,
+  medians of --repeats, on `exact_frames.py`'s float32 held-out captures of cnn-small at 64×64
+  and the paper's cnn at 84×84 (random init and PPO; made here when missing, as that script
+  makes them);
+- `gradleak analytic` on --analytic-rows counts of a capture, each in a fresh process: peak
+  resident memory (getrusage) and seconds;
+- with --attacker DIR (a TRACE run) and --data CAPTURE: inference ms per frame at batch 1 and
+  16 windows, and the share of each epoch its fit spent waiting for data (from its history).
+
+Prints JSON and writes benchmarks/results/recovery_speed.{json,md}.
+
+    python benchmarks/recovery_speed.py [--work runs/exact-frames] [--attacker DIR --data H5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from gradleak.capture.reader import CaptureFile
+from gradleak.io import atomic_path
+from gradleak.report.tables import markdown_table
+
+import exact_frames
+import exact_speed
+from exact_frames import Case
+
+RESULTS = Path(__file__).parent / "results" / "recovery_speed.json"
+TARGETS_MS = {"cnn-small": 20.0, "cnn": 60.0}  # issue 22: the recursion per frame
+SOLVE_TARGET_MS = 1000.0
+
+
+def training_free(args: argparse.Namespace) -> list[dict[str, Any]]:
+    cases = [Case("cnn-small 64×64, random init", "cnn-small", "cpu-bench", True),
+             Case("cnn-small 64×64, PPO", str(args.ppo_small), "cpu-bench", False),
+             *exact_frames.paper_cases(args.ppo_cnn)]
+    seconds: dict[str, float] = {}
+    exact_speed.timed_parts(seconds)
+    rows = []
+    for case in cases:
+        row = exact_speed.measure(case, args, seconds)
+        target = TARGETS_MS[case.name.split()[0]]
+        row["recursion_target_ms"] = target
+        rows.append(row)
+    return rows
+
+
+def analytic_memory(capture: Path, counts: list[int]) -> list[dict[str, Any]]:
+    rows = []
+    for count in counts:
+        code = ("import resource, sys, time\nfrom gradleak.cli import main\nstart = time.time()\n"
+                f"main(['analytic', {str(capture)!r}, '--max-rows', '{count}', '--quiet'])\n"
+                "print(time.time() - start, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             check=True).stdout.split()
+        rows.append({"rows": count, "seconds": float(out[-2]),
+                     "peak_rss_gb": int(out[-1]) * 1024 / 1e9})
+    return rows
+
+
+def learned(attacker: Path, data: Path, repeats: int) -> dict[str, Any]:
+    from gradleak.training.checkpoint import load_attacker
+
+    model, meta = load_attacker(attacker)
+    window = int(meta["model"]["window"])
+    with CaptureFile(data) as capture:
+        gradients = torch.from_numpy(capture.observation(
+            rows=slice(0, 16 * window)).gradients).float().view(16, window, -1)
+    result: dict[str, Any] = {"attacker": str(attacker),
+                              "parameters": sum(p.numel() for p in model.parameters()),
+                              "window": window}
+    with torch.no_grad():
+        for batch in (1, 16):
+            model.attack(gradients[:batch])  # warm-up
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                model.attack(gradients[:batch])
+                times.append(time.perf_counter() - start)
+            result[f"inference_ms_per_frame_batch_{batch}"] = \
+                1e3 * statistics.median(times) / (batch * window)
+    waits = [h["data_wait_fraction"] for h in meta.get("history", [])
+             if "data_wait_fraction" in h]
+    result["data_wait_fraction_by_epoch"] = waits
+    result["workers"] = meta["fit"].get("workers")
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--work", type=Path, default=Path("runs/exact-frames"))
+    parser.add_argument("--steps", type=int, default=64, help="of each held-out capture")
+    parser.add_argument("--frames", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--ppo-cnn", type=Path, default=Path("runs/victims/cnn84-ppo"))
+    parser.add_argument("--ppo-small", type=Path, default=Path("runs/victims/small64-ppo"))
+    parser.add_argument("--analytic-rows", type=int, nargs="+", default=[64, 256, 768])
+    parser.add_argument("--attacker", type=Path, default=None)
+    parser.add_argument("--data", type=Path, default=None)
+    args = parser.parse_args()
+    for path in (args.ppo_cnn, args.ppo_small):
+        if not path.is_dir():
+            parser.error(f"{path} is not a victim checkpoint directory: train it first (see "
+                         "benchmarks/exact_frames.py)")
+    if (args.attacker is None) != (args.data is None):
+        parser.error("--attacker and --data go together")
+    torch.set_num_threads(2)
+    result: dict[str, Any] = {
+        "benchmark": "recovery_speed", "frames": args.frames, "repeats": args.repeats,
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch "
+                   f"{torch.__version__}, no GPU",
+        "training_free": training_free(args)}
+    analytic_capture = exact_frames.capture(exact_frames.paper_cases(args.ppo_cnn)[1],
+                                            "float32", 64, args.work)
+    big = args.work / "attacker-train-cnn84-ppo-768.h5"
+    result["analytic_capture"] = str(big if big.exists() else analytic_capture)
+    result["analytic"] = analytic_memory(Path(result["analytic_capture"]), args.analytic_rows)
+    if args.attacker is not None:
+        result["learned"] = learned(args.attacker, args.data, args.repeats)
+    print(json.dumps(result, indent=2))
+    write(result)
+
+
+def write(result: dict[str, Any]) -> None:
+    with atomic_path(RESULTS) as tmp:
+        tmp.write_text(json.dumps(result, indent=2) + "\n")
+    table = [{"victim": r["victim"],
+              "recursion ms/frame": f"{r['observed_conv_inputs_ms_per_frame']:.0f} "
+                                    f"(target {r['recursion_target_ms']:.0f})",
+              "frame solve ms/frame": f"{r['solve_frames_ms_per_frame']:.0f} "
+                                      f"(target {SOLVE_TARGET_MS:.0f})",
+              "whole attack ms/frame": f"{r['total_ms_per_frame']:.0f}"}
+             for r in result["training_free"]]
+    memory = [{"rows": r["rows"], "peak RSS (GB)": f"{r['peak_rss_gb']:.2f}",
+               "seconds": f"{r['seconds']:.0f}"} for r in result["analytic"]]
+    text = ["# Recovery speed (`benchmarks/recovery_speed.py`)", "",
+            f"{result['frames']} held-out float32 steps per victim, medians of "
+            f"{result['repeats']}; {result['machine']}.", "",
+            markdown_table(table, list(table[0])), "",
+            f"`gradleak analytic` on {result['analytic_capture']} (each count in a fresh "
+            "process):", "", markdown_table(memory, list(memory[0]))]
+    if "learned" in result:
+        learned_row = result["learned"]
+        waits = learned_row["data_wait_fraction_by_epoch"]
+        text += ["", f"TRACE ({learned_row['parameters']:,} parameters, T = "
+                 f"{learned_row['window']}): inference "
+                 f"{learned_row['inference_ms_per_frame_batch_16']:.2f} ms per frame at 16 "
+                 f"windows a batch, {learned_row['inference_ms_per_frame_batch_1']:.2f} at one; "
+                 "its fit waited for data "
+                 + (f"{100 * max(waits):.1f}% of an epoch at most ({learned_row['workers']} "
+                    "loader worker(s))" if waits else "(not recorded by that fit)") + "."]
+    with atomic_path(RESULTS.with_suffix(".md")) as tmp:
+        tmp.write_text("\n".join(text) + "\n")
+
+
+if __name__ == "__main__":
+    np.set_printoptions(precision=3)
+    main()
