@@ -136,20 +136,27 @@ def test_context_under_noise_trains_adaptive_attackers_and_says_whether_t8_beats
            "--set", "capture.steps_train=160", "--set", "capture.steps_heldout=60",
            "--set", "attack.trace_fit.stride=1", "--set", "attack.trace_fit.val_fraction=0.3",
            "--out", str(out), "--quiet"]
-    assert main([*run, "--shard", "7/22"]) == 0  # ppo, noise:0.1, T = 1
-    assert main([*run, "--shard", "8/22", "--resume"]) == 0  # ppo, noise:0.1, T = 8
+    for shard in (9, 10, 11, 12):  # ppo, noise:0.1: TRACE T = 1 and 8, decoder T = 1 and 8
+        assert main([*run, "--shard", f"{shard}/34", "--resume"]) == 0
     for window in (1, 8):
-        (attacker,) = (out / "attackers").glob(f"*defense=noise_0.1,window={window},*")
+        (attacker,) = (out / "attackers").glob(f"*defense=noise_0.1,attacker=trace,"
+                                                f"window={window},*")
         meta = json.loads((attacker / "attacker.json").read_text())
         text = json.dumps(meta)
         assert '"noise:0.1"' in text and '"structured"' in text
         assert meta["model"]["window"] == window
+    for window, context in ((1, "none"), (8, "warp")):  # the decoder's motion-aware context
+        (attacker,) = (out / "attackers").glob(f"*defense=noise_0.1,attacker=decoder,"
+                                                f"window={window},*")
+        meta = json.loads((attacker / "attacker.json").read_text())
+        assert meta["model"]["context"] == context and meta["fit"]["defense"] == "noise:0.1"
     assert main(["experiment", "context", "--merge", "--allow-partial", "--out", str(out),
                  "--results", str(results), "--quiet"]) == 0
     merged = json.loads((results / "context.json").read_text())
-    (verdict,) = merged["summary"]["t8_minus_t1"]
-    assert verdict.startswith("- ppo, noise:0.1: T = 8 ")
-    assert verdict in (results / "context.md").read_text()
+    verdicts = merged["summary"]["t8_minus_t1"]
+    assert [v.split(": T = 8")[0] for v in verdicts] == [
+        "- ppo, noise:0.1, TRACE", "- ppo, noise:0.1, the analytic decoder"]
+    assert all(v in (results / "context.md").read_text() for v in verdicts)
 
 
 @pytest.mark.slow

@@ -4,19 +4,26 @@ as the paper reduces it) on the trained PPO and A2C victims' clean gradients; an
 T = 8 under noise:0.01, noise:0.1 and DP-SGD ε = 10, trained on defended gradients (adaptive)
 and scored under the same defense: there each step's gradient alone leaves the frame
 uncertain, which is where the paper's Theorem 4.5 says context helps. The structured gradient
-encoder throughout (2.6× the epochs per CPU-minute of the dense one)."""
+encoder throughout (2.6× the epochs per CPU-minute of the dense one). Under the same defenses,
+gradleak's analytic decoder without context (T = 1) against its motion-aware context (T = 8:
+the previous reconstruction moved by the recovered action), also trained on defended
+gradients."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from gradleak.experiments.base import Cell, Context, Experiment, register_experiment
-from gradleak.experiments.stages import fit_and_score, trace_rows, victim_captures
+from gradleak.experiments.stages import (fit_and_score, fit_once, score_cell, trace_rows,
+                                         victim_captures)
 
 WINDOWS = [1, 8, 16, 32, 64]
 DEFENSES = ["none", "noise:0.01", "noise:0.1", "dpsgd:eps=10"]
 DEFENDED_WINDOWS = (1, 8)
 LONG = 16  # from here: rotary positions, half the encoder width
+ATTACKERS = ["trace", "decoder"]
+DECODER_CONTEXT = {1: "none", 8: "warp"}  # the decoder's "window": without and with context
 
 
 @register_experiment("context")
@@ -24,15 +31,18 @@ class TemporalContext(Experiment):
     description = __doc__.split("\n\n")[0]
 
     def axes(self, seeds: int) -> dict[str, list[Any]]:
-        return {"victim": ["ppo", "a2c"], "defense": DEFENSES, "window": WINDOWS,
-                "seed": list(range(seeds))}
+        return {"victim": ["ppo", "a2c"], "defense": DEFENSES, "attacker": ATTACKERS,
+                "window": WINDOWS, "seed": list(range(seeds))}
 
     def cells(self, seeds: int) -> list[Cell]:
         return [cell for cell in super().cells(seeds)
-                if cell["defense"] == "none" or cell["window"] in DEFENDED_WINDOWS]
+                if (cell["defense"] == "none" and cell["attacker"] == "trace")
+                or (cell["defense"] != "none" and cell["window"] in DEFENDED_WINDOWS)]
 
     def run_cell(self, cell: Cell, context: Context) -> dict[str, Any]:
         _, train, heldout = victim_captures(context, cell["victim"])
+        if cell["attacker"] == "decoder":
+            return self._decoder_cell(cell, context, train, heldout)
         window = int(cell["window"])
         model = {"window": window, "projection": "structured"}
         if window >= LONG:
@@ -41,18 +51,44 @@ class TemporalContext(Experiment):
                                defense=str(cell["defense"]))
         return {**result, "model": model}
 
+    @staticmethod
+    def _decoder_cell(cell: Cell, context: Context, train: Any, heldout: Any
+                      ) -> dict[str, Any]:
+        """The analytic decoder, fitted on the defended gradients of the training capture's
+        own frames (no rendered frames: they have no gradient to defend)."""
+        from gradleak.training.decoder_fit import fit_decoder
+
+        preset, defense = context.preset, str(cell["defense"])
+        model = dataclasses.replace(preset.attack.decoder,
+                                    context=DECODER_CONTEXT[int(cell["window"])])
+        config = dataclasses.replace(preset.attack.decoder_fit, seed=int(cell["seed"]),
+                                     time_limit_minutes=context.budget_minutes,
+                                     time_limit_clock=context.clock, defense=defense,
+                                     extra_frames=0)
+        directory = context.out / "attackers" / cell.id
+        fitted = fit_once(directory, lambda resume: fit_decoder(
+            model, config, [str(train)], directory, resume=resume, progress=context.progress))
+        label = "analytic decoder"
+        return {**score_cell(cell, context, heldout, train, {label: str(directory)}, label,
+                             defense=defense),
+                "epochs": fitted.get("epochs"), "fit_cpu_minutes": fitted.get("cpu_minutes"),
+                "model": {"context": model.context}}
+
     def summarize(self, results: list[dict[str, Any]]) -> tuple[dict[str, Any], str]:
-        summary, lines = trace_rows(results, ["victim", "defense", "window"],
-                                    "victim | defense | T")
+        summary, lines = trace_rows(results, ["victim", "defense", "attacker", "window"],
+                                    "victim | defense | attacker | T")
         verdicts = []
         for victim in sorted({r["cell"]["victim"] for r in results}):
             for defense in DEFENSES:
-                pair = [summary.get(f"{victim}/{defense}/{t}", {}).get("psnr")
-                        for t in DEFENDED_WINDOWS]
-                if None not in pair:
+                for attacker in ATTACKERS:
+                    pair = [summary.get(f"{victim}/{defense}/{attacker}/{t}", {}).get("psnr")
+                            for t in DEFENDED_WINDOWS]
+                    if None in pair:
+                        continue
                     gain = pair[1] - pair[0]
                     said = "beats" if gain > 0 else "does not beat"
-                    verdicts.append(f"- {victim}, {defense}: T = 8 {said} T = 1 "
+                    what = "TRACE" if attacker == "trace" else "the analytic decoder"
+                    verdicts.append(f"- {victim}, {defense}, {what}: T = 8 {said} T = 1 "
                                     f"({gain:+.2f} dB, means over seeds)")
         summary["t8_minus_t1"] = verdicts
         return summary, "\n".join(lines) + ("\n\n" + "\n".join(verdicts) if verdicts else "")
