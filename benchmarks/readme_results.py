@@ -128,6 +128,22 @@ def recovery_speed() -> tuple[str, str]:
     return "recovery speed (2 cores)", text
 
 
+def experiment(name: str) -> Callable[[], tuple[str, str]]:
+    """A `gradleak experiment NAME --merge` result: each group's PSNR beside the mean image."""
+    def row() -> tuple[str, str]:
+        data = load(f"{name}.json")
+        settings = data["settings"]
+        groups = "; ".join(f"{key} {entry['psnr']:.2f} (mean image {entry['mean_image_psnr']:.2f})"
+                           for key, entry in data["summary"].items()
+                           if isinstance(entry, dict) and entry.get("psnr") is not None)
+        done = len(data["cells"])
+        return (f"`gradleak experiment {name}` ({settings['preset']}, "
+                f"{settings['budget_minutes']:g} CPU-min a cell, {settings['seeds']} seeds)",
+                f"PSNR, mean over seeds: {groups}; {done} of {done + len(data['missing'])} "
+                "cells run")
+    return row
+
+
 def victim_training(algo: str) -> Callable[[], tuple[str, str]]:
     def row() -> tuple[str, str]:
         data = load(f"victim_training_{algo}.json")
@@ -398,6 +414,10 @@ ROWS: dict[str, Callable[[], tuple[str, str]]] = {
     "exact_speed.json": exact_speed,
     "fedavg_controls.json": fedavg_controls,
     "flower_audit.json": flower_audit,
+    # every merged `gradleak experiment` (src/gradleak/experiments), once it has results
+    **{f"{name}.json": experiment(name) for name in
+       ("table1", "fewshot", "context", "components", "losses", "auxscale", "defense-figure")
+       if (RESULTS / f"{name}.json").exists()},
 }
 
 
