@@ -238,17 +238,24 @@ def cli_capture(out: Path, steps: int, *extra: str) -> subprocess.Popen:
                             start_new_session=True)
 
 
-def test_resume_after_a_killed_capture_matches_an_uninterrupted_one(tmp_path: Path) -> None:
-    steps = 400
-    assert cli_capture(tmp_path / "clean.h5", steps).wait(timeout=300) == 0
-    process = cli_capture(tmp_path / "killed.h5", steps)
-    partial = tmp_path / "killed.h5.partial"
+def capture_until_written(out: Path, steps: int, size: int
+                          ) -> tuple[subprocess.Popen, Path]:
+    """A CLI capture, returned once its partial file holds `size` bytes (still running)."""
+    process = cli_capture(out, steps)
+    partial = out.with_name(out.name + ".partial")
     deadline = time.time() + 120
     while time.time() < deadline and process.poll() is None:
-        if partial.exists() and partial.stat().st_size > 4 * 2**20:
+        if partial.exists() and partial.stat().st_size > size:
             break
         time.sleep(0.02)
     assert process.poll() is None, "the capture finished before it could be killed"
+    return process, partial
+
+
+def test_resume_after_a_killed_capture_matches_an_uninterrupted_one(tmp_path: Path) -> None:
+    steps = 400
+    assert cli_capture(tmp_path / "clean.h5", steps).wait(timeout=300) == 0
+    process, partial = capture_until_written(tmp_path / "killed.h5", steps, 4 * 2**20)
     os.killpg(process.pid, signal.SIGKILL)
     process.wait()
     assert partial.exists() and not (tmp_path / "killed.h5").exists()
@@ -270,14 +277,7 @@ def test_a_killed_capture_leaves_no_rollout_or_engine_behind(tmp_path: Path) -> 
     """Only the capture's own process is killed (SIGKILL, not its group): the rollout process
     it forked dies with it, and that one's game engine with it, so nothing keeps running or
     keeps the lock; the partial file resumes."""
-    process = cli_capture(tmp_path / "killed.h5", 400)
-    partial = tmp_path / "killed.h5.partial"
-    deadline = time.time() + 120
-    while time.time() < deadline and process.poll() is None:
-        if partial.exists() and partial.stat().st_size > 2 * 2**20:
-            break
-        time.sleep(0.02)
-    assert process.poll() is None, "the capture finished before it could be killed"
+    process, _ = capture_until_written(tmp_path / "killed.h5", 400, 2 * 2**20)
     os.kill(process.pid, signal.SIGKILL)
     process.wait()
     deadline = time.time() + 20
