@@ -386,6 +386,28 @@ def test_non_finite_gradients_are_reported_with_their_row(tmp_path: Path,
         assert capture.usable_rows(skip_nonfinite=True).tolist() == [i != 7 for i in range(50)]
 
 
+def test_the_scan_reads_wide_rows_in_bounded_blocks_and_misses_none(
+        tmp_path: Path, random_capture: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Blocks of at most SCAN_BYTES (here three rows' worth; a wide victim's rows made 256-row
+    blocks cost a gigabyte): bad rows on both sides of block edges are all found."""
+    import gradleak.capture.reader as reader
+
+    def poison(handle: h5py.File) -> None:
+        for row in (2, 3, 40, 49):
+            handle["gradients"][row, 11] = np.nan
+
+    path = copy_with(random_capture, tmp_path, poison)
+    with h5py.File(path, "r") as handle:
+        monkeypatch.setattr(reader, "SCAN_BYTES", 3 * handle["gradients"].shape[1] * 4)
+    blocks = []
+    real_read = reader.CaptureFile.read
+    monkeypatch.setattr(reader.CaptureFile, "read", lambda self, name, rows=slice(None), *a:
+                        blocks.append(rows) or real_read(self, name, rows, *a))
+    with CaptureFile(path) as capture:
+        assert capture.nonfinite_rows().tolist() == [2, 3, 40, 49]
+    assert max(block.stop - block.start for block in blocks) == 3 and len(blocks) == 17
+
+
 def test_partial_and_missing_files_are_named(tmp_path: Path) -> None:
     with pytest.raises(CaptureFileError, match="interrupted capture.*--resume"):
         CaptureFile(tmp_path / "x.h5.partial")

@@ -33,6 +33,8 @@ from gradleak.threat import Observation, Target
 from gradleak.victims.base import LayerInfo
 
 SCAN_ROWS = 256
+SCAN_BYTES = 64 * 2**20  # a scan block's gradients: wide rows (3.7 MB for the paper's cnn) in
+# 256-row blocks took ~1 GB, and every command that reads a capture scans it first
 PRIVATE_COLUMNS = frozenset(column.name for column in step_columns((1, 1, 3), 1, 1)
                             if column.private)
 _SCANNED: dict[tuple[str, int, int], np.ndarray] = {}  # (file, size, mtime) → non-finite rows
@@ -191,9 +193,11 @@ class CaptureFile:
         self._nonfinite = _SCANNED.get(key)
         if self._nonfinite is None:
             found = []
-            for start in tqdm(range(0, self.num_rows, SCAN_ROWS), disable=not progress,
+            width = self._h5[GRADIENTS].shape[1] * self._h5[GRADIENTS].dtype.itemsize
+            step = max(1, min(SCAN_ROWS, SCAN_BYTES // max(1, width)))
+            for start in tqdm(range(0, self.num_rows, step), disable=not progress,
                               desc=f"scan {self.path.name}", unit="block", leave=False):
-                rows = slice(start, min(start + SCAN_ROWS, self.num_rows))
+                rows = slice(start, min(start + step, self.num_rows))
                 block = self.read(GRADIENTS, rows)
                 bad = ~np.isfinite(block).all(axis=1)
                 found.append(np.flatnonzero(bad) + start)

@@ -17,7 +17,9 @@ from gradleak.errors import ConfigError
 from gradleak.threat import Observation, Target
 from gradleak.victims.base import VictimConfig, create_victim, rebuildable, victim_at_theta0
 
-CHUNK_ROWS = 128  # rows of gradients held at once
+CHUNK_ROWS = 128  # rows of gradients held at once, at most
+CHUNK_BYTES = 128 * 2**20  # and at most this many bytes of them (float32; the scoring's float64
+# copies double it): 128 rows of the paper's cnn (3.7 MB each) peaked at 1.6 GB
 # a recovered advantage or return within this relative error counts as exact: the float32
 # wire format gives 1e-6, float16 storage about 1e-3 (the audit's "comes back exactly")
 EXACT_RELATIVE = 1e-3
@@ -275,7 +277,7 @@ def check_attacks_apply(config: VictimConfig, invert: int, conv: int) -> None:
 
 def evaluate_analytic(paths: Sequence[str | os.PathLike[str]], max_rows: int | None = None,
                       invert: int = 0, conv: int = 0, skip_nonfinite: bool = False,
-                      chunk: int = CHUNK_ROWS) -> dict[str, dict[str, Any]]:
+                      chunk: int | None = None) -> dict[str, dict[str, Any]]:
     """Closed-form recovery scored over whole files, `chunk` rows at a time: peak memory is
     bounded by one chunk's gradients, whatever the number of rows. --invert and --conv read
     only the rows they attack."""
@@ -285,8 +287,10 @@ def evaluate_analytic(paths: Sequence[str | os.PathLike[str]], max_rows: int | N
             check_attacks_apply(capture.victim, invert, conv)  # before any row is read
             usable = np.flatnonzero(capture.usable_rows(skip_nonfinite))
             chosen = usable[:max_rows or len(usable)]
-            parts = [row_scores(*read_rows(capture, chosen[start:start + chunk]))
-                     for start in range(0, len(chosen), chunk)]
+            rows_at_once = chunk or max(1, min(CHUNK_ROWS, CHUNK_BYTES // (
+                4 * int(capture.attrs["gradient_dim"]))))
+            parts = [row_scores(*read_rows(capture, chosen[start:start + rows_at_once]))
+                     for start in range(0, len(chosen), rows_at_once)]
             result = summarise_rows(parts)
             result["skipped_nonfinite_rows"] = len(capture) - len(usable)
             for count, name, scorer in ((invert, "feature_inversion", score_inversion),
