@@ -280,16 +280,31 @@ def test_a_killed_capture_leaves_no_rollout_or_engine_behind(tmp_path: Path) -> 
     process, _ = capture_until_written(tmp_path / "killed.h5", 400, 2 * 2**20)
     os.kill(process.pid, signal.SIGKILL)
     process.wait()
-    deadline = time.time() + 20
+    assert session_ends(process.pid, 20), "processes of the killed capture are still running"
+    assert cli_capture(tmp_path / "killed.h5", 400, "--resume").wait(timeout=300) == 0
+
+
+def session_ends(leader: int, seconds: float) -> bool:
+    """Whether every process of the session `leader` started is gone within `seconds`."""
+    deadline = time.time() + seconds
     while time.time() < deadline:
         try:
-            os.killpg(process.pid, 0)  # anything left in the capture's session?
+            os.killpg(leader, 0)
         except ProcessLookupError:
-            break
+            return True
         time.sleep(0.1)
-    else:
-        pytest.fail("processes of the killed capture are still running")
-    assert cli_capture(tmp_path / "killed.h5", 400, "--resume").wait(timeout=300) == 0
+    return False
+
+
+def test_an_interrupted_capture_closes_its_engine_before_it_exits(tmp_path: Path) -> None:
+    """Ctrl-C while the rollout process waits for the writer: the child is asked to stop, closes
+    its engine, and the capture exits leaving nothing running (no orphan engine holding a core
+    after the job), and its partial file resumes."""
+    process, partial = capture_until_written(tmp_path / "stopped.h5", 400, 2 * 2**20)
+    process.send_signal(signal.SIGINT)
+    assert process.wait(timeout=60) != 0
+    assert session_ends(process.pid, 10), "the interrupted capture left processes running"
+    assert partial.exists()
 
 
 def test_resume_with_other_settings_is_refused(tmp_path: Path, random_capture: Path) -> None:

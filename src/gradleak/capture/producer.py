@@ -26,6 +26,7 @@ from gradleak.errors import CaptureFileError
 
 PR_SET_PDEATHSIG = 1
 POLL_SECONDS = 1.0
+STOP_SECONDS = 30.0  # for the child to finish its episode and close its engine when asked
 
 
 @dataclass
@@ -47,25 +48,55 @@ def _die_with_parent() -> None:
 
 
 def _produce(make_env: Callable[[], Any], rollout: Rollout, control: multiprocessing.Queue,
-             out: multiprocessing.Queue) -> None:
+             out: multiprocessing.Queue, stop: Any) -> None:
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     env = None
+    ending: Any = None
     try:
         env = make_env()  # while the parent opens (or reopens) its file
-        index, remaining = control.get()
-        while remaining > 0:
-            tick = time.perf_counter()
-            scene, episode, bootstrap = rollout(env, index, remaining)
-            out.put(Produced(index, scene, episode, bootstrap, time.perf_counter() - tick))
-            remaining -= len(episode)
-            index += 1
+        order = _get(control, stop)
+        if order is not None:
+            index, remaining = order
+            while remaining > 0 and not stop.is_set():
+                tick = time.perf_counter()
+                scene, episode, bootstrap = rollout(env, index, remaining)
+                if not _put(out, Produced(index, scene, episode, bootstrap,
+                                          time.perf_counter() - tick), stop):
+                    break
+                remaining -= len(episode)
+                index += 1
     except BaseException as error:  # noqa: BLE001  (handed to the parent, which raises it)
-        out.put(("error", error, traceback.format_exc()))
+        ending = ("error", error, traceback.format_exc())
     finally:
+        # The engine is closed before the parent hears of the end: a parent that then exits
+        # at once must not leave it running.
         if env is not None:
             env.close()
-        out.put(None)
+        if ending is not None:
+            _put(out, ending, stop)
+        _put(out, None, stop)
+
+
+def _get(channel: multiprocessing.Queue, stop: Any) -> Any:
+    """The next item, or None once the parent asks the child to stop."""
+    while not stop.is_set():
+        try:
+            return channel.get(timeout=POLL_SECONDS)
+        except queue.Empty:
+            continue
+    return None
+
+
+def _put(channel: multiprocessing.Queue, item: Any, stop: Any) -> bool:
+    """Put, unless the parent asks the child to stop first (it no longer reads)."""
+    while not stop.is_set():
+        try:
+            channel.put(item, timeout=POLL_SECONDS)
+            return True
+        except queue.Full:
+            continue
+    return False
 
 
 class EpisodeProducer:
@@ -78,8 +109,10 @@ class EpisodeProducer:
         context = multiprocessing.get_context("fork")
         self.control: multiprocessing.Queue = context.Queue(maxsize=1)
         self.queue: multiprocessing.Queue = context.Queue(maxsize=depth)
-        self.process = context.Process(target=_produce, daemon=True, name="gradleak-rollout",
-                                       args=(make_env, rollout, self.control, self.queue))
+        self.stop = context.Event()
+        self.process = context.Process(
+            target=_produce, daemon=True, name="gradleak-rollout",
+            args=(make_env, rollout, self.control, self.queue, self.stop))
         self.process.start()
 
     def start(self, first: int, remaining: int) -> EpisodeProducer:
@@ -109,9 +142,13 @@ class EpisodeProducer:
                         "finishing its episodes; the partial file is resumable") from None
 
     def close(self) -> None:
+        """Asks the child to stop and waits for it to close its engine; it is terminated only
+        if it does not stop in time (its engine then dies through the watchdog)."""
+        self.stop.set()
+        self.process.join(timeout=STOP_SECONDS)
         if self.process.is_alive():
             self.process.terminate()
-        self.process.join(timeout=10)
+            self.process.join(timeout=10)
         for channel in (self.control, self.queue):
             channel.close()
             channel.cancel_join_thread()  # nothing the child still needs is left unsent

@@ -10,6 +10,7 @@ registered. An engine closed normally is unregistered first, so a recycled PID i
 
 from __future__ import annotations
 
+import atexit
 import os
 import subprocess
 import sys
@@ -65,12 +66,30 @@ def _send(lines: str) -> None:
         _watchdog = subprocess.Popen([sys.executable, "-S", "-c", WATCHDOG_CODE],
                                      stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL)
+        atexit.register(_stop, _watchdog)
     assert _watchdog.stdin is not None
     try:
         _watchdog.stdin.write(lines.encode())
         _watchdog.stdin.flush()
     except BrokenPipeError:  # the watchdog was killed (its process group was): nothing to tell
         pass
+
+
+def _stop(watchdog: subprocess.Popen[bytes]) -> None:
+    """At a normal exit: end of input now, as at a crash (the engines still registered are
+    killed), and the watchdog reaped, instead of left running for the interpreter to warn
+    about."""
+    if watchdog is not _watchdog or watchdog.poll() is not None or watchdog.stdin is None:
+        return
+    try:
+        watchdog.stdin.close()
+    except BrokenPipeError:
+        pass
+    try:
+        watchdog.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        watchdog.kill()
+        watchdog.wait()
 
 
 def _forget_in_child() -> None:
