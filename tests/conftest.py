@@ -58,6 +58,19 @@ def train_capture(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return random_init_capture(tmp_path_factory, "train", 240)
 
 
+@pytest.fixture(scope="session")
+def train_shards(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    """Training scenes captured as two shards (one scene each), the same victim as
+    `train_capture`."""
+    from gradleak.capture.run import CaptureJob, run_capture
+
+    root = tmp_path_factory.mktemp("shards")
+    return [Path(run_capture(CaptureJob(victim="cnn-small", random_init=True, split="train",
+                                        steps=120, out=root / "train.h5", preset=tiny_preset(),
+                                        shard=(index, 2), progress=False, seed=3))["out"])
+            for index in range(2)]
+
+
 def tiny_attack_settings(kind: str):
     """A few-second TRACE or LtI configuration for the 32x32 test captures."""
     preset = tiny_preset()

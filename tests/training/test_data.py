@@ -82,3 +82,20 @@ def test_worker_processes_stream_the_same_windows(train_capture: Path) -> None:
     for inline, streamed in zip(*batches, strict=True):
         assert torch.equal(inline.observed.gradients, streamed.observed.gradients)
         assert torch.equal(inline.images, streamed.images)
+
+
+def test_a_ranks_files_hold_those_files_windows_and_no_other_file_is_opened(
+        train_shards: list[Path], tmp_path: Path) -> None:
+    """One DDP rank's view of a sharded capture: the windows (and the train/val split) of its
+    own file are those of the whole capture, and the other rank's file is never opened (here
+    it is not even on this machine)."""
+    whole = WindowDataset(train_shards, window=4, part="train")
+    elsewhere = tmp_path / "on-another-node.h5"
+    mine = WindowDataset([elsewhere, train_shards[1]], window=4, part="train", files=[1])
+    expected = np.flatnonzero(whole.rows[:, 0] == 1)
+    assert len(expected) and np.array_equal(mine.rows, whole.rows[expected])
+    for index in (0, len(mine) - 1):
+        assert torch.equal(mine[index].gradients, whole[int(expected[index])].gradients)
+        assert torch.equal(mine[index].rows, whole[int(expected[index])].rows)
+    with pytest.raises(ConfigError, match="positions among the 2 capture files"):
+        WindowDataset(train_shards, window=4, files=[2])

@@ -23,9 +23,11 @@ from gradleak.training.checkpoint import load_attacker
 from gradleak.training.data import WindowDataset, collate
 from gradleak.training.fit import (
     Budget,
+    EpochSampler,
     FitConfig,
     fine_tune_under_defense,
     fit_attacker,
+    rank_files,
     scheduled_sampling_beta,
     warmup_cosine,
 )
@@ -185,14 +187,19 @@ def test_an_adaptive_fine_tune_starts_from_the_clean_attacker_and_trains_under_t
     assert meta["fit"]["init_from"] == str(trained_attackers["trace"])
 
 
-def test_two_gloo_processes_end_with_identical_weights(train_capture: Path,
+@pytest.mark.parametrize("sharded", [False, True], ids=["one-file", "two-shards"])
+def test_two_gloo_processes_end_with_identical_weights(sharded: bool, train_capture: Path,
+                                                       train_shards: list[Path],
                                                        tmp_path: Path) -> None:
+    """One capture file: the ranks split its windows. A capture in two shards: each rank trains
+    on its own shard's windows (as many steps as the smaller holds)."""
+    data = [str(p) for p in train_shards] if sharded else [str(train_capture)]
     out = tmp_path / "ddp"
     logs = tmp_path / "logs"  # each rank's own output: the launcher's summary hides why
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc_per_node=2", "--log-dir", str(logs), "--redirects", "3",
                "-m", "gradleak.cli", "train-attacker", "--kind", "trace",
-               "--data", str(train_capture), "--out", str(out), "--epochs", "1", "--quiet",
+               "--data", *data, "--out", str(out), "--epochs", "1", "--quiet",
                "--preset", "cpu-quick",
                "--set", "attack.trace.window=4", "--set", "attack.trace.encoder_width=32",
                "--set", "attack.trace.latent=32", "--set", "attack.trace.layers=1",
@@ -208,6 +215,29 @@ def test_two_gloo_processes_end_with_identical_weights(train_capture: Path,
     meta = json.loads((out / "attacker.json").read_text())
     assert meta["world_size"] == 2
     assert meta["history"][-1]["replica_spread"] == 0.0
+    if sharded:
+        counts = [len(WindowDataset(data, window=4, part="train", files=[rank], seed=0))
+                  for rank in range(2)]
+        assert meta["rank_data"] == "files" and meta["train_windows_per_rank"] == counts
+        assert meta["train_windows"] == counts[0]
+    else:
+        assert meta["rank_data"] == "windows"
+
+
+def test_ranks_take_equal_disjoint_shares_and_whole_files_when_there_are_enough() -> None:
+    shares = [list(EpochSampler(20, seed=1, limit=11, rank=r, world=3)) for r in range(3)]
+    assert [len(share) for share in shares] == [3, 3, 3]
+    drawn = sum(shares, [])
+    assert len(set(drawn)) == 9
+    assert set(drawn) <= set(EpochSampler(20, seed=1, limit=11))
+    assert rank_files("auto", 5, rank=1, world=2) == [1, 3]
+    assert rank_files("auto", 1, rank=1, world=2) is None  # fewer files than ranks
+    assert rank_files("windows", 5, rank=1, world=2) is None
+    assert rank_files("files", 5, rank=0, world=1) is None
+    with pytest.raises(ConfigError, match="1 capture file.*2 ranks.*--shard"):
+        rank_files("files", 1, rank=0, world=2)
+    with pytest.raises(ConfigError, match="rank_data 'shards'"):
+        rank_files("shards", 4, rank=0, world=2)
 
 
 def test_schedules() -> None:

@@ -108,12 +108,17 @@ def episode_is_kept(seed: int, file_index: int, episode: int, fraction: float) -
 
 
 class WindowDataset(Dataset):
-    """Windows over capture files; `part` picks the episode-disjoint train/val split (or all)."""
+    """Windows over capture files; `part` picks the episode-disjoint train/val split (or all).
+
+    `files` (positions in `paths`) restricts it to some of the files, and only those are ever
+    opened: one DDP rank's shard of a sharded capture. The split and the subsets are drawn per
+    (file position, episode), so a file's windows are the same whichever files are selected."""
 
     def __init__(self, paths: Sequence[str | os.PathLike[str]], window: int, stride: int = 2,
                  part: str = "all", val_fraction: float = 0.05, seed: int = 0,
                  expect_split: str | None = None, defense: Chain | None = None,
-                 skip_nonfinite: bool = False, train_fraction: float = 1.0) -> None:
+                 skip_nonfinite: bool = False, train_fraction: float = 1.0,
+                 files: Sequence[int] | None = None) -> None:
         if part not in PARTS:
             raise ConfigError(f"part {part!r}: expected one of {', '.join(PARTS)}")
         if window < 1 or stride < 1:
@@ -123,13 +128,17 @@ class WindowDataset(Dataset):
                               "(0, 1]")
         self.train_fraction = train_fraction
         self.paths = [str(p) for p in paths]
+        self.file_indices = list(range(len(self.paths))) if files is None else list(files)
+        if not self.file_indices or not set(self.file_indices) <= set(range(len(self.paths))):
+            raise ConfigError(f"files {self.file_indices}: expected positions among the "
+                              f"{len(self.paths)} capture files given")
         self.window = window
         self.defense = defense
         # Under agg:k a window is T aggregated rows: T·k steps from an aggregation boundary
         # (k-step blocks counted from the episode's start), its targets the last frame of each
         # block and the block's action histogram (paper Table 11).
         self.span = 1 if defense is None else defense.span
-        files = open_captures(self.paths)
+        files = open_captures([self.paths[i] for i in self.file_indices])
         try:
             first = files[0]
             check_rgb_frames(first)
@@ -137,8 +146,9 @@ class WindowDataset(Dataset):
                                                   first.attrs["layer_table"], first.victim)
             self.gradient_dim = int(first.attrs["gradient_dim"])
             self.num_actions = first.victim.num_actions
-            self.file_attrs = [{k: capture.attrs[k] for k in ("split", "seed", "shard")
-                                if k in capture.attrs} for capture in files]
+            self.file_attrs = {index: {k: capture.attrs[k] for k in ("split", "seed", "shard")
+                                       if k in capture.attrs}
+                               for index, capture in zip(self.file_indices, files, strict=True)}
             for capture in files:
                 if expect_split and capture.attrs["split"] != expect_split:
                     raise CaptureFileError(
@@ -152,19 +162,21 @@ class WindowDataset(Dataset):
             for capture in files:
                 capture.close()
         if not rows:
-            raise ConfigError(f"no {part!r} window of T={window} in {', '.join(self.paths)}: "
+            raise ConfigError(f"no {part!r} window of T={window} in "
+                              f"{', '.join(self.paths[i] for i in self.file_indices)}: "
                               f"the longest episode has {longest} steps")
         self.rows = np.array(rows, dtype=np.int64)  # (N, 3): file, start row, episode
-        self._handles: dict[int, list[h5py.File]] = {}
+        self._handles: dict[int, dict[int, h5py.File]] = {}
 
     def _windows(self, files: list[Any], usable: list[np.ndarray], stride: int, part: str,
                  fraction: float, seed: int) -> tuple[list[tuple[int, int, int]], int]:
         """(file, start row, episode) of every window inside an episode whose rows are all
         usable; and the longest episode's length, for the error when there is none."""
         rows, longest = [], 0
-        for file_index, capture in enumerate(files):
+        for position, (file_index, capture) in enumerate(zip(self.file_indices, files,
+                                                             strict=True)):
             # bad[i] = unusable rows before i: a window [s, s + n) is clean iff bad[s + n] = bad[s]
-            bad = np.r_[0, np.cumsum(~usable[file_index])]
+            bad = np.r_[0, np.cumsum(~usable[position])]
             episodes = capture.column("episode_ids")
             starts = np.flatnonzero(np.r_[True, episodes[1:] != episodes[:-1]])
             ends = np.r_[starts[1:], len(episodes)]
@@ -205,11 +217,13 @@ class WindowDataset(Dataset):
         state["_handles"] = {}  # HDF5 handles never cross a process boundary
         return state
 
-    def _files(self) -> list[h5py.File]:
-        pid = os.getpid()  # each DataLoader worker opens its own handles after the fork
-        if pid not in self._handles:
-            self._handles[pid] = [h5py.File(p, "r") for p in self.paths]
-        return self._handles[pid]
+    def _file(self, index: int) -> h5py.File:
+        # each DataLoader worker opens its own handles after the fork, and only the files it
+        # reads from
+        handles = self._handles.setdefault(os.getpid(), {})
+        if index not in handles:
+            handles[index] = h5py.File(self.paths[index], "r")
+        return handles[index]
 
     def __getitem__(self, index: int) -> Window:
         file_index, start, _ = (int(v) for v in self.rows[index])
@@ -231,7 +245,7 @@ class WindowDataset(Dataset):
 
     def _read(self, file_index: int, name: str, start: int, stop: int) -> np.ndarray:
         try:
-            return self._files()[file_index][name][start:stop]
+            return self._file(file_index)[name][start:stop]
         except OSError:
             raise CaptureFileError(f"{self.paths[file_index]}: dataset '{name}' rows "
                                    f"{start}-{stop - 1} cannot be read (a corrupt or truncated "

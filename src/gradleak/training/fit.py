@@ -4,7 +4,8 @@ What is theirs: gradient windows from the captures (strided for TRACE), schedule
 TRACE's recurrent decoder, bf16 autocast on CUDA, validation PSNR of the attack itself and
 sample grids in TensorBoard, and fine-tuning under a defense (an adaptive attacker). Runs unchanged
 under `torchrun --nproc_per_node=N`: DistributedDataParallel over gloo (CPU) or NCCL (GPU),
-with a distributed sampler; rank 0 writes everything.
+each rank reading its own capture files when the capture is sharded (else its share of the
+windows of every file); rank 0 writes everything.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, DistributedSampler, Sampler
+from torch.utils.data import DataLoader, Sampler
 
 from gradleak.defenses import parse_defense
 from gradleak.errors import ConfigError
@@ -89,6 +90,11 @@ class FitConfig(FitSchedule):
     # experiment declares few-shot fine-tuning on held-out scenes (the paper's Tables 2 and 8;
     # its evaluation then uses other episodes of those scenes)
     data_split: str = "train"
+    # under DDP: "files": rank r trains on capture files r, r + N, ... only (the shards of a
+    # sharded capture; the others' training windows are never read there); "windows": every
+    # rank indexes every file and takes its share of the windows; "auto": files when there are
+    # at least N of them
+    rank_data: str = "auto"
 
 
 def scheduled_sampling_beta(config: FitConfig, epoch: int) -> float:
@@ -101,20 +107,45 @@ def scheduled_sampling_beta(config: FitConfig, epoch: int) -> float:
 
 
 class EpochSampler(Sampler[int]):
-    """A seeded permutation per epoch, optionally cut short (CPU presets)."""
+    """A seeded permutation per epoch, optionally cut short (CPU presets). With `world` > 1,
+    rank `rank`'s share of it: every rank the same number of windows (DDP steps in lockstep)
+    and no window on two ranks."""
 
-    def __init__(self, size: int, seed: int, limit: int | None) -> None:
+    def __init__(self, size: int, seed: int, limit: int | None, rank: int = 0,
+                 world: int = 1) -> None:
         self.size, self.seed, self.limit, self.epoch = size, seed, limit, 0
+        self.rank, self.world = rank, world
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
     def __iter__(self):
         order = np.random.default_rng([self.seed, self.epoch]).permutation(self.size)
-        return iter(order[: self.limit].tolist())
+        order = order[: self.limit][self.rank::self.world][: len(self)]
+        return iter(order.tolist())
 
     def __len__(self) -> int:
-        return min(self.size, self.limit) if self.limit else self.size
+        size = min(self.size, self.limit) if self.limit else self.size
+        return size // self.world if self.world > 1 else size
+
+
+RANK_DATA = ("auto", "files", "windows")
+
+
+def rank_files(mode: str, count: int, rank: int, world: int) -> list[int] | None:
+    """The capture files (positions) this rank reads, or None for all of them."""
+    if mode not in RANK_DATA:
+        raise ConfigError(f"attack.*_fit.rank_data {mode!r}: expected one of "
+                          f"{', '.join(RANK_DATA)}")
+    if world == 1 or mode == "windows":
+        return None
+    if count < world:
+        if mode == "files":
+            raise ConfigError(f"rank_data=files: {count} capture file(s) for {world} ranks; each "
+                              "rank reads whole files, so give at least one per rank (gradleak "
+                              "capture --shard i/n writes them), or set rank_data=windows")
+        return None
+    return list(range(rank, count, world))
 
 
 _OWNED_GROUP = [False]  # whether gradleak started the process group (then it ends it too)
@@ -157,7 +188,8 @@ class AttackerFit(FitLoop):
                       expect_split=config.data_split,
                       defense=parse_defense(config.defense, config.defense_seed),
                       skip_nonfinite=config.skip_nonfinite)
-        self.train_data = WindowDataset(train_paths, part="train",
+        self.rank_files = rank_files(config.rank_data, len(train_paths), self.rank, self.world)
+        self.train_data = WindowDataset(train_paths, part="train", files=self.rank_files,
                                         train_fraction=config.train_episode_fraction, **common)
         self.val_data = WindowDataset(train_paths, part="val", **common)
         self.fingerprint, self.train_files = self.train_data.fingerprint, self.train_data.paths
@@ -206,9 +238,22 @@ class AttackerFit(FitLoop):
         return model.train()
 
     def _sampler(self) -> Sampler[int]:
-        if self.world > 1:
-            return DistributedSampler(self.train_data, shuffle=True, seed=self.config.seed)
-        return EpochSampler(len(self.train_data), self.config.seed, self.config.max_train_windows)
+        limit = self.config.max_train_windows
+        if self.rank_files is None:  # one process, or every rank's share of all windows
+            return EpochSampler(len(self.train_data), self.config.seed, limit, self.rank,
+                                self.world)
+        # Each rank draws from its own files, as many windows as the smallest rank holds, so
+        # every rank takes the same number of steps (an epoch's limit split among them).
+        counts = self._gather_counts()
+        self.windows_per_rank = counts
+        smallest = min(counts)
+        each = smallest if limit is None else min(smallest, max(1, limit // self.world))
+        return EpochSampler(len(self.train_data), self.config.seed, each)
+
+    def _gather_counts(self) -> list[int]:
+        counts = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
+        dist.all_gather(counts, torch.tensor([len(self.train_data)]))
+        return [int(c) for c in counts]
 
     # -- what the loop asks of this kind ---------------------------------------------------------
     def prepare(self) -> None:
@@ -255,7 +300,15 @@ class AttackerFit(FitLoop):
         return {"perceptual": self.perceptual.name if self.config.weights.perceptual else "off",
                 "perceptual_note": self.perceptual.reason,
                 "train_windows": len(self.train_data), "val_windows": len(self.val_data),
-                "world_size": self.world, "skipped_nonfinite_rows": self.train_data.skipped_rows}
+                "world_size": self.world, "skipped_nonfinite_rows": self.train_data.skipped_rows,
+                **self._rank_record()}
+
+    def _rank_record(self) -> dict[str, Any]:
+        if self.world == 1:
+            return {}
+        if self.rank_files is None:
+            return {"rank_data": "windows"}
+        return {"rank_data": "files", "train_windows_per_rank": self.windows_per_rank}
 
     # -- data-parallel ----------------------------------------------------------------------------
     def out_of_time(self, budget: Budget) -> bool:
