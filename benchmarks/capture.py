@@ -12,6 +12,7 @@ measured when `backpack-for-pytorch` is installed (it is not a dependency).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import statistics
@@ -34,6 +35,7 @@ from gradleak.capture.grads import (
 )
 from gradleak.capture.storage import COMPRESSIONS, compression_options
 from gradleak.capture.run import CaptureJob, run_capture
+from gradleak.envs import frames as frames_module
 from gradleak.envs.factory import make_env, scene_names
 from gradleak.io import atomic_path
 from gradleak.presets import load_preset
@@ -54,7 +56,10 @@ def median_seconds(run, repeats: int) -> float:
     return statistics.median(times)
 
 
-def environment_rate(frame_size: int, steps: int, repeats: int) -> tuple[float, np.ndarray]:
+def environment_rate(frame_size: int, steps: int, repeats: int
+                     ) -> tuple[float, float, np.ndarray]:
+    """Steps per second of the environment alone, the cores this process used meanwhile (the
+    engine's own process apart), and the frames it rendered."""
     preset = load_preset("cpu-bench", [f"env.doomnav.frame_size={frame_size}"])
     env = make_env(preset.env, scene_names(preset.env, "train"))
     rng = np.random.default_rng(0)
@@ -68,9 +73,28 @@ def environment_rate(frame_size: int, steps: int, repeats: int) -> tuple[float, 
             if terminated or truncated:
                 env.reset()
 
+    cpu, wall = time.process_time(), time.perf_counter()
     seconds = median_seconds(run, repeats)
+    cores = (time.process_time() - cpu) / (time.perf_counter() - wall)
     env.close()
-    return steps / seconds, np.stack(frames[-steps:])
+    return steps / seconds, cores, np.stack(frames[-steps:])
+
+
+class _ThreadedBlas:
+    """The frame resize on BLAS's default threads, as before it was kept to one."""
+
+    def limit(self, limits: int) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def resize_on_default_blas_threads():
+    original = frames_module._blas
+    frames_module._blas = lambda: _ThreadedBlas()
+    try:
+        yield
+    finally:
+        frames_module._blas = original
 
 
 def gradient_rates(victim_name: str, frames: np.ndarray, repeats: int) -> dict[str, Any]:
@@ -187,23 +211,29 @@ def filter_rates(capture: Path, rows: int, repeats: int) -> list[dict[str, Any]]
     return results
 
 
+CAPTURE_VARIANTS = {  # name → overrides: the default first, then what each part adds
+    "overlapped": [],
+    "overlapped_inline_write": ["capture.background_write=False"],
+    "in_process": ["capture.overlap=False", "capture.background_write=False"],
+}
+
+
 def capture_rates(victim: str, frame_size: int, steps: int, repeats: int) -> dict[str, Any]:
-    """The whole capture of `victim` (float32, LZ4) with the rollout overlapped in a child
-    process (the default) and in this process, against the engine alone."""
+    """The whole capture of `victim` (float32, LZ4) as it runs by default (the rollout in a
+    child process, writes in a thread), with the writes in line, and all in this process."""
     rates: dict[str, Any] = {"victim": victim, "frame_size": frame_size, "steps": steps}
     with tempfile.TemporaryDirectory() as tmp:
-        for overlap in (True, False):
+        for key, overrides in CAPTURE_VARIANTS.items():
             preset = load_preset("cpu-bench", [f"env.doomnav.frame_size={frame_size}",
-                                               f"capture.overlap={overlap}"])
+                                               *overrides])
             timings: list[dict[str, float]] = []
 
-            def run(preset=preset, overlap=overlap, timings=timings) -> None:
+            def run(preset=preset, key=key, timings=timings) -> None:
                 result = run_capture(CaptureJob(victim=victim, random_init=True, split="train",
-                                                steps=steps, out=Path(tmp) / f"{overlap}.h5",
+                                                steps=steps, out=Path(tmp) / f"{key}.h5",
                                                 preset=preset, progress=False, overwrite=True))
                 timings.append({k: v for k, v in result.items() if k.endswith("_s")})
 
-            key = "overlapped" if overlap else "in_process"
             rates[f"steps_per_s_{key}"] = steps / median_seconds(run, repeats)
             rates[f"ms_per_step_{key}"] = {
                 part: 1e3 * statistics.median(t[part] for t in timings) / steps
@@ -221,9 +251,16 @@ def main() -> None:
                    f"{platform.processor() or 'cpu'}",
         "torch": torch.__version__, "repeats": args.repeats, "statistic": "median"}
     with single_threaded_torch():  # the environment alone, as capture runs it
-        rate64, frames64 = environment_rate(64, args.steps, args.repeats)
-        rate84, frames84 = environment_rate(84, args.steps, args.repeats)
+        rate64, cores64, frames64 = environment_rate(64, args.steps, args.repeats)
+        rate84, cores84, frames84 = environment_rate(84, args.steps, args.repeats)
+        with resize_on_default_blas_threads():  # side by side: what one BLAS thread changes
+            threaded64, threaded_cores64, _ = environment_rate(64, args.steps, args.repeats)
     results["env_steps_per_s"] = {"64x64": rate64, "84x84": rate84}
+    # this process's cores while the environment steps (the engine's own process apart): a
+    # threaded resize leaves OpenBLAS's worker spinning between frames
+    results["env_process_cores"] = {"64x64": cores64, "84x84": cores84}
+    results["env_resize_on_default_blas_threads"] = {
+        "64x64_steps_per_s": threaded64, "64x64_process_cores": threaded_cores64}
     time.sleep(2.0)  # let the engine processes exit before timing torch alone
     results["gradients"] = [gradient_rates("cnn-small", frames64, args.repeats),
                             gradient_rates("cnn", frames84[:128], args.repeats)]
@@ -231,7 +268,7 @@ def main() -> None:
                 capture_rates("cnn", 84, args.steps * 2, max(1, args.repeats // 2))]
     for capture in captures:
         engine = results["env_steps_per_s"][f"{capture['frame_size']}x{capture['frame_size']}"]
-        for key in ("overlapped", "in_process"):
+        for key in CAPTURE_VARIANTS:
             capture[f"{key}_vs_engine"] = capture[f"steps_per_s_{key}"] / engine
     results["captures"] = captures
     with tempfile.TemporaryDirectory() as tmp:  # filters on real rows: a cnn-small capture's

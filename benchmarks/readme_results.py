@@ -102,12 +102,21 @@ def capture() -> tuple[str, str]:
     data = load("capture.json")
     env = ", ".join(f"{size} {rate:.0f} steps/s" for size, rate in
                     data["env_steps_per_s"].items())
+    spinning = data.get("env_resize_on_default_blas_threads")
+    if spinning:  # the same engine with the resize's BLAS worker left spinning
+        env += (f" ({data['env_process_cores']['64x64']:.2f} cores of Python at 64x64; "
+                f"{spinning['64x64_steps_per_s']:.0f} steps/s at "
+                f"{spinning['64x64_process_cores']:.2f} cores with the resize on BLAS's "
+                "threads)")
     grads = "; ".join(f"{g['victim']} @{g['frame_size']} einsum {g['einsum_ms_per_step']:.2f}, "
                       f"vmap {g['vmap_ms_per_step']:.2f}, loop {g['loop_ms_per_step']:.2f} "
                       f"ms/step (einsum {g['einsum_cost_vs_one_batched_backward']:.1f}× one "
                       f"batched forward+backward)" for g in data["gradients"])
     whole = "; ".join(f"{c['victim']} @{c['frame_size']} {c['steps_per_s_overlapped']:.0f} "
-                      f"steps/s ({c['overlapped_vs_engine']:.2f}× the engine)"
+                      f"steps/s ({c['overlapped_vs_engine']:.2f}× the engine"
+                      + (f"; {c['steps_per_s_overlapped_inline_write']:.0f} with the writes "
+                         "in line" if "steps_per_s_overlapped_inline_write" in c else "")
+                      + f"; {c['steps_per_s_in_process']:.0f} all in one process)"
                       for c in data["captures"])
     lz4 = next(f for f in data["filters"] if f["filter"] == "lz4" and f["dtype"] == "float32")
     return (f"environment and capture speed ({data['statistic']}s of {data['repeats']})",

@@ -21,6 +21,7 @@ from gradleak.capture.grads import StepBatch, per_step_gradients
 from gradleak.capture.reader import CaptureFile
 from gradleak.capture.run import CaptureJob, run_capture
 from gradleak.capture.shards import concat_observations, open_captures
+from gradleak.capture.writer import CaptureWriter
 from gradleak.errors import CaptureFileError, CheckpointError, ConfigError
 from gradleak.io import save_victim
 from gradleak.rl.losses import LossCoefficients
@@ -206,6 +207,40 @@ def test_overlapped_rollouts_write_the_same_file_and_report_their_errors(
         run_capture(CaptureJob(victim="cnn-small", random_init=True, split="train", steps=10,
                                out=out, preset=tiny_preset(), progress=False))
     assert not out.exists() and not (tmp_path / "broken.h5.partial").exists()
+
+
+def test_background_writes_give_the_same_file_and_raise_the_writers_error(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Episodes written in a thread (the default) while the next one's gradients are formed:
+    the file is the one written in line, bit for bit (the rows handed over are not overwritten
+    by the next episode's gradients), and a failed write is raised as itself, the file
+    discarded."""
+    files = {}
+    for background in (True, False):
+        preset = tiny_preset()
+        preset.capture.background_write = background
+        files[background] = tmp_path / f"background-{background}.h5"
+        run_capture(CaptureJob(victim="cnn-small", random_init=True, split="train", steps=60,
+                               out=files[background], preset=preset, progress=False))
+    with h5py.File(files[True], "r") as threaded, h5py.File(files[False], "r") as inline:
+        assert inline.attrs["num_episodes"] >= 3  # buffers reused at least once
+        for name in inline:
+            if isinstance(inline[name], h5py.Dataset):
+                assert np.array_equal(inline[name][()], threaded[name][()]), name
+
+    original = CaptureWriter.append_episode
+
+    def full_disk(self, rows, gradients):
+        if self.num_episodes == 1:
+            raise CaptureFileError("no space left on the device")
+        return original(self, rows, gradients)
+
+    monkeypatch.setattr(CaptureWriter, "append_episode", full_disk)
+    out = tmp_path / "full.h5"
+    with pytest.raises(CaptureFileError, match="no space left"):
+        run_capture(CaptureJob(victim="cnn-small", random_init=True, split="train", steps=60,
+                               out=out, preset=tiny_preset(), progress=False))
+    assert not out.exists() and not (tmp_path / "full.h5.partial").exists()
 
 
 def test_shards_split_the_scenes_and_read_as_one(tmp_path: Path) -> None:

@@ -26,6 +26,8 @@ class CaptureConfig:
     gradient_dtype: str = "float32"
     # the engine and rollout in a child process, an episode ahead of the gradients and writer
     overlap: bool = True
+    # episodes written (compressed) in a thread while the next one's gradients are formed
+    background_write: bool = True
     compression: str = "lz4"  # the HDF5 filter (gradleak.capture.storage): lz4, zstd, lzf, ...
     seed: int = 0
 

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from gradleak.capture.background import BackgroundWrites
 from gradleak.capture.config import CaptureConfig
 from gradleak.capture.episodes import episode_targets, run_episode
 from gradleak.capture.grads import StepBatch, StepGradients
@@ -128,28 +129,48 @@ class _EpisodeSource:
 def _capture_loop(plan: CapturePlan, source: _EpisodeSource, writer: CaptureWriter,
                   job: CaptureJob) -> dict[str, float]:
     """episode_s: the rollouts' own time (in the child when they overlap); wait_s: this process
-    waiting for the next episode; gradient_s, write_s: this process's work."""
-    timings = {"episode_s": 0.0, "wait_s": 0.0, "gradient_s": 0.0, "write_s": 0.0}
-    method = StepGradients(job.preset.capture.gradient_method, job.preset.capture.chunk)
-    with tqdm(total=plan.steps, initial=min(writer.num_rows, plan.steps), unit="step",
-              disable=not job.progress, desc=f"capture {job.split}") as bar:
-        tick = time.perf_counter()
-        for produced in source.episodes(writer.num_episodes, plan.steps - writer.num_rows):
-            episode = produced.episode
-            tock = time.perf_counter()
-            targets = episode_targets(episode, produced.bootstrap, plan.gamma, plan.lam,
-                                      job.advantage_norm)
-            gradients = _gradients(plan, episode, targets, job.preset.capture, produced.index,
-                                   method)
-            tack = time.perf_counter()
-            writer.append_episode(_rows(episode, targets, produced.index,
-                                        plan.all_scenes.index(produced.scene)), gradients)
-            timings["episode_s"] += produced.seconds
-            timings["wait_s"] += tock - tick
-            timings["gradient_s"] += tack - tock
+    waiting for the next episode; gradient_s: this process's work on the gradients; write_s:
+    the writes' own time (in a thread when they run in the background); write_wait_s: this
+    process waiting for a write to end."""
+    timings = {"episode_s": 0.0, "wait_s": 0.0, "gradient_s": 0.0}
+    config = job.preset.capture
+    # two buffers: an episode's rows stay untouched while a background write reads them
+    methods = [StepGradients(config.gradient_method, config.chunk) for _ in range(2)]
+    writes = BackgroundWrites(writer.append_episode) if config.background_write else None
+    try:
+        with tqdm(total=plan.steps, initial=min(writer.num_rows, plan.steps), unit="step",
+                  disable=not job.progress, desc=f"capture {job.split}") as bar:
             tick = time.perf_counter()
-            timings["write_s"] += tick - tack
-            bar.update(len(episode))
+            written = 0.0
+            for produced in source.episodes(writer.num_episodes, plan.steps - writer.num_rows):
+                episode = produced.episode
+                tock = time.perf_counter()
+                targets = episode_targets(episode, produced.bootstrap, plan.gamma, plan.lam,
+                                          job.advantage_norm)
+                gradients = _gradients(plan, episode, targets, config, produced.index,
+                                       methods[produced.index % 2])
+                tack = time.perf_counter()
+                rows = _rows(episode, targets, produced.index,
+                             plan.all_scenes.index(produced.scene))
+                if writes is None:
+                    writer.append_episode(rows, gradients)
+                else:
+                    writes.submit(rows, gradients)
+                timings["episode_s"] += produced.seconds
+                timings["wait_s"] += tock - tick
+                timings["gradient_s"] += tack - tock
+                tick = time.perf_counter()
+                written += tick - tack
+                bar.update(len(episode))
+            if writes is not None:
+                writes.wait()
+    finally:
+        if writes is not None:
+            writes.close()
+    if writes is None:
+        timings["write_s"] = written
+    else:
+        timings["write_s"], timings["write_wait_s"] = writes.seconds, writes.waited
     return {key: round(value, 3) for key, value in timings.items()}
 
 

@@ -49,7 +49,8 @@ class Cell:
 SHARED_SECTIONS = ("env", "train", "capture")  # what shapes victims and captures
 # how the per-step gradients are computed and stored, not what they are (the methods are
 # tested equal; the filters are lossless)
-HOW_NOT_WHAT = {"capture": ("gradient_method", "chunk", "compression", "overlap")}
+HOW_NOT_WHAT = {"capture": ("gradient_method", "chunk", "compression", "overlap",
+                             "background_write")}
 
 
 def shared_key(preset: Any) -> str:
