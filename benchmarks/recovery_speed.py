@@ -126,10 +126,16 @@ def main() -> None:
     analytic_capture = exact_frames.capture(exact_frames.paper_cases(args.ppo_cnn)[1],
                                             "float32", 64, args.work)
     big = args.work / "attacker-train-cnn84-ppo-768.h5"
-    result["analytic_capture"] = str(big if big.exists() else analytic_capture)
-    result["analytic"] = analytic_memory(Path(result["analytic_capture"]), args.analytic_rows)
+    used = big if big.exists() else analytic_capture
+    with CaptureFile(used) as capture:
+        result["analytic_capture"] = f"{used.name} ({len(capture)} rows)"
+    result["analytic"] = analytic_memory(used, args.analytic_rows)
     if args.attacker is not None:
         result["learned"] = learned(args.attacker, args.data, args.repeats)
+    elif RESULTS.exists() and "learned" in json.loads(RESULTS.read_text()):
+        # no attacker this run: the earlier run's figures stay, marked as such
+        result["learned"] = {**json.loads(RESULTS.read_text())["learned"],
+                             "from_an_earlier_run": True}
     print(json.dumps(result, indent=2))
     write(result)
 
@@ -161,7 +167,9 @@ def write(result: dict[str, Any]) -> None:
                  f"windows a batch, {learned_row['inference_ms_per_frame_batch_1']:.2f} at one; "
                  "its fit waited for data "
                  + (f"{100 * max(waits):.1f}% of an epoch at most ({learned_row['workers']} "
-                    "loader worker(s))" if waits else "(not recorded by that fit)") + "."]
+                    "loader worker(s))" if waits else "(not recorded by that fit)") + "."
+                 + (" Measured by an earlier run (no attacker given to this one)."
+                    if learned_row.get("from_an_earlier_run") else "")]
     with atomic_path(RESULTS.with_suffix(".md")) as tmp:
         tmp.write_text("\n".join(text) + "\n")
 
