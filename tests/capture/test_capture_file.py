@@ -177,18 +177,24 @@ def test_captures_are_lz4_and_plain_h5py_reads_them_with_hdf5plugin(random_captu
     assert not (tmp_path / "never.h5").exists()
 
 
+def captures_with_and_without(folder: Path, setting: str, steps: int) -> dict[bool, Path]:
+    """The same capture with capture.`setting` on and off."""
+    files = {}
+    for value in (True, False):
+        preset = tiny_preset()
+        setattr(preset.capture, setting, value)
+        files[value] = folder / f"{setting}-{value}.h5"
+        run_capture(CaptureJob(victim="cnn-small", random_init=True, split="train", steps=steps,
+                               out=files[value], preset=preset, progress=False))
+    return files
+
+
 def test_overlapped_rollouts_write_the_same_file_and_report_their_errors(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Episodes rolled out in the child process (the default) give the file the in-process
     loop gives; an error in the child is raised here as itself, and a failure
     no resume would fix leaves no partial file."""
-    files = {}
-    for overlap in (True, False):
-        preset = tiny_preset()
-        preset.capture.overlap = overlap
-        files[overlap] = tmp_path / f"overlap-{overlap}.h5"
-        run_capture(CaptureJob(victim="cnn-small", random_init=True, split="train", steps=45,
-                               out=files[overlap], preset=preset, progress=False))
+    files = captures_with_and_without(tmp_path, "overlap", 45)
     with h5py.File(files[True], "r") as child, h5py.File(files[False], "r") as here:
         for name in here:
             if isinstance(here[name], h5py.Dataset) and name != "gradients":
@@ -215,13 +221,7 @@ def test_background_writes_give_the_same_file_and_raise_the_writers_error(
     the file is the one written in line, bit for bit (the rows handed over are not overwritten
     by the next episode's gradients), and a failed write is raised as itself, the file
     discarded."""
-    files = {}
-    for background in (True, False):
-        preset = tiny_preset()
-        preset.capture.background_write = background
-        files[background] = tmp_path / f"background-{background}.h5"
-        run_capture(CaptureJob(victim="cnn-small", random_init=True, split="train", steps=60,
-                               out=files[background], preset=preset, progress=False))
+    files = captures_with_and_without(tmp_path, "background_write", 60)
     with h5py.File(files[True], "r") as threaded, h5py.File(files[False], "r") as inline:
         assert inline.attrs["num_episodes"] >= 3  # buffers reused at least once
         for name in inline:
