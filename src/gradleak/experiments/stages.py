@@ -139,14 +139,15 @@ def score_cell(cell: Cell, context: Context, heldout: Path, train: Path,
 
 def trace_rows(results: list[dict[str, Any]], by: list[str], header: str
                ) -> tuple[dict[str, Any], list[str]]:
-    """Per group of `by`: the attack's mean ± std over seeds beside the references, and CPU minutes
-    per cell; (summary, Markdown lines after the table's first columns `header`)."""
+    """Per group of `by`: the attack's mean ± std over seeds beside the references, its size
+    and speed, and CPU minutes per cell; (summary, Markdown lines after the table's first
+    columns `header`)."""
     from gradleak.experiments.runner import grouped, mean_std
 
     summary: dict[str, Any] = {}
     lines = [f"| {header} | PSNR | SSIM | LPIPS | actions | mean image PSNR | "
-             "mean colour PSNR | CPU min / cell |",
-             "|" + "---|" * (header.count("|") + 8)]
+             "mean colour PSNR | attacker parameters | ms / frame | CPU min / cell |",
+             "|" + "---|" * (header.count("|") + 10)]
     for key, group in grouped(results, by).items():
         def values(name: str, metric: str) -> list[float]:
             return [r["result"][name][metric] for r in group
@@ -159,9 +160,13 @@ def trace_rows(results: list[dict[str, Any]], by: list[str], header: str
         summary["/".join(str(k) for k in key)] = {m: (sum(v) / len(v) if v else None)
                                                   for m, v in entry.items()}
         cpu = sum(r["cpu_minutes"] for r in group) / len(group)
+        sizes = sorted(set(values("attack", "parameters")))
+        params = ", ".join(f"{int(n):,}" for n in sizes) or "-"  # none: training-free
+        speed = values("attack", "ms_per_frame")
+        ms = f"{sum(speed) / len(speed):.2f}" if speed else "-"
         lines.append("| " + " | ".join(str(k) for k in key) + " | "
                      f"{mean_std(entry['psnr'])} | {mean_std(entry['ssim'], 3)} | "
                      f"{mean_std(entry['lpips'], 3)} | {mean_std(entry['action_accuracy'], 3)} | "
                      f"{mean_std(entry['mean_image_psnr'])} | "
-                     f"{mean_std(entry['mean_colour_psnr'])} | {cpu:.1f} |")
+                     f"{mean_std(entry['mean_colour_psnr'])} | {params} | {ms} | {cpu:.1f} |")
     return summary, lines
