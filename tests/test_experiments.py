@@ -123,7 +123,12 @@ def test_components_and_losses_share_a_victim_and_measure_what_they_say(tmp_path
     assert 0 <= cells["cnn"]["attack"]["action_accuracy"] <= 1
     assert cells["heads"]["gradient_dim"] == heads_dim
     assert cells["all"]["mean training image"]["psnr"] > 0
-    assert "| ppo | heads |" in (results / "components.md").read_text()
+    table = (results / "components.md").read_text()
+    assert "| ppo | heads |" in table
+    # the attacker's size and speed, from the cell's own record
+    size = f"| {cells['heads']['attack']['parameters']:,} | " \
+        f"{cells['heads']['attack']['ms_per_frame']:.2f} |"
+    assert size in table.split("| ppo | heads |")[1].split("\n")[0]
 
 
 @pytest.mark.slow
