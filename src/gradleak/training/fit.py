@@ -328,8 +328,12 @@ class AttackerFit(FitLoop):
 
     @torch.no_grad()
     def _replica_spread(self) -> float:
-        """max |θ_rank − θ_other| over all ranks and parameters: 0 unless DDP desynchronised."""
-        flat = torch.cat([p.detach().flatten().float() for p in self.model.parameters()])
+        """max |θ_rank − θ_other| over all ranks, parameters and buffers (the input
+        normaliser's statistics, fitted on each rank's own shard, are rank 0's everywhere once
+        DDP has broadcast them): 0 unless DDP desynchronised."""
+        tensors = [*self.model.parameters(),
+                   *(b for b in self.model.buffers() if b.is_floating_point())]
+        flat = torch.cat([t.detach().flatten().float() for t in tensors])
         high, low = flat.clone(), flat.clone()
         dist.all_reduce(high, op=dist.ReduceOp.MAX)
         dist.all_reduce(low, op=dist.ReduceOp.MIN)
