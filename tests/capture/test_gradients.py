@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from gradleak.capture.grads import (
+    RULES,
     StepBatch,
     StepGradients,
     batch_gradient,
@@ -89,3 +90,25 @@ def test_training_mode_is_refused() -> None:
     batch = make_batch(2, 32, torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match="victim.eval"):
         per_step_gradients(victim, batch, LossCoefficients(), layer_table(victim))
+
+
+@pytest.mark.parametrize("kernel, stride, padding, dilation", [
+    ((8, 8), 4, 0, 1), ((3, 5), (2, 1), (1, 2), 1), (3, 3, 1, 2), ((4, 2), 2, 0, (1, 3))])
+def test_the_conv_rule_is_each_steps_own_weight_gradient(kernel, stride, padding,
+                                                         dilation) -> None:
+    """Both forms of the conv rule (im2col, and the correlation with steps as groups, stride
+    and dilation swapped) on rectangular kernels, padding, dilation and a stride that leaves
+    rows over: each step's weight and bias gradient as autograd gives it for that step alone."""
+    torch.manual_seed(3)
+    conv = torch.nn.Conv2d(3, 5, kernel, stride, padding, dilation)
+    # below and above the input area where the rule switches from im2col to correlation
+    for side in (11, 23):
+        inputs = torch.randn(4, 3, side, side - 2)
+        deltas = torch.randn_like(conv(inputs))
+        out = {"weight": torch.empty(4, *conv.weight.shape), "bias": torch.empty(4, 5)}
+        RULES[torch.nn.Conv2d](conv, inputs, deltas, out)
+        for step in range(4):
+            weight, bias = torch.autograd.grad(conv(inputs[step:step + 1]),
+                                               [conv.weight, conv.bias], deltas[step:step + 1])
+            assert torch.allclose(out["weight"][step], weight, atol=1e-5, rtol=1e-5)
+            assert torch.allclose(out["bias"][step], bias, atol=1e-5, rtol=1e-5)

@@ -146,14 +146,46 @@ def _linear(module: nn.Linear, a: torch.Tensor, delta: torch.Tensor,
         torch.sum(delta, 1, out=out["bias"])
 
 
+# Input area (pixels) from which the correlation form of the conv rule beats unfold + bmm.
+# Measured on 64 steps, 1 and 2 threads (ms, unfold → correlation): the paper's cnn 84×84
+# input 10.6 → 4.1, its 20×20 7.2 → 5.8, its 9×9 5.1 → 7.2; cnn-small's 64×64 4.7 → 1.9, its
+# 15×15 1.2 → 2.1, its 6×6 0.6 → 1.3.
+CORRELATION_MIN_AREA = 256
+
+
 def _conv2d(module: nn.Conv2d, a: torch.Tensor, delta: torch.Tensor,
             out: dict[str, torch.Tensor]) -> None:
+    if a.shape[2] * a.shape[3] >= CORRELATION_MIN_AREA:
+        _conv2d_by_correlation(module, a, delta, out)
+    else:
+        _conv2d_by_columns(module, a, delta, out)
+    if "bias" in out:
+        torch.sum(delta.flatten(2), 2, out=out["bias"])
+
+
+def _conv2d_by_columns(module: nn.Conv2d, a: torch.Tensor, delta: torch.Tensor,
+                       out: dict[str, torch.Tensor]) -> None:
+    """Each step's input patches (im2col) against its output gradient, one bmm."""
     n = a.shape[0]
     columns = F.unfold(a, module.kernel_size, module.dilation, module.padding, module.stride)
     delta = delta.flatten(2)  # (N, C_out, P) against columns (N, C_in·k·k, P)
     torch.bmm(delta, columns.transpose(1, 2), out=out["weight"].view(n, delta.shape[1], -1))
-    if "bias" in out:
-        torch.sum(delta, 2, out=out["bias"])
+
+
+def _conv2d_by_correlation(module: nn.Conv2d, a: torch.Tensor, delta: torch.Tensor,
+                           out: dict[str, torch.Tensor]) -> None:
+    """Step i's weight gradient is the correlation of its input with its output gradient: one
+    convolution for the whole chunk, the steps as groups and the input channels as the batch
+    (the roles of stride and dilation swap); no patch matrix is formed, which on a large input
+    costs more than the arithmetic."""
+    n, channels_in = a.shape[:2]
+    channels_out, (kh, kw) = module.out_channels, module.kernel_size
+    kernels = delta.reshape(n * channels_out, 1, *delta.shape[2:])
+    correlated = F.conv2d(a.transpose(0, 1), kernels, None, stride=module.dilation,
+                          padding=module.padding, dilation=module.stride, groups=n)
+    # (C_in, N·C_out, ≥kh, ≥kw): the rows the padding or the stride leave over are cut off
+    weight = correlated[:, :, :kh, :kw].reshape(channels_in, n, channels_out, kh, kw)
+    out["weight"].copy_(weight.permute(1, 2, 0, 3, 4))
 
 
 def _affine(normalised: torch.Tensor, delta: torch.Tensor, out: dict[str, torch.Tensor]
