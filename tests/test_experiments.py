@@ -60,6 +60,36 @@ def test_shards_split_the_grid_and_merge_refuses_what_is_missing(tmp_path, capsy
     assert sorted(ran(out)) == sorted(set(ran(out))) and len(ran(out)) == 6  # disjoint
 
 
+def test_a_later_session_continues_a_merged_partial_grid(tmp_path, capsys) -> None:
+    """The run folder is gone (a new machine); the merged partial result is all that is left:
+    --import-cells takes its cells, runs only the others, and the merge says which came from
+    where. Another grid's or other settings' result is refused."""
+    first, results = tmp_path / "first", tmp_path / "results"
+    run = ["experiment", "toy", *PLUGIN, "--seeds", "2", "--quiet"]
+    assert main([*run, "--out", str(first), "--shard", "0/2"]) == 0
+    assert main(["experiment", "toy", *PLUGIN, "--merge", "--allow-partial", "--out",
+                 str(first), "--results", str(results), "--quiet"]) == 0
+    merged = results / "toy.json"
+    later = tmp_path / "later"
+    assert main(["experiment", "toy", *PLUGIN, "--seeds", "2", "--out", str(later),
+                 "--import-cells", str(merged), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert len(summary["imported"]) == 3 and len(summary["ran"]) == 3
+    assert summary["missing_in_grid"] == [] and not set(summary["imported"]) & set(summary["ran"])
+    assert len(ran(later)) == 3  # the imported cells did not run again
+    assert main(["experiment", "toy", *PLUGIN, "--merge", "--out", str(later), "--results",
+                 str(results), "--quiet"]) == 0
+    assert "3 of the cells were run by an earlier session" in (results / "toy.md").read_text()
+    capsys.readouterr()
+    assert main(["experiment", "toy", *PLUGIN, "--seeds", "2", "--budget-minutes", "9",
+                 "--out", str(tmp_path / "other"), "--import-cells", str(merged)]) == 2
+    assert "other settings (budget_minutes" in capsys.readouterr().err
+    assert main(["experiment", "components", "--seeds", "2", "--out", str(tmp_path / "one"),
+                 "--import-cells", str(merged)]) == 2
+    assert "not a merged result of experiment 'components'" in capsys.readouterr().err
+    assert not (tmp_path / "other").exists() and not (tmp_path / "one").exists()
+
+
 def test_settings_and_folders_are_checked_before_any_cell(tmp_path, capsys) -> None:
     out = tmp_path / "toy"
     base = ["experiment", "toy", *PLUGIN, "--out", str(out)]

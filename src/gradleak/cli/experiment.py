@@ -11,7 +11,8 @@ RESULTS = Path("benchmarks") / "results"
 
 
 def run(args: argparse.Namespace) -> None:
-    from gradleak.experiments import ExperimentSettings, merge_experiment, run_experiment
+    from gradleak.experiments import (ExperimentSettings, import_cells, merge_experiment,
+                                      run_experiment)
 
     out = Path(args.out)
     if args.merge:
@@ -22,10 +23,15 @@ def run(args: argparse.Namespace) -> None:
     settings = ExperimentSettings(args.name, seeds=args.seeds,
                                   budget_minutes=args.budget_minutes, clock=args.clock,
                                   preset=args.preset, overrides=list(args.set or []))
-    result = run_experiment(settings, out, resume=args.resume, shard=args.shard,
+    imported = import_cells(settings, out, Path(args.import_cells)) if args.import_cells \
+        else []
+    result = run_experiment(settings, out, resume=args.resume or bool(args.import_cells),
+                            shard=args.shard,
                             progress=progress(args),
                             shared=Path(args.shared) if args.shared else None)
-    emit(args, result, f"{args.name} shard {result['shard']}: ran {len(result['ran'])} of "
+    result["imported"] = imported
+    emit(args, result, f"{args.name} shard {result['shard']}: imported {len(imported)}, "
+                       f"ran {len(result['ran'])} of "
                        f"{result['cells_in_shard']} cells; {len(result['missing_in_grid'])} "
                        f"missing in the whole grid -> {out}")
 
@@ -44,6 +50,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--preset", default="cpu-bench")
     set_flag(p)
     p.add_argument("--resume", action="store_true", help="run only the missing cells")
+    p.add_argument("--import-cells", metavar="RESULTS_JSON",
+                   help="first take the finished cells of an earlier session's merged result "
+                   "(benchmarks/results/NAME.json, same settings) and run only the rest")
     p.add_argument("--shard", metavar="I/N", help="run every N-th cell from the I-th (one "
                    "process or machine per shard, same --out)")
     p.add_argument("--shared", help="where victims and captures cells share live (default "

@@ -4,6 +4,9 @@
     OUT/cells/<cell>.json    one record per finished cell, written atomically when it finishes
     OUT/shared/...           work cells share (victims, captures), built once under a lock
 
+`--import-cells RESULTS/NAME.json` seeds OUT/cells from an earlier session's merged result, so
+a grid longer than one session continues where that one stopped.
+
 `--merge` reads every cell and writes benchmarks/results/NAME.{json,md}: one table per
 experiment, mean ± std over seeds, with what each cell cost (CPU and wall minutes).
 """
@@ -81,6 +84,44 @@ def claim(out: Path, settings: ExperimentSettings, resume: bool) -> None:
     write_json(out / "experiment.json", {"format": FORMAT, "settings": settings.to_dict()})
 
 
+def import_cells(settings: ExperimentSettings, out: Path, source: Path) -> list[str]:
+    """The finished cells of a merged result (benchmarks/results/NAME.json, written by an
+    earlier session whose run folder is gone) into OUT/cells, marked with where they came
+    from, so a run continues the grid instead of repeating it. Only cells of this grid, run
+    with these very settings; a cell OUT already holds is kept. Returns the imported ids."""
+    data = read_json(source, "merged experiment result")
+    if data.get("experiment") != settings.name or not isinstance(data.get("cells"), list):
+        raise ConfigError(f"--import-cells {source}: not a merged result of experiment "
+                          f"{settings.name!r} (it says {data.get('experiment')!r})")
+    before, now = data.get("settings", {}), settings.to_dict()
+    changed = sorted(k for k in now if before.get(k) != now[k])
+    if changed:
+        raise ConfigError(f"--import-cells {source} was run with other settings ("
+                          + ", ".join(f"{k}: {before.get(k)!r} → {now[k]!r}" for k in changed)
+                          + "): its cells would not be comparable")
+    experiment: Experiment = EXPERIMENTS.get(settings.name)()
+    grid = {cell.id for cell in experiment.cells(settings.seeds)}
+    cells = []
+    for record in data["cells"]:
+        try:
+            cell = experiment.cell_of(record)
+        except (KeyError, TypeError):
+            raise ConfigError(f"--import-cells {source}: a cell record without this "
+                              f"experiment's axes ({record.get('cell')!r})") from None
+        if cell.id not in grid:
+            raise ConfigError(f"--import-cells {source}: cell {cell.id} is not in the grid of "
+                              f"{settings.seeds} seed(s)")
+        cells.append((cell, record))
+    claim(out, settings, resume=True)
+    imported = []
+    for cell, record in cells:
+        path = cell_path(out, cell)
+        if not path.exists():
+            write_json(path, {**record, "imported_from": str(source)})
+            imported.append(cell.id)
+    return imported
+
+
 def run_experiment(settings: ExperimentSettings, out: Path, resume: bool = False,
                    shard: str | None = None, progress: bool = False,
                    shared: Path | None = None) -> dict[str, Any]:
@@ -141,6 +182,7 @@ def merge_experiment(out: Path, results: Path, allow_partial: bool = False
     markdown += "".join(f"\n\n![{p.stem}]({p.name})" for p in pictures)
     cost = [r["cpu_minutes"] for r in records]
     shared_cost = sum(r.get("shared_cpu_minutes", 0.0) for r in records)
+    imported = sorted({r["imported_from"] for r in records if "imported_from" in r})
     data = {"experiment": settings.name, "description": experiment.description,
             "settings": settings.to_dict(), "summary": summary, "cells": records,
             "missing": missing, "machine": machine(),
@@ -149,6 +191,11 @@ def merge_experiment(out: Path, results: Path, allow_partial: bool = False
     json_path, md_path = results / f"{settings.name}.json", results / f"{settings.name}.md"
     write_json(json_path, data)
     note = f"\n\n{len(missing)} cells missing: {', '.join(missing)}\n" if missing else "\n"
+    if imported:  # victims and captures rebuilt from the same preset by the later run
+        count = sum(1 for r in records if "imported_from" in r)
+        note += (f"\n{count} of the cells were run by an earlier session and imported from "
+                 f"{', '.join(imported)}; the others ran on victims rebuilt from the same "
+                 "preset.\n")
     with atomic_path(md_path) as tmp:
         tmp.write_text(f"# `gradleak experiment {settings.name}`\n\n{experiment.description}\n\n"
                        f"Settings: {settings.to_dict()}; {machine()}; "
