@@ -41,6 +41,8 @@ def test_a_grid_runs_resumes_and_merges_with_mean_and_std(tmp_path, capsys) -> N
     assert builder["shared_cpu_minutes"] >= 0.3 / 60 > builder["cpu_minutes"]
     assert merged["shared_cpu_minutes"] == builder["shared_cpu_minutes"]
     assert "| b | 10.50 ± 0.50 |" in (results / "toy.md").read_text()
+    assert len(merged["victim_checkpoints"]["victim"]) == 1
+    assert "different checkpoints" not in (results / "toy.md").read_text()
 
 
 def test_shards_split_the_grid_and_merge_refuses_what_is_missing(tmp_path, capsys) -> None:
@@ -79,7 +81,11 @@ def test_a_later_session_continues_a_merged_partial_grid(tmp_path, capsys) -> No
     assert len(ran(later)) == 3  # the imported cells did not run again
     assert main(["experiment", "toy", *PLUGIN, "--merge", "--out", str(later), "--results",
                  str(results), "--quiet"]) == 0
-    assert "3 of the cells were run by an earlier session" in (results / "toy.md").read_text()
+    table = (results / "toy.md").read_text()
+    assert "3 of the cells were run by an earlier session" in table
+    # each session trained its own victim: the merge says the rows mix two checkpoints
+    assert "attacked 2 different checkpoints" in table
+    assert len(json.loads(merged.read_text())["victim_checkpoints"]["victim"]) == 2
     capsys.readouterr()
     assert main(["experiment", "toy", *PLUGIN, "--seeds", "2", "--budget-minutes", "9",
                  "--out", str(tmp_path / "other"), "--import-cells", str(merged)]) == 2

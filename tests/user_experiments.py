@@ -3,6 +3,7 @@ cheap cells whose value depends on the cell, and a log of which cells ran."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from pathlib import Path
@@ -30,7 +31,10 @@ class Toy(Experiment):
         with (context.out / "ran.log").open("a") as log:
             log.write(cell.id + "\n")
         index = json.loads(Path(shared).read_text())[cell["setting"]]
-        return {"value": 10.0 * index + cell["seed"], "budget": context.budget_minutes}
+        # a stand-in for the victim checkpoint: each run folder builds its own
+        theta0 = hashlib.sha256(str(shared).encode()).hexdigest()
+        return {"value": 10.0 * index + cell["seed"], "budget": context.budget_minutes,
+                "theta0_sha256": theta0}
 
     def summarize(self, results: list[dict]) -> tuple[dict, str]:
         rows = {key[0]: [r["result"]["value"] for r in group]

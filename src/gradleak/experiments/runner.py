@@ -183,14 +183,21 @@ def merge_experiment(out: Path, results: Path, allow_partial: bool = False
     cost = [r["cpu_minutes"] for r in records]
     shared_cost = sum(r.get("shared_cpu_minutes", 0.0) for r in records)
     imported = sorted({r["imported_from"] for r in records if "imported_from" in r})
+    checkpoints = victim_checkpoints(records)
     data = {"experiment": settings.name, "description": experiment.description,
             "settings": settings.to_dict(), "summary": summary, "cells": records,
             "missing": missing, "machine": machine(),
             "cpu_minutes_total": sum(cost), "cpu_minutes_median_cell": statistics.median(cost),
-            "shared_cpu_minutes": shared_cost, "figures": [p.name for p in pictures]}
+            "shared_cpu_minutes": shared_cost, "figures": [p.name for p in pictures],
+            "victim_checkpoints": {k: sorted(v) for k, v in checkpoints.items()}}
     json_path, md_path = results / f"{settings.name}.json", results / f"{settings.name}.md"
     write_json(json_path, data)
     note = f"\n\n{len(missing)} cells missing: {', '.join(missing)}\n" if missing else "\n"
+    for victim, hashes in sorted(checkpoints.items()):
+        if len(hashes) > 1:  # victim training is not bit-reproducible across machines
+            note += (f"\nThe {victim} cells attacked {len(hashes)} different checkpoints of "
+                     f"that victim (θ0 {', '.join(h[:12] for h in sorted(hashes))}): its rows "
+                     "mix victims trained alike, not one victim.\n")
     if imported:  # victims and captures rebuilt from the same preset by the later run
         count = sum(1 for r in records if "imported_from" in r)
         note += (f"\n{count} of the cells were run by an earlier session and imported from "
@@ -203,6 +210,17 @@ def merge_experiment(out: Path, results: Path, allow_partial: bool = False
                        f"{shared_cost:.1f} building the victims and captures they share.\n\n"
                        + markdown.rstrip() + note)
     return json_path, md_path
+
+
+def victim_checkpoints(records: list[dict[str, Any]]) -> dict[str, set[str]]:
+    """Per victim axis value (or "victim"), the θ0 hashes its cells attacked (cells that
+    record one)."""
+    found: dict[str, set[str]] = {}
+    for record in records:
+        theta0 = record.get("result", {}).get("theta0_sha256")
+        if theta0:
+            found.setdefault(str(record["cell"].get("victim", "victim")), set()).add(theta0)
+    return found
 
 
 def machine() -> str:

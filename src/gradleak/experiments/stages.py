@@ -128,10 +128,12 @@ def score_cell(cell: Cell, context: Context, heldout: Path, train: Path,
                       baselines=baselines, baseline_windows=baseline_windows)
     with CaptureFile(heldout) as handle:
         gradient_dim = int(handle.attrs["gradient_dim"])
+        theta0 = str(handle.attrs["theta0_sha256"])  # which victim checkpoint was attacked
     rows = scored["methods"]
     attacks = {name: {k: row.get(k) for k in KEEP} for name, row in rows.items()
                if row["kind"] in ATTACK_KINDS}
-    return {"gradient_dim": gradient_dim, "method_label": label, "attack": attacks[label],
+    return {"gradient_dim": gradient_dim, "theta0_sha256": theta0, "method_label": label,
+            "attack": attacks[label],
             "attacks": attacks,
             **{name: {k: rows[name].get(k) for k in ("psnr", "ssim", "lpips")}
                for name in REFERENCES if name in rows}}
