@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 import gradleak.attacks
-from gradleak.attacks.action_rules import RULES, column_sums, recover_actions
+from gradleak.attacks.action_rules import RULES, action_scores, column_sums, recover_actions
 from gradleak.capture.grads import StepBatch, per_step_gradients
 from gradleak.errors import ConfigError
 from gradleak.evaluation.oracles import oracle_actions
@@ -80,6 +81,28 @@ def test_column_sums_follow_theorem_4_2() -> None:
     onehot = np.eye(5)[actions]
     ratio = sigma / (probs - onehot)  # = A ‖h‖₁, the same for every k of a step
     assert np.allclose(ratio, ratio[:, :1], rtol=1e-4)
+
+
+def test_zero_mean_features_are_read_by_their_direction_not_their_sum() -> None:
+    """Rows δ_k hᵀ with Σ_j h_j = 0 (LayerNorm'd features, as a ViT's head reads): the column
+    sums are rounding noise, the projection on the strongest row still gives δ's ratios and
+    every action; with ReLU features (h ≥ 0) the scores are the sums themselves."""
+    observation, actions, probs = observed(5, peaked=False, advantage_sign=1.0, n=20,
+                                           entropy=0.01)
+    assert np.array_equal(action_scores(observation), column_sums(observation))
+    layer = next(layer for layer in observation.layers if layer.name == "policy_head.weight")
+    columns = slice(layer.offset, layer.offset + layer.size)
+    block = observation.gradients[:, columns].reshape(20, 5, -1).astype(np.float64)
+    centred = (block - block.mean(axis=2, keepdims=True)).astype(np.float32)
+    gradients = observation.gradients.copy()
+    gradients[:, columns] = centred.reshape(20, -1)
+    balanced = dataclasses.replace(observation, gradients=gradients)
+    reference = column_sums(observation)  # δ_k Σ_j h_j of the uncentred features
+    assert np.abs(column_sums(balanced)).max() < 1e-4 * np.abs(reference).min()
+    scores = action_scores(balanced)
+    ratio = scores / reference
+    assert np.allclose(ratio, ratio[:, :1], rtol=1e-3)  # the same δ, up to a per-step factor
+    assert (recover_actions(balanced, "odd-sign").actions == actions).all()
 
 
 def test_entropy_bonus_costs_little_accuracy() -> None:

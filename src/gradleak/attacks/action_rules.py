@@ -25,15 +25,47 @@ def policy_weight(roles: Roles) -> str:
     return f"{roles.policy_head}.weight"
 
 
-def column_sums(observation: Observation) -> np.ndarray:
-    """σ: (N, K) sums over the feature axis of the policy head's weight gradient."""
+def head_gradient(observation: Observation) -> np.ndarray:
+    """(N, K, d_h) the policy head's weight gradient, float64."""
     weight = policy_weight(observation.roles)
     try:
-        block = observation.block(weight)  # (N, K, d_h)
+        return observation.block(weight).astype(np.float64)
     except KeyError:
         raise ConfigError(f"the capture holds no policy-head gradient ({weight}); capture "
                           "with --components including 'heads'") from None
-    return block.astype(np.float64).sum(axis=2)
+
+
+def column_sums(observation: Observation) -> np.ndarray:
+    """σ: (N, K) sums over the feature axis of the policy head's weight gradient."""
+    return head_gradient(observation).sum(axis=2)
+
+
+# |Σ_j h_j| / ‖h‖₂ below which the row sums are taken as rounding (≥ 1 for features ≥ 0)
+BALANCED_FEATURES = 0.1
+
+
+def action_scores(observation: Observation) -> np.ndarray:
+    """(N, K) what the rules read: σ, except on steps whose features sum to nearly nothing.
+
+    The head's weight gradient is rank one, row k = δ_k hᵀ (δ the loss's gradient in the
+    logits, whatever the loss), so σ_k = δ_k Σ_j h_j: proportional to δ only while Σ_j h_j is
+    not lost in rounding. ReLU features (h ≥ 0) keep it at least ‖h‖₂; LayerNorm's zero-mean
+    features (a ViT's) make it ~0, and σ is then rounding noise (13 of 16 actions on a
+    random-init ViT). There the rows are projected on the strongest row instead, oriented
+    like its sum: δ_k ‖h‖₂ times a sign common to the step, the same ratios as σ's."""
+    block = head_gradient(observation)
+    sigma = block.sum(axis=2)
+    if not len(block):
+        return sigma
+    steps = np.arange(len(block))
+    norms = np.linalg.norm(block, axis=2)
+    strongest = norms.argmax(axis=1)
+    lead, lead_norm = block[steps, strongest], np.maximum(norms[steps, strongest], 1e-300)
+    lead_sum = sigma[steps, strongest]
+    balance = np.abs(lead_sum) / lead_norm
+    oriented = lead * np.where(lead_sum < 0, -1.0, 1.0)[:, None] / lead_norm[:, None]
+    projected = np.einsum("nkd,nd->nk", block, oriented)
+    return np.where((balance < BALANCED_FEATURES)[:, None], projected, sigma)
 
 
 @RULES.register("sign-agnostic")
@@ -67,6 +99,6 @@ def odd_sign(sigma: np.ndarray) -> np.ndarray:
 def recover_actions(observation: Observation, rule: str) -> Reconstruction:
     """The rule's actions from the observation alone (the paper's sign-aware rule, which needs
     the true sign of A, is an evaluation oracle: gradleak.evaluation.oracles)."""
-    sigma = column_sums(observation)
+    sigma = action_scores(observation)
     actions = RULES.get(rule)(sigma)
     return Reconstruction(actions=actions.astype(np.int64), extras={"sigma": sigma})
