@@ -15,17 +15,47 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 
-class BackgroundWrites:
+class InlineWrites:
+    """The same interface, each write done at once (capture.background_write off)."""
+
+    buffers = 1  # the rows handed over are written before the next episode's are formed
+
     def __init__(self, write: Callable[..., Any]) -> None:
         self._write = write
+        self.seconds = 0.0
+        self.waited = 0.0
+
+    def submit(self, *args: Any) -> None:
+        tick = time.perf_counter()
+        try:
+            self._write(*args)
+        finally:
+            self.seconds += time.perf_counter() - tick
+
+    def wait(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class BackgroundWrites:
+    buffers = 2  # one episode's rows being written while the next one's are formed
+
+    def __init__(self, write: Callable[..., Any]) -> None:
+        self._inline = InlineWrites(write)  # run in the thread: it times the writes there
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gradleak-writer")
         self._pending: Future | None = None
-        self.seconds = 0.0  # the writes' own time, in the thread
         self.waited = 0.0  # the caller's time waiting for a write to end
+
+    @property
+    def seconds(self) -> float:
+        """The writes' own time, in the thread."""
+        return self._inline.seconds
 
     def submit(self, *args: Any) -> None:
         self.wait()
-        self._pending = self._executor.submit(self._timed, *args)
+        self._pending = self._executor.submit(self._inline.submit, *args)
 
     def wait(self) -> None:
         """Until the write in flight ends; its error, if any, is raised here."""
@@ -45,10 +75,3 @@ class BackgroundWrites:
             wait([self._pending])
             self._pending = None
         self._executor.shutdown(wait=True)
-
-    def _timed(self, *args: Any) -> None:
-        tick = time.perf_counter()
-        try:
-            self._write(*args)
-        finally:
-            self.seconds += time.perf_counter() - tick

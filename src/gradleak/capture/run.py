@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from gradleak.capture.background import BackgroundWrites
+from gradleak.capture.background import BackgroundWrites, InlineWrites
 from gradleak.capture.config import CaptureConfig
 from gradleak.capture.episodes import episode_targets, run_episode
 from gradleak.capture.grads import StepBatch, StepGradients
@@ -131,46 +131,37 @@ def _capture_loop(plan: CapturePlan, source: _EpisodeSource, writer: CaptureWrit
     """episode_s: the rollouts' own time (in the child when they overlap); wait_s: this process
     waiting for the next episode; gradient_s: this process's work on the gradients; write_s:
     the writes' own time (in a thread when they run in the background); write_wait_s: this
-    process waiting for a write to end."""
+    process waiting for a background write to end (0 when they are in line)."""
     timings = {"episode_s": 0.0, "wait_s": 0.0, "gradient_s": 0.0}
     config = job.preset.capture
-    # two buffers: an episode's rows stay untouched while a background write reads them
-    methods = [StepGradients(config.gradient_method, config.chunk) for _ in range(2)]
-    writes = BackgroundWrites(writer.append_episode) if config.background_write else None
+    writes = (BackgroundWrites if config.background_write else InlineWrites)(
+        writer.append_episode)
+    # a buffer per episode in flight: rows stay untouched while they are written
+    methods = [StepGradients(config.gradient_method, config.chunk)
+               for _ in range(writes.buffers)]
     try:
         with tqdm(total=plan.steps, initial=min(writer.num_rows, plan.steps), unit="step",
                   disable=not job.progress, desc=f"capture {job.split}") as bar:
             tick = time.perf_counter()
-            written = 0.0
             for produced in source.episodes(writer.num_episodes, plan.steps - writer.num_rows):
                 episode = produced.episode
                 tock = time.perf_counter()
                 targets = episode_targets(episode, produced.bootstrap, plan.gamma, plan.lam,
                                           job.advantage_norm)
                 gradients = _gradients(plan, episode, targets, config, produced.index,
-                                       methods[produced.index % 2])
+                                       methods[produced.index % len(methods)])
                 tack = time.perf_counter()
-                rows = _rows(episode, targets, produced.index,
-                             plan.all_scenes.index(produced.scene))
-                if writes is None:
-                    writer.append_episode(rows, gradients)
-                else:
-                    writes.submit(rows, gradients)
+                writes.submit(_rows(episode, targets, produced.index,
+                                    plan.all_scenes.index(produced.scene)), gradients)
                 timings["episode_s"] += produced.seconds
                 timings["wait_s"] += tock - tick
                 timings["gradient_s"] += tack - tock
                 tick = time.perf_counter()
-                written += tick - tack
                 bar.update(len(episode))
-            if writes is not None:
-                writes.wait()
+            writes.wait()
     finally:
-        if writes is not None:
-            writes.close()
-    if writes is None:
-        timings["write_s"] = written
-    else:
-        timings["write_s"], timings["write_wait_s"] = writes.seconds, writes.waited
+        writes.close()
+    timings["write_s"], timings["write_wait_s"] = writes.seconds, writes.waited
     return {key: round(value, 3) for key, value in timings.items()}
 
 

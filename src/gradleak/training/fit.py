@@ -125,8 +125,7 @@ class EpochSampler(Sampler[int]):
         return iter(order.tolist())
 
     def __len__(self) -> int:
-        size = min(self.size, self.limit) if self.limit else self.size
-        return size // self.world if self.world > 1 else size
+        return (min(self.size, self.limit) if self.limit else self.size) // self.world
 
 
 RANK_DATA = ("auto", "files", "windows")
