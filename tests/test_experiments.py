@@ -93,7 +93,12 @@ def test_a_later_session_continues_a_merged_partial_grid(tmp_path, capsys) -> No
     assert main(["experiment", "components", "--seeds", "2", "--out", str(tmp_path / "one"),
                  "--import-cells", str(merged)]) == 2
     assert "not a merged result of experiment 'components'" in capsys.readouterr().err
-    assert not (tmp_path / "other").exists() and not (tmp_path / "one").exists()
+    capsys.readouterr()
+    assert main(["experiment", "toy", *PLUGIN, "--seeds", "2", "--out", str(tmp_path / "bad"),
+                 "--import-cells", str(merged), "--shard", "2/2"]) == 2  # checked first
+    assert "--shard '2/2'" in capsys.readouterr().err
+    for name in ("other", "one", "bad"):
+        assert not (tmp_path / name).exists()
 
 
 def test_settings_and_folders_are_checked_before_any_cell(tmp_path, capsys) -> None:

@@ -11,8 +11,7 @@ RESULTS = Path("benchmarks") / "results"
 
 
 def run(args: argparse.Namespace) -> None:
-    from gradleak.experiments import (ExperimentSettings, import_cells, merge_experiment,
-                                      run_experiment)
+    from gradleak.experiments import ExperimentSettings, merge_experiment, run_experiment
 
     out = Path(args.out)
     if args.merge:
@@ -23,14 +22,12 @@ def run(args: argparse.Namespace) -> None:
     settings = ExperimentSettings(args.name, seeds=args.seeds,
                                   budget_minutes=args.budget_minutes, clock=args.clock,
                                   preset=args.preset, overrides=list(args.set or []))
-    imported = import_cells(settings, out, Path(args.import_cells)) if args.import_cells \
-        else []
-    result = run_experiment(settings, out, resume=args.resume or bool(args.import_cells),
-                            shard=args.shard,
+    result = run_experiment(settings, out, resume=args.resume, shard=args.shard,
                             progress=progress(args),
-                            shared=Path(args.shared) if args.shared else None)
-    result["imported"] = imported
-    emit(args, result, f"{args.name} shard {result['shard']}: imported {len(imported)}, "
+                            shared=Path(args.shared) if args.shared else None,
+                            import_from=Path(args.import_cells) if args.import_cells else None)
+    emit(args, result, f"{args.name} shard {result['shard']}: imported "
+                       f"{len(result['imported'])}, "
                        f"ran {len(result['ran'])} of "
                        f"{result['cells_in_shard']} cells; {len(result['missing_in_grid'])} "
                        f"missing in the whole grid -> {out}")

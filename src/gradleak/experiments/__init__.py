@@ -13,7 +13,7 @@ A user's own experiment is one decorator in their module, loaded with --plugin:
 
 from gradleak.experiments.base import (EXPERIMENTS, Cell, Context, Experiment,
                                        register_experiment)
-from gradleak.experiments.runner import (ExperimentSettings, grouped, import_cells, mean_std,
+from gradleak.experiments.runner import (ExperimentSettings, grouped, mean_std,
                                          merge_experiment, run_experiment)
 
 from gradleak.experiments import (  # noqa: E402,F401  (the built-ins register themselves)
@@ -27,5 +27,4 @@ from gradleak.experiments import (  # noqa: E402,F401  (the built-ins register t
 )
 
 __all__ = ["EXPERIMENTS", "Cell", "Context", "Experiment", "ExperimentSettings", "grouped",
-           "import_cells", "mean_std", "merge_experiment", "register_experiment",
-           "run_experiment"]
+           "mean_std", "merge_experiment", "register_experiment", "run_experiment"]

@@ -84,11 +84,11 @@ def claim(out: Path, settings: ExperimentSettings, resume: bool) -> None:
     write_json(out / "experiment.json", {"format": FORMAT, "settings": settings.to_dict()})
 
 
-def import_cells(settings: ExperimentSettings, out: Path, source: Path) -> list[str]:
+def importable_cells(settings: ExperimentSettings, source: Path
+                     ) -> list[tuple[Cell, dict[str, Any]]]:
     """The finished cells of a merged result (benchmarks/results/NAME.json, written by an
-    earlier session whose run folder is gone) into OUT/cells, marked with where they came
-    from, so a run continues the grid instead of repeating it. Only cells of this grid, run
-    with these very settings; a cell OUT already holds is kept. Returns the imported ids."""
+    earlier session whose run folder is gone), checked: the same experiment, run with these
+    very settings, every cell in this grid. Nothing is written."""
     data = read_json(source, "merged experiment result")
     if data.get("experiment") != settings.name or not isinstance(data.get("cells"), list):
         raise ConfigError(f"--import-cells {source}: not a merged result of experiment "
@@ -112,20 +112,16 @@ def import_cells(settings: ExperimentSettings, out: Path, source: Path) -> list[
             raise ConfigError(f"--import-cells {source}: cell {cell.id} is not in the grid of "
                               f"{settings.seeds} seed(s)")
         cells.append((cell, record))
-    claim(out, settings, resume=True)
-    imported = []
-    for cell, record in cells:
-        path = cell_path(out, cell)
-        if not path.exists():
-            write_json(path, {**record, "imported_from": str(source)})
-            imported.append(cell.id)
-    return imported
+    return cells
 
 
 def run_experiment(settings: ExperimentSettings, out: Path, resume: bool = False,
                    shard: str | None = None, progress: bool = False,
-                   shared: Path | None = None) -> dict[str, Any]:
-    """Run this shard's missing cells; returns what ran and what is still missing."""
+                   shared: Path | None = None, import_from: Path | None = None
+                   ) -> dict[str, Any]:
+    """Run this shard's missing cells, after taking those `import_from` (an earlier session's
+    merged result) holds, marked with where they came from (a cell OUT already holds is
+    kept); returns what was imported, what ran and what is still missing."""
     from tqdm import tqdm
 
     from gradleak.presets import load_preset, validate_preset
@@ -135,7 +131,13 @@ def run_experiment(settings: ExperimentSettings, out: Path, resume: bool = False
     preset = validate_preset(load_preset(settings.preset, settings.overrides), "--set")
     experiment: Experiment = EXPERIMENTS.get(settings.name)()
     cells = experiment.cells(settings.seeds)[index::count]
-    claim(out, settings, resume)
+    importing = importable_cells(settings, import_from) if import_from is not None else []
+    claim(out, settings, resume or import_from is not None)
+    imported = []
+    for cell, record in importing:
+        if not cell_path(out, cell).exists():
+            write_json(cell_path(out, cell), {**record, "imported_from": str(import_from)})
+            imported.append(cell.id)
     context = Context(out, settings.budget_minutes, settings.clock, preset, progress, shared)
     ran = []
     for cell in tqdm(cells, disable=not progress, desc=settings.name):
@@ -153,8 +155,8 @@ def run_experiment(settings: ExperimentSettings, out: Path, resume: bool = False
                           "shared_cpu_minutes": shared})
         ran.append(cell.id)
     missing = [c.id for c in experiment.cells(settings.seeds) if not cell_path(out, c).exists()]
-    return {"experiment": settings.name, "shard": f"{index}/{count}", "ran": ran,
-            "cells_in_shard": len(cells), "missing_in_grid": missing}
+    return {"experiment": settings.name, "shard": f"{index}/{count}", "imported": imported,
+            "ran": ran, "cells_in_shard": len(cells), "missing_in_grid": missing}
 
 
 def merge_experiment(out: Path, results: Path, allow_partial: bool = False
