@@ -30,9 +30,11 @@ from gradleak.capture.grads import (
     StepBatch,
     StepGradients,
     batch_gradient,
+    factorable_weights,
     loop_gradients,
     per_step_gradients,
 )
+from gradleak.capture.layout import read_gradients
 from gradleak.capture.storage import COMPRESSIONS, compression_options
 from gradleak.capture.run import CaptureJob, run_capture
 from gradleak.envs import frames as frames_module
@@ -108,8 +110,13 @@ def gradient_rates(victim_name: str, frames: np.ndarray, repeats: int) -> dict[s
                       -torch.rand(n, generator=g) - 1)
     layers, coefficients = layer_table(victim), LossCoefficients()
     einsum = StepGradients("einsum", chunk=64)  # its buffer reused, as the capture keeps it
+    factored = StepGradients("einsum", chunk=64, factored=factorable_weights(
+        victim, layers, batch.slice(0, 2)))
     seconds = {
         "einsum": median_seconds(lambda: einsum(victim, batch, coefficients, layers), repeats),
+        # the Linear weights as their factors, as a capture stores them by default
+        "einsum_factored": median_seconds(lambda: factored(victim, batch, coefficients, layers),
+                                          repeats),
         "einsum_fresh_buffer": median_seconds(lambda: StepGradients("einsum", 64)(
             victim, batch, coefficients, layers), repeats),
         "vmap": median_seconds(lambda: per_step_gradients(victim, batch, coefficients, layers,
@@ -180,8 +187,8 @@ def _backpack_seconds(victim: torch.nn.Module, batch: StepBatch,
 def filter_rates(capture: Path, rows: int, repeats: int) -> list[dict[str, Any]]:
     """Each HDF5 filter on the first `rows` gradient rows of a capture (float32 and float16):
     bytes per step, write and read MB/s, one step per chunk as captures store them."""
-    with h5py.File(capture, "r") as handle:
-        data32 = handle["gradients"][:rows].astype(np.float32)
+    with h5py.File(capture, "r") as handle:  # full rows, as a dense capture stores them
+        data32 = read_gradients(handle, slice(0, rows)).astype(np.float32)
     results = []
     for dtype in ("float32", "float16"):
         data = data32.astype(dtype)
@@ -213,6 +220,7 @@ def filter_rates(capture: Path, rows: int, repeats: int) -> list[dict[str, Any]]
 
 CAPTURE_VARIANTS = {  # name → overrides: the default first, then what each part adds
     "overlapped": [],
+    "overlapped_dense": ["capture.factor_linear=False"],
     "overlapped_inline_write": ["capture.background_write=False"],
     "in_process": ["capture.overlap=False", "capture.background_write=False"],
 }
@@ -220,7 +228,8 @@ CAPTURE_VARIANTS = {  # name → overrides: the default first, then what each pa
 
 def capture_rates(victim: str, frame_size: int, steps: int, repeats: int) -> dict[str, Any]:
     """The whole capture of `victim` (float32, LZ4) as it runs by default (the rollout in a
-    child process, writes in a thread), with the writes in line, and all in this process."""
+    child process, writes in a thread, Linear weights factored), with every weight dense, with
+    the writes in line, and all in this process; the file's bytes per step."""
     rates: dict[str, Any] = {"victim": victim, "frame_size": frame_size, "steps": steps}
     with tempfile.TemporaryDirectory() as tmp:
         for key, overrides in CAPTURE_VARIANTS.items():
@@ -235,6 +244,7 @@ def capture_rates(victim: str, frame_size: int, steps: int, repeats: int) -> dic
                 timings.append({k: v for k, v in result.items() if k.endswith("_s")})
 
             rates[f"steps_per_s_{key}"] = steps / median_seconds(run, repeats)
+            rates[f"bytes_per_step_{key}"] = (Path(tmp) / f"{key}.h5").stat().st_size / steps
             rates[f"ms_per_step_{key}"] = {
                 part: 1e3 * statistics.median(t[part] for t in timings) / steps
                 for part in timings[0]}
@@ -277,7 +287,7 @@ def main() -> None:
                                out=path, preset=load_preset("cpu-bench", []), progress=False))
         results["filters"] = filter_rates(path, 256, args.repeats)
         with h5py.File(path, "r") as handle:
-            results["filter_rows_zero_fraction"] = float((handle["gradients"][()] == 0).mean())
+            results["filter_rows_zero_fraction"] = float((read_gradients(handle) == 0).mean())
     text = json.dumps(results, indent=2)
     print(text)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)

@@ -111,9 +111,16 @@ def capture() -> tuple[str, str]:
     grads = "; ".join(f"{g['victim']} @{g['frame_size']} einsum {g['einsum_ms_per_step']:.2f}, "
                       f"vmap {g['vmap_ms_per_step']:.2f}, loop {g['loop_ms_per_step']:.2f} "
                       f"ms/step (einsum {g['einsum_cost_vs_one_batched_backward']:.1f}× one "
-                      f"batched forward+backward)" for g in data["gradients"])
+                      f"batched forward+backward"
+                      + (f"; {g['einsum_factored_cost_vs_one_batched_backward']:.1f}× with the "
+                         "Linear weights as factors" if "einsum_factored_ms_per_step" in g
+                         else "") + ")" for g in data["gradients"])
     whole = "; ".join(f"{c['victim']} @{c['frame_size']} {c['steps_per_s_overlapped']:.0f} "
                       f"steps/s ({c['overlapped_vs_engine']:.2f}× the engine"
+                      + (f", {c['bytes_per_step_overlapped'] / 1e3:.0f} kB/step; "
+                         f"{c['steps_per_s_overlapped_dense']:.0f} steps/s and "
+                         f"{c['bytes_per_step_overlapped_dense'] / 1e3:.0f} kB/step with every "
+                         "weight dense" if "steps_per_s_overlapped_dense" in c else "")
                       + (f"; {c['steps_per_s_overlapped_inline_write']:.0f} with the writes "
                          "in line" if "steps_per_s_overlapped_inline_write" in c else "")
                       + f"; {c['steps_per_s_in_process']:.0f} all in one process)"

@@ -18,6 +18,7 @@ import torch
 from conftest import tiny_preset
 
 from gradleak.capture.grads import StepBatch, per_step_gradients
+from gradleak.capture.layout import read_gradients
 from gradleak.capture.reader import CaptureFile
 from gradleak.capture.run import CaptureJob, run_capture
 from gradleak.capture.shards import concat_observations, open_captures
@@ -136,6 +137,28 @@ def test_a_restricted_copy_is_the_capture_of_those_components(tmp_path: Path) ->
         == ["cnn.h5"]
 
 
+# docs/data-format.md's reader of a row with h5py and numpy alone (factored weights included)
+PLAIN_ROW_READER = """import json
+import numpy as np
+
+def gradient_row(f, i):
+    factored = json.loads(f.attrs.get("factored_layers", "[]"))
+    stored, factors, parts, at, spot = f["gradients"][i], None, [], 0, 0
+    for layer in json.loads(f.attrs["layer_table"]):
+        size = int(np.prod(layer["shape"]))
+        if layer["name"] in factored:
+            out, inputs = layer["shape"]
+            factors = f["gradient_factors"][i] if factors is None else factors
+            g, a = factors[spot:spot + out], factors[spot + out:spot + out + inputs]
+            parts.append(np.outer(g, a).ravel())
+            spot += out + inputs
+        else:
+            parts.append(stored[at:at + size])
+            at += size
+    return np.concatenate(parts)
+"""
+
+
 def gradient_filter(path: Path) -> int:
     with h5py.File(path, "r") as handle:
         return handle["gradients"].id.get_create_plist().get_filter(0)[0]
@@ -150,12 +173,12 @@ def test_captures_are_lz4_and_plain_h5py_reads_them_with_hdf5plugin(random_captu
         assert capture.attrs["compression"] == "lz4"
         expected = capture.observation().gradients[3]
     assert gradient_filter(random_capture) == 32004
-    read = ("import sys, h5py{}\nf = h5py.File(sys.argv[1], 'r')\n"
-            "sys.stdout.buffer.write(f['gradients'][3].tobytes())")
-    plain = subprocess.run([sys.executable, "-c", read.format(", hdf5plugin"),
+    read = "import sys, h5py@\n" + PLAIN_ROW_READER + (
+        "f = h5py.File(sys.argv[1], 'r')\nsys.stdout.buffer.write(gradient_row(f, 3).tobytes())")
+    plain = subprocess.run([sys.executable, "-c", read.replace("@", ", hdf5plugin"),
                             str(random_capture)], capture_output=True, check=True)
     assert np.array_equal(np.frombuffer(plain.stdout, expected.dtype), expected)
-    bare = subprocess.run([sys.executable, "-c", read.format(""), str(random_capture)],
+    bare = subprocess.run([sys.executable, "-c", read.replace("@", ""), str(random_capture)],
                           capture_output=True, env={**os.environ, "HDF5_PLUGIN_PATH": "/none"})
     assert bare.returncode != 0 and b"read data" in bare.stderr
     from gradleak.defenses import parse_defense
@@ -197,11 +220,12 @@ def test_overlapped_rollouts_write_the_same_file_and_report_their_errors(
     files = captures_with_and_without(tmp_path, "overlap", 45)
     with h5py.File(files[True], "r") as child, h5py.File(files[False], "r") as here:
         for name in here:
-            if isinstance(here[name], h5py.Dataset) and name != "gradients":
+            if isinstance(here[name], h5py.Dataset) and name not in ("gradients",
+                                                                     "gradient_factors"):
                 assert np.array_equal(here[name][()], child[name][()]), name
         # the gradients here were formed on one thread fewer (the rollout holds a core):
         # sums in another order, equal to float32 rounding
-        ours, theirs = here["gradients"][()], child["gradients"][()]
+        ours, theirs = read_gradients(here), read_gradients(child)
         assert np.abs(ours - theirs).max() <= 1e-6 * np.abs(ours).max()
 
     def broken(*args, **kwargs):
@@ -230,10 +254,10 @@ def test_background_writes_give_the_same_file_and_raise_the_writers_error(
 
     original = CaptureWriter.append_episode
 
-    def full_disk(self, rows, gradients):
+    def full_disk(self, rows, gradients, factors=None):
         if self.num_episodes == 1:
             raise CaptureFileError("no space left on the device")
-        return original(self, rows, gradients)
+        return original(self, rows, gradients, factors)
 
     monkeypatch.setattr(CaptureWriter, "append_episode", full_disk)
     out = tmp_path / "full.h5"
@@ -448,7 +472,7 @@ def test_the_scan_reads_wide_rows_in_bounded_blocks_and_misses_none(
 
     path = copy_with(random_capture, tmp_path, poison)
     with h5py.File(path, "r") as handle:
-        monkeypatch.setattr(reader, "SCAN_BYTES", 3 * handle["gradients"].shape[1] * 4)
+        monkeypatch.setattr(reader, "SCAN_BYTES", 3 * int(handle.attrs["gradient_dim"]) * 4)
     blocks = []
     real_read = reader.CaptureFile.read
     monkeypatch.setattr(reader.CaptureFile, "read", lambda self, name, rows=slice(None), *a:

@@ -11,7 +11,7 @@ its running statistics), so the batched backward's δ_i is step i's own.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
+from gradleak.capture.layout import GradientLayout
 from gradleak.rl.losses import LossCoefficients, actor_critic_loss
 from gradleak.victims.base import LayerInfo, Victim
 
@@ -253,20 +254,26 @@ def einsum_unsupported(victim: Victim, layers: list[LayerInfo]) -> list[str]:
 
 def einsum_gradients(victim: Victim, batch: StepBatch, coefficients: LossCoefficients,
                      layers: list[LayerInfo], ppo: bool = True, chunk: int = 64,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None,
+                     factors: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
+                     ) -> torch.Tensor:
     """(N, d): per-step gradients from one batched backward per `chunk` steps (see the module
     docstring), written into `out[:N]` when given (a buffer kept across calls: a fresh
     allocation of N·d floats costs more in page faults than the arithmetic); refuses a victim
-    with a parameter no rule covers (use vmap there)."""
+    with a parameter no rule covers (use vmap there). `factors` (name → output-gradient and
+    input buffers of N rows, for weights `factorable_weights` names) keeps those weights as
+    their factors (gradleak.capture.layout): their columns are left out of the rows."""
     _check_frozen(victim)
     missing = einsum_unsupported(victim, layers)
     if missing:
         raise ValueError(f"per-step gradients by einsum: no rule for {', '.join(missing[:3])}"
                          f"{' …' if len(missing) > 3 else ''}; use capture.gradient_method=vmap")
-    wanted = {layer.name: layer for layer in layers}
+    factors = factors or {}
     modules = {prefix: module for prefix, module in victim.named_modules()
                if _rule_for(module) is not None
-               and any(name in wanted for name in _own_parameters(prefix, module))}
+               and any(layer.name in _own_parameters(prefix, module) for layer in layers)}
+    layers = rebased([layer for layer in layers if layer.name not in factors])
+    wanted = {layer.name: layer for layer in layers}
     output = _output(victim, len(batch), layers, out)
     for start in range(0, len(batch), chunk):
         part = batch.slice(start, start + chunk)
@@ -275,9 +282,16 @@ def einsum_gradients(victim: Victim, batch: StepBatch, coefficients: LossCoeffic
         calls = {prefix: sum(1 for p, *_ in saved if p == prefix) for prefix in modules}
         written: set[str] = set()  # modules, and below the parameters, given a gradient
         for prefix, module, a, delta in saved:
+            weight = f"{prefix}.weight" if prefix else "weight"
+            if weight in factors:
+                _keep_factors(a, delta, [f[start:start + len(part)] for f in factors[weight]])
             names = [name for name in _own_parameters(prefix, module) if name in wanted]
             views = {name.rsplit(".", 1)[-1]: _block(rows, wanted[name]) for name in names}
-            if calls[prefix] == 1:
+            if weight in factors:
+                if "bias" in views:
+                    torch.sum(delta.reshape(len(part), -1, delta.shape[-1]), 1,
+                              out=views["bias"])
+            elif calls[prefix] == 1:
                 RULES[type(module)](module, a, delta, views)
             else:  # a module applied several times: its contributions add up, as in autograd
                 parts = {name: torch.empty_like(view) for name, view in views.items()}
@@ -290,6 +304,40 @@ def einsum_gradients(victim: Victim, batch: StepBatch, coefficients: LossCoeffic
             if layer.name not in written:
                 _block(rows, layer).zero_()
     return output
+
+
+def rebased(layers: list[LayerInfo]) -> list[LayerInfo]:
+    """The layers with offsets counted from 0, in order: their columns side by side."""
+    table, offset = [], 0
+    for layer in layers:
+        table.append(LayerInfo(layer.name, layer.shape, offset, layer.component))
+        offset += layer.size
+    return table
+
+
+def _keep_factors(a: torch.Tensor, delta: torch.Tensor, into: list[torch.Tensor]) -> None:
+    into[0].copy_(delta.reshape(len(into[0]), -1))
+    into[1].copy_(a.reshape(len(into[1]), -1))
+
+
+def factorable_weights(victim: Victim, layers: list[LayerInfo],
+                       example: StepBatch) -> list[str]:
+    """The wanted Linear weights whose per-step gradient is one outer product δ aᵀ: the layer
+    is called once per step, on one vector (found on `example`, a step or two of any content:
+    a Linear inside a recurrence or over a ViT's tokens is called on many, and stays dense)."""
+    _check_frozen(victim)
+    wanted = {layer.name for layer in layers}
+    modules = {prefix: module for prefix, module in victim.named_modules()
+               if isinstance(module, nn.Linear) and _rule_for(module) is not None
+               and f"{prefix}.weight" in wanted}
+    if not modules:
+        return []
+    saved = _saved_activations(victim, modules, example, LossCoefficients(), True)
+    calls: dict[str, list[torch.Tensor]] = {}
+    for prefix, _, a, _ in saved:
+        calls.setdefault(prefix, []).append(a)
+    return [f"{prefix}.weight" for prefix in modules if len(calls.get(prefix, ())) == 1
+            and calls[prefix][0].numel() == len(example) * modules[prefix].in_features]
 
 
 def _output(victim: Victim, steps: int, layers: list[LayerInfo], out: torch.Tensor | None
@@ -342,16 +390,18 @@ def _saved_activations(victim: Victim, modules: dict[str, nn.Module], batch: Ste
 
 # -- the methods, by name (capture.gradient_method) ---------------------------------------------
 class StepGradients:
-    """Per-step gradients by one method, into a buffer reused from call to call (the rows
+    """Per-step gradients by one method, into buffers reused from call to call (the rows
     returned are valid until the next call). `auto`: einsum where every wanted parameter has
-    a rule, vmap otherwise."""
+    a rule, vmap otherwise. `factored` weights (einsum only) come back as their factors."""
 
-    def __init__(self, method: str, chunk: int = 32) -> None:
+    def __init__(self, method: str, chunk: int = 32, factored: Sequence[str] = ()) -> None:
         if method not in GRADIENT_METHODS:
             raise ValueError(f"gradient method {method!r}: expected one of "
                              f"{', '.join(GRADIENT_METHODS)}")
-        self.method, self.chunk = method, chunk
+        self.method, self.chunk, self.factored = method, chunk, list(factored)
         self.buffer: torch.Tensor | None = None
+        self.packed: torch.Tensor | None = None  # the factors side by side (layout order)
+        self.factor_buffers: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def resolve(self, victim: Victim, layers: list[LayerInfo]) -> str:
         if self.method != "auto":
@@ -359,19 +409,53 @@ class StepGradients:
         return "vmap" if einsum_unsupported(victim, layers) else "einsum"
 
     def __call__(self, victim: Victim, batch: StepBatch, coefficients: LossCoefficients,
-                 layers: list[LayerInfo], ppo: bool = True) -> torch.Tensor:
+                 layers: list[LayerInfo], ppo: bool = True) -> torch.Tensor | FactoredRows:
         method = self.resolve(victim, layers)
+        if self.factored and method != "einsum":
+            raise ValueError(f"factored weights need the einsum method, not {method}")
         if method == "loop":
             return loop_gradients(victim, batch, coefficients, layers, ppo=ppo)
         if method == "vmap":
             return per_step_gradients(victim, batch, coefficients, layers, ppo=ppo,
                                       chunk=self.chunk)
-        width = sum(layer.size for layer in layers)
-        if self.buffer is None or len(self.buffer) < len(batch) or self.buffer.shape[1] != width:
-            self.buffer = torch.empty(max(len(batch), 2 * self.chunk), width,
-                                      dtype=next(victim.parameters()).dtype)
-        return einsum_gradients(victim, batch, coefficients, layers, ppo=ppo,
-                                chunk=self.chunk, out=self.buffer)
+        layout = GradientLayout(tuple(layers), frozenset(self.factored))
+        dtype = next(victim.parameters()).dtype
+        if self.buffer is None or len(self.buffer) < len(batch) \
+                or self.buffer.shape[1] != layout.stored_width:
+            steps = max(len(batch), 2 * self.chunk)
+            self.buffer = torch.empty(steps, layout.stored_width, dtype=dtype)
+            self.packed = torch.empty(steps, layout.factor_width, dtype=dtype)
+            self.factor_buffers = {name: (self.packed[:, left], self.packed[:, right])
+                                   for name, (left, right) in layout.factor_columns().items()}
+        dense = einsum_gradients(victim, batch, coefficients, layers, ppo=ppo,
+                                 chunk=self.chunk, out=self.buffer, factors=self.factor_buffers)
+        if not self.factored:
+            return dense
+        return FactoredRows(dense, self.packed[:len(batch)],
+                            {name: (left[:len(batch)], right[:len(batch)])
+                             for name, (left, right) in self.factor_buffers.items()})
+
+
+@dataclass
+class FactoredRows:
+    """Per-step gradients with some Linear weights as factors (gradleak.capture.layout):
+    `dense` holds the other layers' columns in layer-table order."""
+
+    dense: torch.Tensor  # (N, stored width)
+    packed: torch.Tensor  # (N, factor width): the rows of the file's `gradient_factors`
+    factors: dict[str, tuple[torch.Tensor, torch.Tensor]]  # name → (output grad, input), views
+
+    def full(self, layers: list[LayerInfo]) -> torch.Tensor:
+        """(N, d): the dense rows the factors stand for."""
+        columns, offset = [], 0
+        for layer in layers:
+            if layer.name in self.factors:
+                left, right = self.factors[layer.name]
+                columns.append((left[:, :, None] * right[:, None, :]).flatten(1))
+            else:
+                columns.append(self.dense[:, offset:offset + layer.size])
+                offset += layer.size
+        return torch.cat(columns, 1)
 
 
 GRADIENT_METHODS = ("auto", "einsum", "vmap", "loop")

@@ -11,6 +11,7 @@ from typing import Any
 
 import h5py
 
+from gradleak.capture.layout import FACTORED_ATTR, FACTORS, GradientLayout
 from gradleak.capture.schema import (
     FORMAT,
     FORMAT_VERSION,
@@ -109,6 +110,16 @@ def json_attr(h5: h5py.File, path: Path, name: str, kind: type) -> Any:
     return value
 
 
+def _checked_layout(h5: h5py.File, path: Path, header: Header) -> GradientLayout:
+    factored = json_attr(h5, path, FACTORED_ATTR, list) if FACTORED_ATTR in h5.attrs else []
+    shapes = {layer.name: layer.shape for layer in header.layers}
+    wrong = [name for name in factored if len(shapes.get(name, ())) != 2]
+    if wrong:
+        raise CaptureFileError(f"{path}: attribute '{FACTORED_ATTR}' names {wrong[0]!r}, which "
+                               "is not a 2-D weight of the layer_table")
+    return GradientLayout(tuple(header.layers), frozenset(factored))
+
+
 def check_layout(h5: h5py.File, path: Path, header: Header) -> None:
     """The gradient matrix matches the layer table, and every step column has num_rows rows of
     its declared shape."""
@@ -123,11 +134,20 @@ def check_layout(h5: h5py.File, path: Path, header: Header) -> None:
     if h5[GRADIENTS].ndim != 2:
         raise CaptureFileError(f"{path}: dataset 'gradients' has shape {h5[GRADIENTS].shape}, "
                                "expected (N, d)")
+    layout = _checked_layout(h5, path, header)
     width = h5[GRADIENTS].shape[1]
-    if width != offset or width != int(h5.attrs["gradient_dim"]):
+    if width != layout.stored_width or offset != int(h5.attrs["gradient_dim"]):
+        factored = f" ({len(layout.factored)} weight(s) factored)" if layout.factored else ""
         raise CaptureFileError(f"{path}: dataset 'gradients' has {width} columns but the "
-                               f"layer_table describes {offset} (gradient_dim "
-                               f"{int(h5.attrs['gradient_dim'])})")
+                               f"layer_table describes {layout.stored_width}{factored} "
+                               f"(gradient_dim {int(h5.attrs['gradient_dim'])})")
+    wanted = (rows, layout.factor_width) if layout.factored else None
+    found = h5[FACTORS].shape if FACTORS in h5 else None
+    if found != wanted:
+        raise CaptureFileError(f"{path}: dataset '{FACTORS}' is {found or 'missing'}, expected "
+                               f"{wanted or 'none'}: the output gradients and inputs of the "
+                               f"weights in attribute '{FACTORED_ATTR}' "
+                               f"({', '.join(sorted(layout.factored)) or 'none'})")
     columns = step_columns(header.roles.transform.frame_shape, header.victim.num_actions,
                            header.hidden_size)
     for column in columns + (None,):

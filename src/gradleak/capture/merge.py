@@ -20,6 +20,7 @@ from typing import Any
 import h5py
 import numpy as np
 
+from gradleak.capture.layout import FACTORED_ATTR
 from gradleak.capture.reader import CaptureFile
 from gradleak.capture.schema import THETA0_GROUP
 from gradleak.capture.shards import SHARED_ATTRS
@@ -28,6 +29,7 @@ from gradleak.io import atomic_path, check_output, created_directories
 
 MERGED_ATTR = "merged_from"  # JSON list of the shard files, as the virtual datasets name them
 SAME = (*SHARED_ATTRS, "split", "components", "compression", "hidden_size", "all_scenes",
+        FACTORED_ATTR,
         "env_config", "seed", "loss")
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,8 @@ import torch
 
 from gradleak import __version__
 from gradleak.capture.config import CaptureSetup
-from gradleak.capture.grads import GRADIENT_METHODS
+from gradleak.capture.grads import GRADIENT_METHODS, StepBatch, StepGradients, factorable_weights
+from gradleak.capture.layout import FACTORED_ATTR
 from gradleak.capture.storage import check_compression
 from gradleak.capture.schema import FORMAT, FORMAT_VERSION, layers_to_json
 from gradleak.capture.writer import partial_path
@@ -184,6 +186,7 @@ class CapturePlan:
     shard_index: int
     out: Path
     attrs: dict[str, Any]
+    factored: list[str] = dataclasses.field(default_factory=list)  # stored as their factors
 
 
 
@@ -240,11 +243,35 @@ def plan_capture(job: CaptureJob) -> CapturePlan:
         settings["gradient_dtype"] = dtype
     if job.advantage_norm != "episode":  # likewise
         settings["advantage_norm"] = job.advantage_norm
+    factored = _factored(victim, layers, preset.capture)
+    if factored:  # likewise
+        settings["factored_layers"] = factored
     attrs = capture_attributes(victim, layers, algorithm, coefficients, gamma, lam,
                                job.advantage_norm, settings, all_scenes, str(job.victim))
+    if factored:
+        attrs[FACTORED_ATTR] = json.dumps(factored)
     steps = shard_steps(job.steps, job.shard)
     return CapturePlan(victim, algorithm, coefficients, gamma, lam, layers, scenes, all_scenes,
-                       steps, seed, shard_index, shard_output(job.out, job.shard), attrs)
+                       steps, seed, shard_index, shard_output(job.out, job.shard), attrs,
+                       factored)
+
+
+def _factored(victim: Victim, layers: list[Any], config: Any) -> list[str]:
+    """The Linear weights stored as their factors (capture.factor_linear): float32 rows by the
+    einsum method only, where reading them back gives the very bits sent."""
+    if not config.factor_linear or config.gradient_dtype != "float32" \
+            or StepGradients(config.gradient_method).resolve(victim, layers) != "einsum":
+        return []
+    return factorable_weights(victim, layers, example_steps(victim))
+
+
+def example_steps(victim: Victim, steps: int = 2) -> StepBatch:
+    """Steps of blank frames: what shape each layer's input takes, whatever the content."""
+    hidden = torch.zeros(steps, victim.hidden_size) if victim.recurrent else None
+    goals = torch.zeros(steps, 3) if "goal" in victim.extra_inputs else None
+    return StepBatch(torch.zeros(steps, *victim.input_transform.frame_shape, dtype=torch.uint8),
+                     torch.zeros(steps, dtype=torch.int64), torch.ones(steps), torch.ones(steps),
+                     torch.zeros(steps), goals, hidden)
 
 
 

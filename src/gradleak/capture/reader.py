@@ -19,6 +19,7 @@ import numpy as np
 from tqdm import tqdm
 
 from gradleak.capture.header import check_layout, read_header
+from gradleak.capture.layout import read_gradients
 from gradleak.capture.lock import lock_holder
 from gradleak.capture.schema import (
     DEFENSES_ATTR,
@@ -130,6 +131,8 @@ class CaptureFile:
               ) -> np.ndarray:
         """Rows of a dataset; a chunk that does not decode is named, with its rows."""
         try:
+            if name == GRADIENTS:
+                return read_gradients(self._h5, rows, columns)
             return self._h5[name][rows, columns] if columns != slice(None) \
                 else self._h5[name][rows]
         except OSError:
@@ -193,7 +196,7 @@ class CaptureFile:
         self._nonfinite = _SCANNED.get(key)
         if self._nonfinite is None:
             found = []
-            width = self._h5[GRADIENTS].shape[1] * self._h5[GRADIENTS].dtype.itemsize
+            width = int(self._h5.attrs["gradient_dim"]) * self._h5[GRADIENTS].dtype.itemsize
             step = max(1, min(SCAN_ROWS, SCAN_BYTES // max(1, width)))
             for start in tqdm(range(0, self.num_rows, step), disable=not progress,
                               desc=f"scan {self.path.name}", unit="block", leave=False):

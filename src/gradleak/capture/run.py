@@ -15,7 +15,7 @@ from tqdm import tqdm
 from gradleak.capture.background import BackgroundWrites, InlineWrites
 from gradleak.capture.config import CaptureConfig
 from gradleak.capture.episodes import episode_targets, run_episode
-from gradleak.capture.grads import StepBatch, StepGradients
+from gradleak.capture.grads import FactoredRows, StepBatch, StepGradients
 from gradleak.capture.lock import capture_lock
 from gradleak.capture.plan import CaptureJob, CapturePlan, plan_capture
 from gradleak.capture.producer import EpisodeProducer, Produced
@@ -137,7 +137,7 @@ def _capture_loop(plan: CapturePlan, source: _EpisodeSource, writer: CaptureWrit
     writes = (BackgroundWrites if config.background_write else InlineWrites)(
         writer.append_episode)
     # a buffer per episode in flight: rows stay untouched while they are written
-    methods = [StepGradients(config.gradient_method, config.chunk)
+    methods = [StepGradients(config.gradient_method, config.chunk, plan.factored)
                for _ in range(writes.buffers)]
     try:
         with tqdm(total=plan.steps, initial=min(writer.num_rows, plan.steps), unit="step",
@@ -152,7 +152,7 @@ def _capture_loop(plan: CapturePlan, source: _EpisodeSource, writer: CaptureWrit
                                        methods[produced.index % len(methods)])
                 tack = time.perf_counter()
                 writes.submit(_rows(episode, targets, produced.index,
-                                    plan.all_scenes.index(produced.scene)), gradients)
+                                    plan.all_scenes.index(produced.scene)), *gradients)
                 timings["episode_s"] += produced.seconds
                 timings["wait_s"] += tock - tick
                 timings["gradient_s"] += tack - tock
@@ -166,9 +166,11 @@ def _capture_loop(plan: CapturePlan, source: _EpisodeSource, writer: CaptureWrit
 
 
 def _gradients(plan: CapturePlan, episode: Any, targets: dict[str, np.ndarray],
-               config: CaptureConfig, episode_index: int, method: StepGradients) -> np.ndarray:
-    """The episode's per-step gradients in the stored dtype (float32 rows are `method`'s
-    buffer: valid until its next call, which comes after they are written)."""
+               config: CaptureConfig, episode_index: int, method: StepGradients
+               ) -> tuple[np.ndarray, np.ndarray | None]:
+    """The episode's per-step gradients in the stored dtype, and the factors of the weights
+    stored factored (float32 rows are `method`'s buffers: valid until its next call, which
+    comes after they are written)."""
     batch = StepBatch(images=torch.from_numpy(episode.images),
                       actions=torch.from_numpy(episode.actions),
                       advantages=torch.from_numpy(targets["advantages"]),
@@ -178,19 +180,27 @@ def _gradients(plan: CapturePlan, episode: Any, targets: dict[str, np.ndarray],
                       hidden=None if episode.hidden is None else torch.from_numpy(episode.hidden))
     gradients = method(plan.victim, batch, plan.coefficients, plan.layers,
                        ppo=plan.algorithm == "ppo")
-    out = plan.out
-    # one pass, no |g| temporary: a copy of every row would cost as much as forming them
-    low, high = torch.aminmax(gradients) if gradients.numel() else (torch.zeros(()),) * 2
-    peak = max(float(high), -float(low))  # NaN propagates; ±Inf shows in one of the two
+    rows, factors = (gradients.dense, gradients.packed) \
+        if isinstance(gradients, FactoredRows) else (gradients, None)
+    peak = max(_peak(part) for part in [rows] + ([] if factors is None else [factors]))
     if not math.isfinite(peak):
-        raise CaptureFileError(f"{out}: episode {episode_index} produced non-finite gradients; "
-                               "the victim checkpoint θ0 is probably diverged")
+        raise CaptureFileError(f"{plan.out}: episode {episode_index} produced non-finite "
+                               "gradients; the victim checkpoint θ0 is probably diverged")
     if config.gradient_dtype == "float32":
-        return gradients.numpy()
+        return rows.numpy(), None if factors is None else factors.numpy()
     if peak > FLOAT16_MAX:
-        raise CaptureFileError(f"{out}: episode {episode_index} has a gradient entry of "
+        raise CaptureFileError(f"{plan.out}: episode {episode_index} has a gradient entry of "
                                f"{peak:.3g}, beyond float16's range")
-    return gradients.to(torch.float16).numpy()  # torch's cast is ~5x faster than numpy's
+    return rows.to(torch.float16).numpy(), None  # torch's cast is ~5x faster than numpy's
+
+
+def _peak(values: torch.Tensor) -> float:
+    """max |v| in one pass, no |v| temporary (a copy of every row would cost as much as forming
+    them); NaN propagates, ±Inf shows in one of the two ends."""
+    if not values.numel():
+        return 0.0
+    low, high = torch.aminmax(values)
+    return max(float(high), -float(low))
 
 
 def _rows(episode: Any, targets: dict[str, np.ndarray], episode_index: int, scene_id: int

@@ -18,6 +18,7 @@ import h5py
 import numpy as np
 from tqdm import tqdm
 
+from gradleak.capture.layout import FACTORED_ATTR, FACTORS, layout_of
 from gradleak.capture.reader import CaptureFile
 from gradleak.capture.schema import GRADIENTS
 from gradleak.capture.storage import compression_options, file_compression
@@ -60,32 +61,47 @@ def restrict_components(source: str | os.PathLike[str], components: list[str],
     order = [c for c in held if c in components]  # the source's order, as a capture writes it
     with created_directories(out.parent), h5py.File(source, "r") as src, \
             atomic_path(out) as tmp, h5py.File(tmp, "w") as dst:
+        layout = layout_of(src)
+        factored = [layer.name for layer in table if layer.name in layout.factored]
         for name in src:
-            if name != GRADIENTS:
+            if name not in (GRADIENTS, FACTORS):
                 src.copy(src[name], dst, name=name)
         for key, value in src.attrs.items():
             dst.attrs[key] = value
         settings = json.loads(src.attrs["settings"])
         settings["components"] = order
+        settings.pop("factored_layers", None)
+        dst.attrs.pop(FACTORED_ATTR, None)
+        if factored:
+            settings["factored_layers"] = factored
+            dst.attrs[FACTORED_ATTR] = json.dumps(factored)
         dst.attrs.update({"components": json.dumps(order), "layer_table": layers_to_json(table),
                           "gradient_dim": sum(layer.size for layer in table),
                           "settings": json.dumps(settings, sort_keys=True),
                           "restricted_from": str(source)})
-        _copy_columns(src[GRADIENTS], dst, layers, table, progress,
-                      compression_options(file_compression(src.attrs)))
+        stored = layout.stored_offsets()
+        filters = compression_options(file_compression(src.attrs))
+        _copy_columns(src[GRADIENTS], dst, GRADIENTS, [
+            (stored[layer.name], layer.size) for layer in table
+            if layer.name not in layout.factored], progress, filters)
+        if factored:
+            spans = layout.factor_columns()
+            _copy_columns(src[FACTORS], dst, FACTORS, [
+                (span.start, span.stop - span.start) for name in factored
+                for span in spans[name]], progress, filters)
     return {"in": str(source), "out": str(out), "components": order,
             "gradient_dim": sum(layer.size for layer in table)}
 
 
-def _copy_columns(gradients: h5py.Dataset, dst: h5py.File, layers: list[LayerInfo],
-                  table: list[LayerInfo], progress: bool, filters: dict[str, Any]) -> None:
-    by_name = {layer.name: layer for layer in layers}
-    columns = np.concatenate([np.arange(by_name[layer.name].offset,
-                                        by_name[layer.name].offset + layer.size)
-                              for layer in table])
+def _copy_columns(gradients: h5py.Dataset, dst: h5py.File, name: str,
+                  spans: list[tuple[int, int]], progress: bool, filters: dict[str, Any]) -> None:
+    """The stored columns `spans` ((first, count) each) of every row, side by side."""
+    columns = np.concatenate([np.arange(first, first + count) for first, count in spans]) \
+        if spans else np.zeros(0, np.int64)
     rows = gradients.shape[0]
-    chunks = (min(gradients.chunks[0], rows), len(columns)) if gradients.chunks else None
-    out = dst.create_dataset(GRADIENTS, shape=(rows, len(columns)), dtype=gradients.dtype,
+    chunks = (min(gradients.chunks[0], rows), len(columns)) \
+        if gradients.chunks and rows and len(columns) else None
+    out = dst.create_dataset(name, shape=(rows, len(columns)), dtype=gradients.dtype,
                              chunks=chunks, **filters)
     for start in tqdm(range(0, rows, CHUNK_ROWS), disable=not progress, unit="chunk",
                       desc="restrict"):

@@ -15,17 +15,25 @@ from typing import Any
 import h5py
 import numpy as np
 
+from gradleak.capture.layout import (
+    FACTORED_ATTR,
+    GradientLayout,
+    factor_datasets,
+    FACTORS,
+)
 from gradleak.capture.schema import (
     FORMAT,
     GRADIENTS,
     PARTIAL_SUFFIX,
     THETA0_GROUP,
     Column,
+    layers_from_json,
 )
 from gradleak.capture.storage import COMPRESSION_ATTR, DEFAULT, compression_options
 from gradleak.errors import CaptureFileError
 
 SMALL_CHUNK = 1024
+FACTOR_CHUNK_ROWS = 16
 
 
 def partial_path(path: Path) -> Path:
@@ -84,8 +92,16 @@ class CaptureWriter:
                                   chunks=chunk, **(filters if column.shape else {}))
         # One gradient per chunk row: readers fetch single steps or windows without decoding
         # neighbours (the filter: gradleak.capture.storage).
-        handle.create_dataset(GRADIENTS, shape=(0, gradient_dim), maxshape=(None, gradient_dim),
-                              dtype=self.gradient_dtype, chunks=(1, gradient_dim), **filters)
+        layout = GradientLayout(tuple(layers_from_json(attrs["layer_table"])),
+                                frozenset(json.loads(attrs.get(FACTORED_ATTR, "[]"))))
+        width = layout.stored_width if layout.factored else gradient_dim
+        handle.create_dataset(GRADIENTS, shape=(0, width), maxshape=(None, width),
+                              dtype=self.gradient_dtype, chunks=(1, width), **filters)
+        if layout.factored:  # a few thousand floats a step: a window's rows in one chunk
+            width = layout.factor_width
+            handle.create_dataset(FACTORS, shape=(0, width), maxshape=(None, width),
+                                  dtype=self.gradient_dtype, chunks=(FACTOR_CHUNK_ROWS, width),
+                                  **filters)
         group = handle.create_group(THETA0_GROUP)
         for name, tensor in theta0.items():
             group.create_dataset(name, data=tensor)
@@ -112,15 +128,18 @@ class CaptureWriter:
             wanted = json.loads(attrs["settings"])
             differ = sorted(k for k in set(found) | set(wanted) if found.get(k) != wanted.get(k))
             handle.close()
+            hint = (f": it was written with capture.factor_linear="
+                    f"{str('factored_layers' in found).lower()}"
+                    if "factored_layers" in differ else "")
             raise CaptureFileError(f"{self.partial} was captured with other settings "
-                                   f"({', '.join(differ)} differ); cannot resume it")
+                                   f"({', '.join(differ)} differ); cannot resume it{hint}")
         rows = int(handle.attrs["num_rows"])  # the commit marker: written last per episode
         if steps is not None and rows > steps:
             handle.close()
             raise CaptureFileError(f"{self.partial} already holds {rows} steps, more than "
                                    f"--steps {steps} asks for: resume with --steps >= {rows}, "
                                    "or start again with --overwrite")
-        for name in [c.name for c in self.columns] + [GRADIENTS]:
+        for name in [c.name for c in self.columns] + [GRADIENTS] + factor_datasets(handle):
             handle[name].resize(rows, axis=0)  # drop rows of an episode cut off by the crash
         handle.attrs["num_episodes"] = int(handle["episode_ids"][rows - 1]) + 1 if rows else 0
         handle.flush()
@@ -135,16 +154,23 @@ class CaptureWriter:
     def num_episodes(self) -> int:
         return int(self._file.attrs["num_episodes"]) if not self.already_complete else -1
 
-    def append_episode(self, steps: dict[str, np.ndarray], gradients: np.ndarray) -> None:
+    def append_episode(self, steps: dict[str, np.ndarray], gradients: np.ndarray,
+                       factors: np.ndarray | None = None) -> None:
+        """`gradients`: the rows' stored columns; `factors`: the rows of `gradient_factors`,
+        when the file keeps weights factored (gradleak.capture.layout)."""
         n = len(gradients)
         start = self.num_rows
-        for column in self.columns:
-            data = self._file[column.name]
+        blocks = {**{column.name: steps[column.name] for column in self.columns},
+                  GRADIENTS: gradients}
+        if (factors is not None) != bool(factor_datasets(self._file)):
+            raise ValueError("factors: expected them exactly when the file keeps weights "
+                             "factored")
+        if factors is not None:
+            blocks[FACTORS] = factors
+        for name, values in blocks.items():
+            data = self._file[name]
             data.resize(start + n, axis=0)
-            data[start:start + n] = steps[column.name]
-        data = self._file[GRADIENTS]
-        data.resize(start + n, axis=0)
-        data[start:start + n] = gradients
+            data[start:start + n] = values
         self._file.flush()
         self._file.attrs["num_rows"] = start + n  # last: the episode now counts
         self._file.attrs["num_episodes"] = self.num_episodes + 1

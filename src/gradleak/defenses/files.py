@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from gradleak.capture.layout import FACTORED_ATTR, FACTORS, read_gradients
 from gradleak.capture.reader import CaptureFile
 from gradleak.capture.schema import DEFENSES_ATTR, GRADIENTS, THETA0_GROUP
 from gradleak.capture.storage import compression_options, file_compression
@@ -20,6 +21,7 @@ from gradleak.errors import CaptureFileError, ConfigError
 from gradleak.io import atomic_path, check_output, created_directories
 
 CHUNK_ROWS = 1024
+BLOCK_BYTES = 64 * 2**20  # rows defended at once: 1024 rows of the paper cnn were 3.8 GB
 
 
 def applied_defenses(attrs: Any) -> list[dict[str, Any]]:
@@ -53,7 +55,7 @@ def defend_capture(source: str | os.PathLike[str], chain: Chain, out: str | os.P
             atomic_path(out) as tmp, h5py.File(tmp, "w") as dst:
         filters = compression_options(file_compression(src.attrs))
         for name in src:
-            if name == GRADIENTS:
+            if name in (GRADIENTS, FACTORS):  # defended rows are no outer products
                 continue
             if len(kept) == rows or name == THETA0_GROUP:
                 src.copy(src[name], dst, name=name)
@@ -66,7 +68,9 @@ def defend_capture(source: str | os.PathLike[str], chain: Chain, out: str | os.P
                 int(src.attrs["num_episodes"]) - len(dropped)
         history = applied_defenses(src.attrs) + [chain.describe()]
         dst.attrs[DEFENSES_ATTR] = json.dumps(history)
-        _defend_gradients(src[GRADIENTS], dst, chain, kept, dict(src.attrs), progress, filters)
+        if FACTORED_ATTR in dst.attrs:
+            del dst.attrs[FACTORED_ATTR]
+        _defend_gradients(src, dst, chain, kept, dict(src.attrs), progress, filters)
     return {"in": str(source), "out": str(out), "rows": len(kept), "defenses": history,
             "skipped_nonfinite_rows": int((~usable).sum()),
             "skipped_episodes": len(dropped), "skipped_rows": rows - len(kept)}
@@ -81,22 +85,26 @@ def _copy_rows(data: h5py.Dataset, dst: h5py.File, name: str, kept: np.ndarray,
         out[start:start + CHUNK_ROWS] = data[kept[start:start + CHUNK_ROWS]]
 
 
-def _defend_gradients(gradients: h5py.Dataset, dst: h5py.File, chain: Chain, kept: np.ndarray,
+def _defend_gradients(src: h5py.File, dst: h5py.File, chain: Chain, kept: np.ndarray,
                       attributes: dict[str, Any], progress: bool, filters: dict[str, Any]
                       ) -> None:
-    """Defends the `kept` rows; the noise is keyed by each row's place in the source file."""
-    out = dst.create_dataset(GRADIENTS, shape=(len(kept), gradients.shape[1]),
-                             dtype=gradients.dtype, chunks=gradients.chunks, **filters)
-    limit = float(np.finfo(gradients.dtype).max)
-    every = len(kept) == gradients.shape[0]
-    for start in tqdm(range(0, len(kept), CHUNK_ROWS), disable=not progress, unit="chunk",
+    """Defends the `kept` rows (a factored source's as the full rows they stand for); the
+    noise is keyed by each row's place in the source file."""
+    total, width = src[GRADIENTS].shape[0], int(attributes["gradient_dim"])
+    dtype = src[GRADIENTS].dtype
+    out = dst.create_dataset(GRADIENTS, shape=(len(kept), width), dtype=dtype,
+                             chunks=(1, width) if len(kept) and width else None, **filters)
+    limit = float(np.finfo(dtype).max)
+    every = len(kept) == total
+    block_rows = max(1, min(CHUNK_ROWS, BLOCK_BYTES // max(1, width * 4)))
+    for start in tqdm(range(0, len(kept), block_rows), disable=not progress, unit="block",
                       desc=f"defend {chain.spec}"):
-        rows = kept[start:start + CHUNK_ROWS]
-        block = gradients[start:start + len(rows)] if every else gradients[rows]
-        keys = row_keys(attributes, 0, gradients.shape[0])[torch.from_numpy(rows)]
+        rows = kept[start:start + block_rows]
+        block = read_gradients(src, slice(start, start + len(rows)) if every else rows)
+        keys = row_keys(attributes, 0, total)[torch.from_numpy(rows)]
         defended = chain.gradients(torch.from_numpy(block.astype(np.float32)), keys)
         if float(defended.abs().amax()) > limit:
             raise CaptureFileError(f"defense {chain.spec!r} produced entries beyond "
-                                   f"{gradients.dtype}'s range in rows {int(rows[0])}.."
+                                   f"{dtype}'s range in rows {int(rows[0])}.."
                                    f"{int(rows[-1])}")
-        out[start:start + len(rows)] = defended.numpy().astype(gradients.dtype)
+        out[start:start + len(rows)] = defended.numpy().astype(dtype)

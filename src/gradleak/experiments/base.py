@@ -48,9 +48,9 @@ class Cell:
 
 SHARED_SECTIONS = ("env", "train", "capture")  # what shapes victims and captures
 # how the per-step gradients are computed and stored, not what they are (the methods are
-# tested equal; the filters are lossless)
+# tested equal; the filters and the factored layout are lossless)
 HOW_NOT_WHAT = {"capture": ("gradient_method", "chunk", "compression", "overlap",
-                             "background_write")}
+                             "background_write", "factor_linear")}
 
 
 def shared_key(preset: Any) -> str:

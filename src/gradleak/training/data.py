@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 from gradleak.capture.reader import CaptureFile
+from gradleak.capture.layout import read_gradients
 from gradleak.capture.schema import GRADIENTS
 from gradleak.capture.shards import open_captures
 from gradleak.defenses.base import Chain, Stream, row_keys
@@ -245,7 +246,9 @@ class WindowDataset(Dataset):
 
     def _read(self, file_index: int, name: str, start: int, stop: int) -> np.ndarray:
         try:
-            return self._file(file_index)[name][start:stop]
+            handle = self._file(file_index)
+            return read_gradients(handle, slice(start, stop)) if name == GRADIENTS \
+                else handle[name][start:stop]
         except OSError:
             raise CaptureFileError(f"{self.paths[file_index]}: dataset '{name}' rows "
                                    f"{start}-{stop - 1} cannot be read (a corrupt or truncated "

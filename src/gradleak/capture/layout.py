@@ -1,0 +1,125 @@
+"""Where a capture keeps its gradient rows: one (N, d) matrix, or that matrix with the weight
+columns of some Linear layers kept as their two factors.
+
+A Linear layer that sees one input vector per step (an actor-critic's FC layer and heads) has a
+per-step weight gradient δ aᵀ: its output gradient (out,) times its input (in,). For the paper
+cnn that outer product is 819k of the 936k floats of a step, and writing it (LZ4 on 3.3 MB a
+step) was most of the capture's time. A factored capture stores δ and a instead; reading forms
+δ[:, None] * a[None, :] in float32, which is the entry autograd and the einsum rule compute (one
+rounded product each, no sum), so the rows read are the same bits as the dense capture's
+(tested). Layout (docs/data-format.md): attribute `factored_layers` (JSON list of weight names,
+in layer-table order), dataset `gradients` with the other layers' columns in layer-table order,
+and dataset `gradient_factors` (N, Σ out + in): per factored weight, its output gradient then its
+input, side by side (one read a window, however many weights are factored).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import h5py
+import numpy as np
+
+from gradleak.capture.schema import GRADIENTS
+from gradleak.victims.base import LayerInfo, layers_from_json
+
+FACTORED_ATTR = "factored_layers"
+FACTORS = "gradient_factors"
+
+
+@dataclass(frozen=True)
+class GradientLayout:
+    """The full layer table and which weights are factored; offsets of the stored columns."""
+
+    layers: tuple[LayerInfo, ...]
+    factored: frozenset[str] = frozenset()
+
+    @property
+    def width(self) -> int:
+        """Columns of a full row (the layer table's gradient_dim)."""
+        return sum(layer.size for layer in self.layers)
+
+    @property
+    def stored_width(self) -> int:
+        """Columns of the `gradients` dataset."""
+        return sum(layer.size for layer in self.layers if layer.name not in self.factored)
+
+    @property
+    def factor_width(self) -> int:
+        """Columns of the `gradient_factors` dataset."""
+        return sum(sum(layer.shape) for layer in self.layers if layer.name in self.factored)
+
+    def stored_offsets(self) -> dict[str, int]:
+        """Each unfactored layer's first column in the `gradients` dataset."""
+        offsets, offset = {}, 0
+        for layer in self.layers:
+            if layer.name not in self.factored:
+                offsets[layer.name] = offset
+                offset += layer.size
+        return offsets
+
+    def factor_columns(self) -> dict[str, tuple[slice, slice]]:
+        """Each factored weight's output-gradient and input columns in `gradient_factors`."""
+        spans, offset = {}, 0
+        for layer in self.layers:
+            if layer.name in self.factored:
+                out, inputs = layer.shape
+                spans[layer.name] = (slice(offset, offset + out),
+                                     slice(offset + out, offset + out + inputs))
+                offset += out + inputs
+        return spans
+
+
+@lru_cache(maxsize=64)
+def _layout(table: str, factored: str) -> GradientLayout:
+    return GradientLayout(tuple(layers_from_json(table)), frozenset(json.loads(factored)))
+
+
+def layout_of(h5: h5py.File) -> GradientLayout:
+    """The file's layout (its attributes are checked on open: `capture.header`)."""
+    attrs = h5.attrs
+    return _layout(attrs["layer_table"], attrs.get(FACTORED_ATTR, "[]"))
+
+
+def read_gradients(h5: h5py.File, rows: Any = slice(None), columns: slice = slice(None)
+                   ) -> np.ndarray:
+    """Rows (a slice, an index, increasing indices) of the full gradient matrix, columns
+    `columns` (a slice without step), in the stored dtype, whatever the layout. Raises OSError
+    on a chunk that does not decode, as h5py does."""
+    if FACTORS not in h5:
+        return h5[GRADIENTS][rows, columns] if columns != slice(None) else h5[GRADIENTS][rows]
+    if isinstance(rows, (int, np.integer)):
+        return read_gradients(h5, slice(int(rows), int(rows) + 1), columns)[0]
+    layout = layout_of(h5)
+    first, last, step = columns.indices(layout.width)
+    if step != 1:
+        raise ValueError(f"gradient columns {columns}: a slice without step is expected")
+    pieces = [(layer, max(first, layer.offset), min(last, layer.offset + layer.size))
+              for layer in layout.layers]
+    pieces = [(layer, lo, hi) for layer, lo, hi in pieces if lo < hi]
+    stored = layout.stored_offsets()
+    kept = [(stored[layer.name] + lo - layer.offset, lo, hi) for layer, lo, hi in pieces
+            if layer.name not in layout.factored]
+    # one read of each dataset: a chunk decodes once, however many layers it holds
+    dense = h5[GRADIENTS][rows, kept[0][0]:kept[-1][0] + kept[-1][2] - kept[-1][1]] \
+        if kept else None
+    factors = h5[FACTORS][rows] if len(kept) < len(pieces) else None
+    count = len(dense if dense is not None else factors)
+    out = np.empty((count, max(0, last - first)), h5[GRADIENTS].dtype)
+    for start, lo, hi in kept:
+        out[:, lo - first:hi - first] = dense[:, start - kept[0][0]:start - kept[0][0] + hi - lo]
+    spans = layout.factor_columns()
+    for layer, lo, hi in pieces:
+        if layer.name in layout.factored:
+            output_grad, inputs = (factors[:, span] for span in spans[layer.name])
+            full = (output_grad[:, :, None] * inputs[:, None, :]).reshape(count, layer.size)
+            out[:, lo - first:hi - first] = full[:, lo - layer.offset:hi - layer.offset]
+    return out
+
+
+def factor_datasets(h5: h5py.File) -> list[str]:
+    """The per-step datasets beside `gradients` that hold gradient rows."""
+    return [FACTORS] if FACTORS in h5 else []
