@@ -127,8 +127,9 @@ def capture() -> tuple[str, str]:
                       for c in data["captures"])
     lz4 = next(f for f in data["filters"] if f["filter"] == "lz4" and f["dtype"] == "float32")
     return (f"environment and capture speed ({data['statistic']}s of {data['repeats']})",
-            f"random policy {env}; per-step gradients {grads}; whole capture (float32, LZ4 "
-            f"{lz4['bytes_per_step'] / 1e3:.0f} kB/step for cnn-small) {whole}")
+            f"random policy {env}; per-step gradients {grads}; whole capture (float32, LZ4; "
+            f"the filter test's dense cnn-small rows {lz4['bytes_per_step'] / 1e3:.0f} kB/step) "
+            f"{whole}")
 
 
 def recovery_speed() -> tuple[str, str]:
