@@ -60,6 +60,9 @@ def test_factored_rows_are_the_dense_captures_bits_in_fewer_bytes(
         assert np.array_equal(read_gradients(factored, [1, 4, 9], cut),
                               dense["gradients"][[1, 4, 9], cut])
     assert names == ["fc.weight", "policy_head.weight", "value_head.weight"]
+    with CaptureFile(random_capture) as capture, CaptureFile(dense_capture) as dense_file:
+        assert capture.summary()["factored_weights"] == names  # `gradleak info` says so
+        assert dense_file.summary()["factored_weights"] == []
     assert np.array_equal(rows(random_capture), rows(dense_capture))
     assert np.array_equal(rows(random_capture, layers=[names[0]]),
                           rows(dense_capture, layers=[names[0]]))

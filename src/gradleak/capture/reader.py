@@ -19,7 +19,7 @@ import numpy as np
 from tqdm import tqdm
 
 from gradleak.capture.header import check_layout, read_header
-from gradleak.capture.layout import read_gradients
+from gradleak.capture.layout import FACTORED_ATTR, read_gradients
 from gradleak.capture.lock import lock_holder
 from gradleak.capture.schema import (
     DEFENSES_ATTR,
@@ -261,6 +261,8 @@ class CaptureFile:
                 "success_rate": float(terminated.sum() / max(len(lengths), 1)),
                 "mean_reward": float(rewards.mean()) if len(rewards) else 0.0,
                 "gradient_dim": int(attrs["gradient_dim"]),
+                # stored as their output gradient and input (gradleak.capture.layout)
+                "factored_weights": json.loads(attrs.get(FACTORED_ATTR, "[]")),
                 "components": json.loads(attrs["components"]),
                 "scenes": len(json.loads(attrs["scenes"])),
                 "theta0_sha256": attrs["theta0_sha256"],
