@@ -59,6 +59,7 @@ def test_factored_rows_are_the_dense_captures_bits_in_fewer_bytes(
         cut = slice(weight.offset - 3, weight.offset + weight.size // 2)
         assert np.array_equal(read_gradients(factored, [1, 4, 9], cut),
                               dense["gradients"][[1, 4, 9], cut])
+        assert read_gradients(factored, slice(2, 6), slice(5, 5)).shape == (4, 0)
     assert names == ["fc.weight", "policy_head.weight", "value_head.weight"]
     with CaptureFile(random_capture) as capture, CaptureFile(dense_capture) as dense_file:
         assert capture.summary()["factored_weights"] == names  # `gradleak info` says so

@@ -107,7 +107,8 @@ def read_gradients(h5: h5py.File, rows: Any = slice(None), columns: slice = slic
     dense = h5[GRADIENTS][rows, kept[0][0]:kept[-1][0] + kept[-1][2] - kept[-1][1]] \
         if kept else None
     factors = h5[FACTORS][rows] if len(kept) < len(pieces) else None
-    count = len(dense if dense is not None else factors)
+    count = len(np.arange(h5[GRADIENTS].shape[0])[rows]) if dense is None and factors is None \
+        else len(dense if dense is not None else factors)
     out = np.empty((count, max(0, last - first)), h5[GRADIENTS].dtype)
     for start, lo, hi in kept:
         out[:, lo - first:hi - first] = dense[:, start - kept[0][0]:start - kept[0][0] + hi - lo]
