@@ -4,6 +4,7 @@ folders are checked before any cell runs."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -307,3 +308,24 @@ def test_fewshot_fine_tunes_the_trained_attacker_on_other_heldout_episodes(tmp_p
             CaptureFile(key / "capture-ppo-all-heldout-finetune.h5") as finetune:
         assert evaluation.attrs["split"] == finetune.attrs["split"] == "heldout"
         assert evaluation.attrs["seed"] != finetune.attrs["seed"]  # other episodes
+
+
+def test_the_paper_script_runs_shards_side_by_side_merges_and_resumes(tmp_path) -> None:
+    """benchmarks/paper_experiments.sh on a user's toy grid: two shards, every cell run once,
+    merged; run again, it runs no cell a second time and merges the same result."""
+    import os
+    import subprocess
+    import sys
+
+    script = Path(__file__).parents[1] / "benchmarks" / "paper_experiments.sh"
+    env = {**os.environ, "OUT": str(tmp_path / "exp"), "SHARED": str(tmp_path / "shared"),
+           "RESULTS": str(tmp_path / "results"), "BUDGET": "1",
+           "EXTRA": "--plugin user_experiments",
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+           "PYTHONPATH": f"{Path(__file__).parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    for _ in range(2):
+        subprocess.run(["bash", str(script), "toy"], env=env, check=True, capture_output=True)
+        merged = json.loads((tmp_path / "results" / "toy.json").read_text())
+        assert merged["summary"] == {"a": 0.5, "b": 10.5, "c": 20.5}
+    ran = (tmp_path / "exp" / "toy-1m" / "ran.log").read_text().split()
+    assert sorted(ran) == sorted(set(ran)) and len(ran) == 6
