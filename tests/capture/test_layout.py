@@ -50,6 +50,7 @@ def test_factored_rows_are_the_dense_captures_bits_in_fewer_bytes(
     with h5py.File(random_capture, "r") as factored, h5py.File(dense_capture, "r") as dense:
         names = json.loads(factored.attrs[FACTORED_ATTR])
         assert FACTORED_ATTR not in dense.attrs
+        assert (factored.attrs["format_version"], dense.attrs["format_version"]) == (2, 1)
         assert factored["gradients"].shape[1] < dense["gradients"].shape[1]
         # a window read, a single row, and a column range that cuts through a factored weight
         assert np.array_equal(read_gradients(factored, slice(5, 13)), dense["gradients"][5:13])
@@ -85,6 +86,7 @@ def test_training_windows_restricted_defended_and_merged_copies_read_the_same(
     assert np.array_equal(rows(tmp_path / "noisy0.h5"), rows(tmp_path / "noisy1.h5"))
     with h5py.File(tmp_path / "noisy0.h5", "r") as noisy:  # noise is no outer product
         assert FACTORED_ATTR not in noisy.attrs and "gradient_factors" not in noisy
+        assert noisy.attrs["format_version"] == 1
 
 
 def test_merged_factored_shards_read_as_the_shards(train_shards: list[Path],
@@ -109,6 +111,11 @@ def test_a_factor_dataset_that_does_not_match_is_named(random_capture: Path,
         handle.attrs[FACTORED_ATTR] = json.dumps(["fc.bias"])
     with pytest.raises(CaptureFileError, match="'factored_layers' names 'fc.bias', which is "
                        "not a 2-D weight"):
+        CaptureFile(path)
+    with h5py.File(path, "a") as handle:
+        handle.attrs["format_version"] = 1
+    with pytest.raises(CaptureFileError, match="'factored_layers' needs format_version 2, the "
+                       "file says 1"):
         CaptureFile(path)
 
 

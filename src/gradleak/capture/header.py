@@ -14,7 +14,8 @@ import h5py
 from gradleak.capture.layout import FACTORED_ATTR, FACTORS, GradientLayout
 from gradleak.capture.schema import (
     FORMAT,
-    FORMAT_VERSION,
+    FACTORED_FORMAT_VERSION,
+    READABLE_VERSIONS,
     GRADIENTS,
     REQUIRED_ATTRS,
     layers_from_json,
@@ -40,9 +41,14 @@ def read_header(h5: h5py.File, path: Path) -> Header:
     if attrs.get("format") != FORMAT:
         raise CaptureFileError(f"{path} is not a gradleak capture: attribute 'format' is "
                                f"{attrs.get('format')!r}, expected {FORMAT!r}")
-    if int_attr(h5, path, "format_version") != FORMAT_VERSION:
+    version = int_attr(h5, path, "format_version")
+    if version not in READABLE_VERSIONS:
         raise CaptureFileError(f"{path}: format_version {attrs.get('format_version')}, this "
-                               f"gradleak reads version {FORMAT_VERSION}")
+                               "gradleak reads versions "
+                               f"{', '.join(map(str, READABLE_VERSIONS))}")
+    if FACTORED_ATTR in attrs and version < FACTORED_FORMAT_VERSION:
+        raise CaptureFileError(f"{path}: attribute '{FACTORED_ATTR}' needs format_version "
+                               f"{FACTORED_FORMAT_VERSION}, the file says {version}")
     missing = [key for key in REQUIRED_ATTRS if key not in attrs]
     if missing:
         raise CaptureFileError(f"{path}: missing attribute(s) {', '.join(missing)}")

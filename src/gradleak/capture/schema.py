@@ -8,6 +8,10 @@ from gradleak.victims.base import LayerInfo, layers_from_json, layers_to_json  #
 
 FORMAT = "gradleak-capture"
 FORMAT_VERSION = 1
+# version 2: some Linear weights stored as their factors (gradleak.capture.layout), which a
+# version-1 reader would misread as too few gradient columns; dense files stay version 1
+FACTORED_FORMAT_VERSION = 2
+READABLE_VERSIONS = (FORMAT_VERSION, FACTORED_FORMAT_VERSION)
 PARTIAL_SUFFIX = ".partial"
 
 

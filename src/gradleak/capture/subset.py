@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from gradleak.capture.layout import FACTORED_ATTR, FACTORS, layout_of
 from gradleak.capture.reader import CaptureFile
-from gradleak.capture.schema import GRADIENTS
+from gradleak.capture.schema import FACTORED_FORMAT_VERSION, FORMAT_VERSION, GRADIENTS
 from gradleak.capture.storage import compression_options, file_compression
 from gradleak.errors import CaptureFileError, ConfigError
 from gradleak.io import atomic_path, check_output, created_directories
@@ -72,9 +72,11 @@ def restrict_components(source: str | os.PathLike[str], components: list[str],
         settings["components"] = order
         settings.pop("factored_layers", None)
         dst.attrs.pop(FACTORED_ATTR, None)
+        dst.attrs["format_version"] = FORMAT_VERSION  # readable by a version-1 reader again
         if factored:
             settings["factored_layers"] = factored
-            dst.attrs[FACTORED_ATTR] = json.dumps(factored)
+            dst.attrs.update({FACTORED_ATTR: json.dumps(factored),
+                              "format_version": FACTORED_FORMAT_VERSION})
         dst.attrs.update({"components": json.dumps(order), "layer_table": layers_to_json(table),
                           "gradient_dim": sum(layer.size for layer in table),
                           "settings": json.dumps(settings, sort_keys=True),

@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 from gradleak.capture.layout import FACTORED_ATTR, FACTORS, read_gradients
 from gradleak.capture.reader import CaptureFile
-from gradleak.capture.schema import DEFENSES_ATTR, GRADIENTS, THETA0_GROUP
+from gradleak.capture.schema import DEFENSES_ATTR, FORMAT_VERSION, GRADIENTS, THETA0_GROUP
 from gradleak.capture.storage import compression_options, file_compression
 from gradleak.defenses.base import Chain, row_keys
 from gradleak.errors import CaptureFileError, ConfigError
@@ -68,8 +68,9 @@ def defend_capture(source: str | os.PathLike[str], chain: Chain, out: str | os.P
                 int(src.attrs["num_episodes"]) - len(dropped)
         history = applied_defenses(src.attrs) + [chain.describe()]
         dst.attrs[DEFENSES_ATTR] = json.dumps(history)
-        if FACTORED_ATTR in dst.attrs:
+        if FACTORED_ATTR in dst.attrs:  # written dense: readable by a version-1 reader
             del dst.attrs[FACTORED_ATTR]
+            dst.attrs["format_version"] = FORMAT_VERSION
         _defend_gradients(src, dst, chain, kept, dict(src.attrs), progress, filters)
     return {"in": str(source), "out": str(out), "rows": len(kept), "defenses": history,
             "skipped_nonfinite_rows": int((~usable).sum()),
