@@ -157,3 +157,37 @@ def test_factors_stand_for_the_dense_einsum_rows_bit_for_bit(name: str) -> None:
     bias = next(layer for layer in layers if layer.name == "policy_head.bias")
     assert torch.equal(factored.factors["policy_head.weight"][0],
                        dense[:, bias.offset:bias.offset + bias.size])
+
+
+def test_a_partial_capture_resumes_only_in_its_own_layout(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Interrupted after its first episode (Ctrl-C), a factored capture is resumable; resumed
+    with every weight dense it is refused, naming the setting to pass; resumed as it was
+    written it completes with the rows of an uninterrupted capture."""
+    from gradleak.capture.writer import CaptureWriter
+
+    original = CaptureWriter.append_episode
+
+    def interrupted(self, rows, gradients, factors=None):
+        if self.num_episodes == 1:
+            raise KeyboardInterrupt
+        return original(self, rows, gradients, factors)
+
+    def job(out: Path, resume: bool = False, factor_linear: bool = True) -> CaptureJob:
+        preset = tiny_preset()
+        preset.capture.factor_linear = factor_linear
+        return CaptureJob(victim="cnn-small", random_init=True, split="train", steps=45,
+                          out=out, preset=preset, progress=False, seed=3, resume=resume)
+
+    out = tmp_path / "cut.h5"
+    with monkeypatch.context() as patch:
+        patch.setattr(CaptureWriter, "append_episode", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            run_capture(job(out))
+    assert (tmp_path / "cut.h5.partial").exists()
+    with pytest.raises(CaptureFileError, match="factored_layers differ.*written with "
+                       "capture.factor_linear=true"):
+        run_capture(job(out, resume=True, factor_linear=False))
+    run_capture(job(out, resume=True))
+    run_capture(job(tmp_path / "whole.h5"))
+    assert np.array_equal(rows(out), rows(tmp_path / "whole.h5"))
