@@ -46,6 +46,19 @@ def test_every_method_and_both_reference_rows_are_scored(evaluation: Path) -> No
     assert result["baselines"]["IG"]["iterations"] == 3
     assert result["baselines"]["DLG (probe loss)"]["matching"]["loss"] == "probe"
     assert methods[MEAN_IMAGE]["psnr_gain_over_mean_image"] == 0.0
+    # IG saw the first window only: its gain is over the mean image on those same frames
+    samples = np.load(evaluation / "samples.npz")
+    names = list(samples["methods"])
+    mean_frames = samples[f"method_{names.index(MEAN_IMAGE)}"][:1].astype(np.float64) / 255
+    truth = samples["truth"][:1].astype(np.float64) / 255
+    first_window = float(np.mean(10 * np.log10(1 / ((mean_frames - truth) ** 2).mean((2, 3, 4)))))
+    ig = methods["IG"]
+    assert ig["mean_image_psnr_same_frames"] == pytest.approx(first_window, abs=0.05)
+    assert ig["mean_image_psnr_same_frames"] != pytest.approx(methods[MEAN_IMAGE]["psnr"],
+                                                              abs=0.05)
+    assert ig["psnr_gain_over_mean_image"] == pytest.approx(
+        ig["psnr"] - ig["mean_image_psnr_same_frames"])
+    assert "mean_image_psnr_same_frames" not in methods["TRACE"]
     for name in ("TRACE", "LtI"):
         row = methods[name]
         assert len(row["psnr_by_t"]) == result["window"] == 4

@@ -282,6 +282,11 @@ def test_table1_scores_learned_training_free_and_optimisation_attacks_alike(tmp_
         assert cell["result"]["attack"]["psnr"] > 0
         assert cell["result"]["mean training image"]["psnr"] > 0
     assert len(merged["missing"]) == 22 - 4
+    # IG scored the first window only: its row's mean image is the one on those frames
+    ig = next(c for c in merged["cells"] if c["cell"]["method"] == "ig")["result"]
+    same = ig["attack"]["mean_image_psnr_same_frames"]
+    assert same != ig["mean training image"]["psnr"]
+    assert merged["summary"]["ppo/ig"]["mean_image_psnr"] == pytest.approx(same)
 
 
 @pytest.mark.slow
