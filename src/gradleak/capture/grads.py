@@ -21,7 +21,7 @@ from torch.func import functional_call, grad, vmap
 
 from gradleak.capture.layout import GradientLayout
 from gradleak.rl.losses import LossCoefficients, actor_critic_loss
-from gradleak.victims.base import LayerInfo, Victim
+from gradleak.victims.base import LayerInfo, Victim, side_by_side
 
 
 @dataclass
@@ -272,7 +272,7 @@ def einsum_gradients(victim: Victim, batch: StepBatch, coefficients: LossCoeffic
     modules = {prefix: module for prefix, module in victim.named_modules()
                if _rule_for(module) is not None
                and any(layer.name in _own_parameters(prefix, module) for layer in layers)}
-    layers = rebased([layer for layer in layers if layer.name not in factors])
+    layers = side_by_side([layer for layer in layers if layer.name not in factors])
     wanted = {layer.name: layer for layer in layers}
     output = _output(victim, len(batch), layers, out)
     for start in range(0, len(batch), chunk):
@@ -304,15 +304,6 @@ def einsum_gradients(victim: Victim, batch: StepBatch, coefficients: LossCoeffic
             if layer.name not in written:
                 _block(rows, layer).zero_()
     return output
-
-
-def rebased(layers: list[LayerInfo]) -> list[LayerInfo]:
-    """The layers with offsets counted from 0, in order: their columns side by side."""
-    table, offset = [], 0
-    for layer in layers:
-        table.append(LayerInfo(layer.name, layer.shape, offset, layer.component))
-        offset += layer.size
-    return table
 
 
 def _keep_factors(a: torch.Tensor, delta: torch.Tensor, into: list[torch.Tensor]) -> None:

@@ -23,8 +23,8 @@ from typing import Any
 import h5py
 import numpy as np
 
-from gradleak.capture.schema import GRADIENTS
-from gradleak.victims.base import LayerInfo, layers_from_json
+from gradleak.capture.schema import FACTORED_FORMAT_VERSION, FORMAT_VERSION, GRADIENTS
+from gradleak.victims.base import LayerInfo, layers_from_json, side_by_side
 
 FACTORED_ATTR = "factored_layers"
 FACTORS = "gradient_factors"
@@ -54,12 +54,8 @@ class GradientLayout:
 
     def stored_offsets(self) -> dict[str, int]:
         """Each unfactored layer's first column in the `gradients` dataset."""
-        offsets, offset = {}, 0
-        for layer in self.layers:
-            if layer.name not in self.factored:
-                offsets[layer.name] = offset
-                offset += layer.size
-        return offsets
+        return {layer.name: layer.offset for layer in side_by_side(
+            [layer for layer in self.layers if layer.name not in self.factored])}
 
     def factor_columns(self) -> dict[str, tuple[slice, slice]]:
         """Each factored weight's output-gradient and input columns in `gradient_factors`."""
@@ -82,6 +78,18 @@ def layout_of(h5: h5py.File) -> GradientLayout:
     """The file's layout (its attributes are checked on open: `capture.header`)."""
     attrs = h5.attrs
     return _layout(attrs["layer_table"], attrs.get(FACTORED_ATTR, "[]"))
+
+
+def mark_layout(attrs: Any, factored: list[str]) -> None:
+    """Sets a file's (or its attribute dict's) layout attributes: the factored weights, and
+    the format version that says whether there are any (a version-1 reader reads the rest)."""
+    if factored:
+        attrs[FACTORED_ATTR] = json.dumps(factored)
+        attrs["format_version"] = FACTORED_FORMAT_VERSION
+    else:
+        if FACTORED_ATTR in attrs:
+            del attrs[FACTORED_ATTR]
+        attrs["format_version"] = FORMAT_VERSION
 
 
 def read_gradients(h5: h5py.File, rows: Any = slice(None), columns: slice = slice(None)

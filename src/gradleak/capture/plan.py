@@ -4,9 +4,9 @@ and the attributes the file will carry (docs/data-format.md)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,10 +16,9 @@ import torch
 from gradleak import __version__
 from gradleak.capture.config import CaptureSetup
 from gradleak.capture.grads import GRADIENT_METHODS, StepBatch, StepGradients, factorable_weights
-from gradleak.capture.layout import FACTORED_ATTR
+from gradleak.capture.layout import mark_layout
 from gradleak.capture.storage import check_compression
-from gradleak.capture.schema import (FACTORED_FORMAT_VERSION, FORMAT, FORMAT_VERSION,
-                                     layers_to_json)
+from gradleak.capture.schema import FORMAT, FORMAT_VERSION, layers_to_json
 from gradleak.capture.writer import partial_path
 from gradleak.envs.factory import num_actions, scene_names
 from gradleak.errors import CheckpointError, ConfigError
@@ -249,9 +248,7 @@ def plan_capture(job: CaptureJob) -> CapturePlan:
         settings["factored_layers"] = factored
     attrs = capture_attributes(victim, layers, algorithm, coefficients, gamma, lam,
                                job.advantage_norm, settings, all_scenes, str(job.victim))
-    if factored:
-        attrs.update({FACTORED_ATTR: json.dumps(factored),
-                      "format_version": FACTORED_FORMAT_VERSION})
+    mark_layout(attrs, factored)
     steps = shard_steps(job.steps, job.shard)
     return CapturePlan(victim, algorithm, coefficients, gamma, lam, layers, scenes, all_scenes,
                        steps, seed, shard_index, shard_output(job.out, job.shard), attrs,

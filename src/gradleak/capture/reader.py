@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +30,7 @@ from gradleak.capture.schema import (
 from gradleak.capture.text import describe_rows, nonfinite_message, roles_text
 from gradleak.errors import CaptureFileError
 from gradleak.threat import Observation, Target
-from gradleak.victims.base import LayerInfo
+from gradleak.victims.base import LayerInfo, side_by_side
 
 SCAN_ROWS = 256
 SCAN_BYTES = 64 * 2**20  # a scan block's gradients: wide rows (3.7 MB for the paper's cnn) in
@@ -149,15 +148,15 @@ class CaptureFile:
                     with_theta0: bool = True) -> Observation:
         """What the server sees; `layers` limits the gradient columns read (and held)."""
         chosen = self.layers if layers is None else [self._layer(n) for n in layers]
-        gradients, rebased, offset = [], [], 0
-        for layer in chosen:
-            block = self.read(GRADIENTS, rows, slice(layer.offset, layer.offset + layer.size))
-            gradients.append(block.astype(np.float32))
-            rebased.append(replace(layer, offset=offset))
-            offset += layer.size
-        matrix = np.concatenate(gradients, axis=1) if gradients else np.zeros((0, 0), np.float32)
+        if layers is None:  # whole rows in one read: a row's chunk decodes once, not per layer
+            matrix = self.read(GRADIENTS, rows).astype(np.float32)
+        else:
+            blocks = [self.read(GRADIENTS, rows, slice(layer.offset, layer.offset + layer.size))
+                      .astype(np.float32) for layer in chosen]
+            matrix = np.concatenate(blocks, axis=1) if blocks else np.zeros((0, 0), np.float32)
         self._check_finite(matrix, rows)
-        return Observation(gradients=matrix, layers=tuple(rebased), victim=self.victim,
+        return Observation(gradients=matrix, layers=tuple(side_by_side(chosen)),
+                           victim=self.victim,
                            hyperparameters=self.hyperparameters,
                            episode_ids=self.column("episode_ids", rows),
                            step_in_episode=self.column("step_in_episode", rows),

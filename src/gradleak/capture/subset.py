@@ -18,25 +18,20 @@ import h5py
 import numpy as np
 from tqdm import tqdm
 
-from gradleak.capture.layout import FACTORED_ATTR, FACTORS, layout_of
+from gradleak.capture.layout import FACTORS, layout_of, mark_layout
 from gradleak.capture.reader import CaptureFile
-from gradleak.capture.schema import FACTORED_FORMAT_VERSION, FORMAT_VERSION, GRADIENTS
+from gradleak.capture.schema import GRADIENTS
 from gradleak.capture.storage import compression_options, file_compression
 from gradleak.errors import CaptureFileError, ConfigError
 from gradleak.io import atomic_path, check_output, created_directories
-from gradleak.victims.base import COMPONENTS, LayerInfo, layers_to_json
+from gradleak.victims.base import COMPONENTS, LayerInfo, layers_to_json, side_by_side
 
 CHUNK_ROWS = 1024
 
 
 def kept_layers(layers: list[LayerInfo], components: list[str]) -> list[LayerInfo]:
     """The layers of `components` with their offsets in the restricted gradient."""
-    table, offset = [], 0
-    for layer in layers:
-        if layer.component in components:
-            table.append(LayerInfo(layer.name, layer.shape, offset, layer.component))
-            offset += layer.size
-    return table
+    return side_by_side([layer for layer in layers if layer.component in components])
 
 
 def restrict_components(source: str | os.PathLike[str], components: list[str],
@@ -71,12 +66,9 @@ def restrict_components(source: str | os.PathLike[str], components: list[str],
         settings = json.loads(src.attrs["settings"])
         settings["components"] = order
         settings.pop("factored_layers", None)
-        dst.attrs.pop(FACTORED_ATTR, None)
-        dst.attrs["format_version"] = FORMAT_VERSION  # readable by a version-1 reader again
         if factored:
             settings["factored_layers"] = factored
-            dst.attrs.update({FACTORED_ATTR: json.dumps(factored),
-                              "format_version": FACTORED_FORMAT_VERSION})
+        mark_layout(dst.attrs, factored)
         dst.attrs.update({"components": json.dumps(order), "layer_table": layers_to_json(table),
                           "gradient_dim": sum(layer.size for layer in table),
                           "settings": json.dumps(settings, sort_keys=True),

@@ -17,9 +17,9 @@ import numpy as np
 
 from gradleak.capture.layout import (
     FACTORED_ATTR,
+    FACTORS,
     GradientLayout,
     factor_datasets,
-    FACTORS,
 )
 from gradleak.capture.schema import (
     FORMAT,

@@ -12,9 +12,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from gradleak.capture.layout import FACTORED_ATTR, FACTORS, read_gradients
+from gradleak.capture.layout import FACTORS, mark_layout, read_gradients
 from gradleak.capture.reader import CaptureFile
-from gradleak.capture.schema import DEFENSES_ATTR, FORMAT_VERSION, GRADIENTS, THETA0_GROUP
+from gradleak.capture.schema import DEFENSES_ATTR, GRADIENTS, THETA0_GROUP
 from gradleak.capture.storage import compression_options, file_compression
 from gradleak.defenses.base import Chain, row_keys
 from gradleak.errors import CaptureFileError, ConfigError
@@ -68,9 +68,7 @@ def defend_capture(source: str | os.PathLike[str], chain: Chain, out: str | os.P
                 int(src.attrs["num_episodes"]) - len(dropped)
         history = applied_defenses(src.attrs) + [chain.describe()]
         dst.attrs[DEFENSES_ATTR] = json.dumps(history)
-        if FACTORED_ATTR in dst.attrs:  # written dense: readable by a version-1 reader
-            del dst.attrs[FACTORED_ATTR]
-            dst.attrs["format_version"] = FORMAT_VERSION
+        mark_layout(dst.attrs, [])  # written dense (noise is no outer product)
         _defend_gradients(src, dst, chain, kept, dict(src.attrs), progress, filters)
     return {"in": str(source), "out": str(out), "rows": len(kept), "defenses": history,
             "skipped_nonfinite_rows": int((~usable).sum()),

@@ -209,6 +209,16 @@ def layer_table(victim: Victim, components: tuple[str, ...] = COMPONENTS) -> lis
     return table
 
 
+def side_by_side(layers: list[LayerInfo] | tuple[LayerInfo, ...]) -> list[LayerInfo]:
+    """The layers with offsets counted from 0, in order: the table of a gradient holding just
+    their columns (a component's cut, a file's unfactored columns)."""
+    table, offset = [], 0
+    for layer in layers:
+        table.append(LayerInfo(layer.name, layer.shape, offset, layer.component))
+        offset += layer.size
+    return table
+
+
 def rebuildable(config: VictimConfig) -> bool:
     return config.name in VICTIMS and VICTIMS.get(config.name).rebuildable(config)
 
