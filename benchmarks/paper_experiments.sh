@@ -36,7 +36,8 @@ run() {
         pids+=($!)
     done
     for pid in "${pids[@]}"; do
-        wait "$pid" || { echo "$name: a shard failed (see $folder.shard*.log)" >&2; exit 1; }
+        wait "$pid" || { echo "$name: a shard failed; the end of its log:" >&2
+                         tail -n 3 "$folder".shard*.log >&2; exit 1; }
     done
     gradleak experiment "$name" "${common[@]}" --merge --results "$RESULTS"
 }
