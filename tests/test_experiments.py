@@ -329,8 +329,47 @@ def test_the_paper_script_runs_shards_side_by_side_merges_and_resumes(tmp_path) 
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
            "PYTHONPATH": f"{Path(__file__).parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     for _ in range(2):
-        subprocess.run(["bash", str(script), "toy"], env=env, check=True, capture_output=True)
+        done = subprocess.run(["bash", str(script), "toy"], env=env, capture_output=True,
+                              text=True)
+        assert done.returncode == 0, done.stderr
         merged = json.loads((tmp_path / "results" / "toy.json").read_text())
         assert merged["summary"] == {"a": 0.5, "b": 10.5, "c": 20.5}
     ran = (tmp_path / "exp" / "toy-1m" / "ran.log").read_text().split()
     assert sorted(ran) == sorted(set(ran)) and len(ran) == 6
+
+
+def test_shards_claiming_one_new_folder_take_turns(tmp_path, monkeypatch) -> None:
+    """Two shards claim a folder none has made yet, the second while the first is still
+    writing the run's marker (its temporary file already in the folder, slowed down here): the
+    second waits its turn and joins the run instead of refusing the folder as a stranger's."""
+    import threading
+    import time
+
+    from gradleak.experiments import runner
+    from gradleak.experiments.runner import ExperimentSettings
+
+    from gradleak.errors import ConfigError
+
+    writing = threading.Event()
+
+    def slow_write(path, data):
+        with runner.atomic_path(path) as tmp:
+            tmp.write_text(json.dumps(data))
+            writing.set()
+            time.sleep(0.5)  # the marker's temporary file sits in the folder meanwhile
+
+    monkeypatch.setattr(runner, "write_json", slow_write)
+    out, settings, errors = tmp_path / "run", ExperimentSettings(name="losses"), []
+
+    def shard() -> None:
+        try:
+            runner.claim(out, settings, resume=True)
+        except ConfigError as error:  # reported by the assertion below
+            errors.append(error)
+
+    first = threading.Thread(target=shard)
+    first.start()
+    writing.wait(5)
+    shard()
+    first.join()
+    assert errors == [] and json.loads((out / "experiment.json").read_text())["format"]

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from gradleak.errors import ConfigError
-from gradleak.experiments.base import EXPERIMENTS, Cell, Context, Experiment
+from gradleak.experiments.base import EXPERIMENTS, Cell, Context, Experiment, locked
 from gradleak.io import atomic_path, owned_folder, read_json, write_json
 
 FORMAT = "gradleak-experiment"
@@ -68,7 +68,16 @@ def cell_path(out: Path, cell: Cell) -> Path:
 
 
 def claim(out: Path, settings: ExperimentSettings, resume: bool) -> None:
-    """A new or empty folder, or this experiment's own with the same settings."""
+    """A new or empty folder, or this experiment's own with the same settings. Shards claim
+    it one at a time (a lock file beside it): a shard started with another would otherwise
+    find the other's marker half-written (its temporary file in the folder, the marker not
+    yet there) and refuse the folder as a stranger's."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with locked(out.parent / f".{out.name}.claim.lock"):
+        _claim(out, settings, resume)
+
+
+def _claim(out: Path, settings: ExperimentSettings, resume: bool) -> None:
     found = owned_folder(out, "experiment.json", FORMAT, "--out", "an experiment run")
     if found is not None:
         before = found.get("settings", {})
