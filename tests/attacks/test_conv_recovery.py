@@ -319,3 +319,53 @@ def test_only_the_steps_the_first_walk_leaves_inconsistent_are_walked_again(
     victim = victim_at_theta0(observation).double()
     blocks = conv_blocks(victim)
     assert float(found.inconsistency(blocks, "encoder.3")[exact].max()) <= 1e-4
+
+
+def vertex_programme(slack_everywhere: bool = False, seed: int = 0
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """rows z ≤ bounds with unit rows, 30 coefficients and 400 rows: at the truth 120 rows are
+    active to float32 rounding (units exactly off) and the rest have slack; with
+    `slack_everywhere` none is active, so the polytope has room inside."""
+    rng = np.random.default_rng(seed)
+    truth = rng.standard_normal(30)
+    rows = rng.standard_normal((400, 30))
+    rows /= np.linalg.norm(rows, axis=1, keepdims=True)
+    slack = rng.uniform(0.1, 1.0, 400)
+    if not slack_everywhere:
+        slack[:120] = 1e-7 * rng.standard_normal(120)
+    return rows, rows @ truth + slack, truth
+
+
+def test_the_newton_vertex_is_the_linear_programmes_and_the_truth() -> None:
+    from gradleak.attacks.conv_blocks import least_violation, linear_programme, newton_vertex
+
+    rows, bounds, truth = vertex_programme()
+    newton = newton_vertex(rows, bounds)
+    assert newton is not None
+    assert np.abs(newton - linear_programme(rows, bounds)).max() <= 1e-9
+    assert np.abs(newton - truth).max() <= 1e-6
+    assert np.array_equal(least_violation(rows, bounds), newton)
+
+
+def test_a_polytope_with_room_inside_is_left_to_the_linear_programme() -> None:
+    from gradleak.attacks.conv_blocks import least_violation, newton_vertex
+
+    rows, bounds, _ = vertex_programme(slack_everywhere=True)
+    assert newton_vertex(rows, bounds) is None  # nothing certifies a vertex there
+    z = least_violation(rows, bounds)
+    assert z is not None and float((rows @ z - bounds).max()) <= 1e-9
+
+
+def test_a_programme_met_again_within_one_recovery_is_solved_once(monkeypatch) -> None:
+    import gradleak.attacks.conv_blocks as blocks
+
+    rows, bounds, _ = vertex_programme(seed=1)
+    calls = []
+    solve = blocks.newton_vertex
+    monkeypatch.setattr(blocks, "newton_vertex", lambda *a: calls.append(1) or solve(*a))
+    with blocks.programmes_shared():
+        first = blocks.least_violation(rows, bounds)
+        assert blocks.least_violation(rows.copy(), bounds.copy()) is first
+        assert len(calls) == 1
+    blocks.least_violation(rows, bounds)  # outside, nothing is kept: a benchmark's repeats
+    assert len(calls) == 2  # pay for every solve

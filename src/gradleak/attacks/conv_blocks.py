@@ -6,6 +6,9 @@ walks the blocks down).
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -200,6 +203,14 @@ ACTIVE_TOLERANCE = 1e-4
 # marked undetermined instead): measured up to 50 (paper cnn, PPO) and 107 (cnn-small, random
 # init); at 250 one programme takes 2 s
 MAX_FREE = 160
+# Newton steps on the squared violation before the linear programme decides: 1 to 13 certified
+# the vertex on cnn-small's random-init steps; a polytope with room inside never certifies
+NEWTON_STEPS = 16
+# the solved programmes inside `programmes_shared`, else None
+_SOLVED: dict[bytes, np.ndarray | None] | None = None
+# the Newton system's ridge, times its mean diagonal: the violated rows may not fix every
+# coefficient
+NEWTON_DAMPING = 1e-10
 # nor is the completion for more null-space coefficients (C_in · nullity) than this
 MAX_COEFFICIENTS = 512
 # D's null space is looked for only on blocks with at most this many input pixels a channel:
@@ -351,15 +362,55 @@ def resolve_free_part(block: ConvBlock, below: ConvBlock, solution: torch.Tensor
     left: the input is a ReLU → BatchNorm output of the block `below` (BN⁻¹ of it is ≥ 0, and
     about half of it exactly 0), and this block's off-units have pre-activations ≤ 0. Hundreds
     of those are active at the truth against tens of free coefficients, so it is the only point
-    that violates none; a linear programme (HiGHS) finds it, minimising the total violation so
-    that noise leaves it near the truth. None when there are too many free coefficients or the
-    programme fails."""
-    from scipy.optimize import linprog
-    from scipy.sparse import csr_matrix, hstack, identity
-
+    that violates none; `least_violation` finds it, minimising the total violation so that
+    noise leaves it near the truth. None when there are too many free coefficients or the
+    linear programme fails."""
     if len(free) > MAX_FREE:
         return None
     rows, bounds = inequalities(block, below, solution, free, ~outputs.on[step])
+    z = least_violation(rows, bounds)
+    if z is None:
+        return None
+    return solution + torch.einsum("f,fqc->qc", torch.from_numpy(z), free)
+
+
+def least_violation(rows: np.ndarray, bounds: np.ndarray) -> np.ndarray | None:
+    """z minimising the total violation Σ max(0, rows z − bounds), at the point where the rows
+    active at it agree. First a few Newton steps on the squared violation (a millisecond each),
+    checked after each: where the rows near-active fix every coefficient and their least-squares
+    point violates no row beyond the tolerance, that point is the vertex the linear programme
+    stops at (the same to 1e-5 on cnn-small's 24 programmes, 40× sooner). Otherwise (a polytope
+    with room inside, or no convergence) the linear programme (HiGHS) decides. None when it
+    fails."""
+    key = hashlib.blake2b(rows.tobytes() + bounds.tobytes(), digest_size=16).digest()
+    if _SOLVED is not None and key in _SOLVED:
+        return _SOLVED[key]
+    found = newton_vertex(rows, bounds)
+    if found is None:
+        found = linear_programme(rows, bounds)
+    if _SOLVED is not None:
+        _SOLVED[key] = found
+    return found
+
+
+@contextmanager
+def programmes_shared() -> Iterator[None]:
+    """Within: a programme met again is answered from the first solve. The walks of the other
+    mask rules meet the same programmes on the steps they share with the first (their masks
+    agree there); one recovery's worth of them is kept, keyed by the programme's bytes."""
+    global _SOLVED
+    outer, _SOLVED = _SOLVED, {} if _SOLVED is None else _SOLVED
+    try:
+        yield
+    finally:
+        _SOLVED = outer
+
+
+def linear_programme(rows: np.ndarray, bounds: np.ndarray) -> np.ndarray | None:
+    """The least-violation vertex by HiGHS, polished on its near-active rows."""
+    from scipy.optimize import linprog
+    from scipy.sparse import csr_matrix, hstack, identity
+
     count, dims = rows.shape
     # variables: z (free coefficients, unbounded), t ≥ 0 (each row's violation)
     result = linprog(np.concatenate([np.zeros(dims), np.ones(count)]),
@@ -368,14 +419,60 @@ def resolve_free_part(block: ConvBlock, below: ConvBlock, solution: torch.Tensor
                      method="highs")
     if result.status != 0:
         return None
-    z = result.x[:dims]
     # The programme stops at a vertex: F active rows, each off by its own rounding. Every row
     # near-active there is active at the truth (a unit exactly off), so least squares on all
     # of them averages the rounding out.
-    active = np.abs(bounds - rows @ z) <= ACTIVE_TOLERANCE * np.median(np.abs(bounds))
-    if np.linalg.matrix_rank(rows[active]) == dims:
-        z = np.linalg.lstsq(rows[active], bounds[active], rcond=None)[0]
-    return solution + torch.einsum("f,fqc->qc", torch.from_numpy(z), free)
+    polished = active_least_squares(rows, bounds, result.x[:dims])
+    return result.x[:dims] if polished is None else polished
+
+
+def newton_vertex(rows: np.ndarray, bounds: np.ndarray) -> np.ndarray | None:
+    """The least-violation vertex by semismooth Newton steps on ½ Σ max(0, rows z − bounds)²,
+    certified by `active_least_squares` on its near-active rows; None after NEWTON_STEPS."""
+    z = np.zeros(rows.shape[1])
+    for step in range(NEWTON_STEPS):
+        residual = rows @ z - bounds
+        violated = residual > 0
+        if not violated.any():
+            return None  # strictly inside: a polytope with room, the programme picks a vertex
+        part = rows[violated]
+        slope = part.T @ residual[violated]
+        curvature = part.T @ part
+        curvature[np.diag_indices_from(curvature)] += NEWTON_DAMPING * np.trace(curvature) \
+            / len(curvature)
+        direction = -np.linalg.solve(curvature, slope)
+        z = z + backtrack(rows, bounds, z, direction, slope, residual[violated])
+        if step:
+            certified = active_least_squares(rows, bounds, z, strict=True)
+            if certified is not None:
+                return certified
+    return None
+
+
+def backtrack(rows: np.ndarray, bounds: np.ndarray, z: np.ndarray, direction: np.ndarray,
+              slope: np.ndarray, violated: np.ndarray) -> np.ndarray:
+    """The Armijo step along `direction` for the squared violation."""
+    start, decrease, length = 0.5 * (violated ** 2).sum(), -slope @ direction, 1.0
+    while length > 1e-4:
+        trial = np.maximum(rows @ (z + length * direction) - bounds, 0)
+        if 0.5 * (trial ** 2).sum() <= start - 1e-4 * length * decrease:
+            break
+        length /= 2
+    return length * direction
+
+
+def active_least_squares(rows: np.ndarray, bounds: np.ndarray, z: np.ndarray,
+                         strict: bool = False) -> np.ndarray | None:
+    """Least squares on the rows within ACTIVE_TOLERANCE of active at z, when they fix every
+    coefficient; with `strict`, only if that point violates no row beyond the tolerance."""
+    tolerance = ACTIVE_TOLERANCE * np.median(np.abs(bounds))
+    active = np.abs(bounds - rows @ z) <= tolerance
+    if active.sum() < rows.shape[1]:
+        return None
+    point, _, rank, _ = np.linalg.lstsq(rows[active], bounds[active], rcond=None)
+    if rank < rows.shape[1] or (strict and (rows @ point - bounds).max() > tolerance):
+        return None
+    return point
 
 
 def in_every_channel(pixels: torch.Tensor, block: ConvBlock) -> torch.Tensor:

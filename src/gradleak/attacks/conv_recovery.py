@@ -50,6 +50,7 @@ from gradleak.attacks.conv_blocks import (
     deepest_inputs,
     fitted_output_gradient,
     posterior_on,
+    programmes_shared,
     robust_input,
     solve_input,
     solve_input_with_noise,
@@ -188,6 +189,14 @@ def recover_conv_inputs(gradient_of: GradientOf, victim: Victim, down_to: str | 
 
     if not rules:
         raise ConfigError("recovery through the conv stack needs at least one mask rule")
+    with programmes_shared():
+        return walk_every_rule(once, victim, down_to, rules)
+
+
+def walk_every_rule(once: GradientOf, victim: Victim, down_to: str | None,
+                    rules: tuple[MaskRule, ...]) -> ConvInputs:
+    """The first rule on every step, the others on the steps it leaves inconsistent; per step
+    the walk whose features agree best."""
     first = walk_down(once, victim, down_to, rules[0])
     deepest, blocks = list(first.inputs)[-1], conv_blocks(victim)
     score = first.inconsistency(blocks, deepest)
