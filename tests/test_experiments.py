@@ -63,6 +63,22 @@ def test_shards_split_the_grid_and_merge_refuses_what_is_missing(tmp_path, capsy
     assert sorted(ran(out)) == sorted(set(ran(out))) and len(ran(out)) == 6  # disjoint
 
 
+def test_a_slice_of_the_grid_runs_first_split_by_the_shards(tmp_path, capsys) -> None:
+    out = tmp_path / "toy"
+    run = ["experiment", "toy", *PLUGIN, "--seeds", "2", "--out", str(out), "--quiet"]
+    assert main([*run, "--where", "setting=b,c", "--where", "seed=1", "--shard", "0/2"]) == 0
+    assert main([*run, "--where", "setting=b,c", "--where", "seed=1", "--shard", "1/2",
+                 "--resume"]) == 0
+    assert sorted(ran(out)) == ["setting=b,seed=1", "setting=c,seed=1"]
+    assert main([*run, "--resume"]) == 0  # the rest of the grid, later, into the same folder
+    assert len(ran(out)) == 6 and len(set(ran(out))) == 6
+    for where, named in (("size=b", "the axes are setting, seed"),
+                         ("setting=d", "from a, b, c"), ("seed=", "from 0, 1")):
+        assert main([*run, "--resume", "--where", where]) == 2
+        assert named in capsys.readouterr().err
+    assert len(ran(out)) == 6
+
+
 def test_a_later_session_continues_a_merged_partial_grid(tmp_path, capsys) -> None:
     """The run folder is gone (a new machine); the merged partial result is all that is left:
     --import-cells takes its cells, runs only the others, and the merge says which came from

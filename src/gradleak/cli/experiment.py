@@ -25,7 +25,8 @@ def run(args: argparse.Namespace) -> None:
     result = run_experiment(settings, out, resume=args.resume, shard=args.shard,
                             progress=progress(args),
                             shared=Path(args.shared) if args.shared else None,
-                            import_from=Path(args.import_cells) if args.import_cells else None)
+                            import_from=Path(args.import_cells) if args.import_cells else None,
+                            where=args.where)
     emit(args, result, f"{args.name} shard {result['shard']}: imported "
                        f"{len(result['imported'])}, "
                        f"ran {len(result['ran'])} of "
@@ -52,6 +53,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    "(benchmarks/results/NAME.json, same settings) and run only the rest")
     p.add_argument("--shard", metavar="I/N", help="run every N-th cell from the I-th (one "
                    "process or machine per shard, same --out)")
+    p.add_argument("--where", action="append", metavar="AXIS=V1,V2",
+                   help="run only the cells with these values on that axis (repeatable), e.g. "
+                   "--where defense=noise:0.01,noise:0.1 --where window=1,8; a slice first, "
+                   "the rest later into the same --out")
     p.add_argument("--shared", help="where victims and captures cells share live (default "
                    "OUT/shared); one root for several experiments trains each victim once "
                    "(keyed by the preset's env, train and capture sections)")

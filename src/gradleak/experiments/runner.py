@@ -63,6 +63,30 @@ def parse_shard(text: str | None) -> tuple[int, int]:
     return shard
 
 
+def parse_where(texts: list[str] | None, axes: dict[str, list[Any]]
+                ) -> dict[str, set[str]]:
+    """--where AXIS=V1,V2 (repeatable) → axis → the values kept (as their text). An axis the
+    experiment lacks, or a value not on its axis (a typo would otherwise run nothing), is
+    refused, naming what there is."""
+    where: dict[str, set[str]] = {}
+    for text in texts or []:
+        axis, _, values = text.partition("=")
+        if axis not in axes:
+            raise ConfigError(f"--where {text!r}: the axes are {', '.join(axes)}")
+        known = [str(value) for value in axes[axis]]
+        wanted = {value for value in values.split(",") if value}
+        unknown = sorted(wanted - set(known))
+        if not wanted or unknown:
+            raise ConfigError(f"--where {text!r}: expected {axis}=V1,V2,... from "
+                              f"{', '.join(known)}")
+        where[axis] = where.get(axis, set(known)) & wanted
+    return where
+
+
+def kept(cell: Cell, where: dict[str, set[str]]) -> bool:
+    return all(str(cell[axis]) in values for axis, values in where.items())
+
+
 def cell_path(out: Path, cell: Cell) -> Path:
     return out / "cells" / f"{cell.id}.json"
 
@@ -126,11 +150,13 @@ def importable_cells(settings: ExperimentSettings, source: Path
 
 def run_experiment(settings: ExperimentSettings, out: Path, resume: bool = False,
                    shard: str | None = None, progress: bool = False,
-                   shared: Path | None = None, import_from: Path | None = None
-                   ) -> dict[str, Any]:
+                   shared: Path | None = None, import_from: Path | None = None,
+                   where: list[str] | None = None) -> dict[str, Any]:
     """Run this shard's missing cells, after taking those `import_from` (an earlier session's
     merged result) holds, marked with where they came from (a cell OUT already holds is
-    kept); returns what was imported, what ran and what is still missing."""
+    kept); returns what was imported, what ran and what is still missing. `where` (AXIS=V1,V2
+    texts) runs a slice of the grid first, e.g. the defended cells of a long experiment; the
+    shards split the slice, and the merge still wants the whole grid."""
     from tqdm import tqdm
 
     from gradleak.presets import load_preset, validate_preset
@@ -139,7 +165,9 @@ def run_experiment(settings: ExperimentSettings, out: Path, resume: bool = False
     index, count = parse_shard(shard)
     preset = validate_preset(load_preset(settings.preset, settings.overrides), "--set")
     experiment: Experiment = EXPERIMENTS.get(settings.name)()
-    cells = experiment.cells(settings.seeds)[index::count]
+    chosen = parse_where(where, experiment.axes(settings.seeds))
+    cells = [cell for cell in experiment.cells(settings.seeds) if kept(cell, chosen)]
+    cells = cells[index::count]
     importing = importable_cells(settings, import_from) if import_from is not None else []
     claim(out, settings, resume or import_from is not None)
     imported = []
