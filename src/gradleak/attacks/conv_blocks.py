@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gradleak.errors import ConfigError
+from gradleak.threads import one_thread
 from gradleak.victims.base import Victim
 
 
@@ -277,34 +278,42 @@ def complete_from_outputs(block: ConvBlock, fit: InputFit, outputs: KnownOutputs
     so one small least squares per step fixes those the live output channels reach; the rest
     are marked undetermined. Only `steps` (where gelsy found D rank-deficient) are looked at;
     gelsy's a* is not the minimum-norm one there, so the SVD's is used instead."""
-    read = covered_pixels(block)
     solution = fit.solution.clone()
     undetermined = torch.zeros_like(solution, dtype=torch.bool)
     completed = torch.zeros(len(solution), dtype=torch.bool)
-    for step in steps.nonzero().flatten().tolist():
-        left, singular, right = torch.linalg.svd(fit.matrix[step], full_matrices=False)
-        null = singular < NULL_TOLERANCE * singular[0]
-        if not bool(null.any()):
-            continue
-        completed[step] = True
-        solution[step, read] = right[~null].T @ (
-            left[:, ~null].T @ fit.rhs[step] / singular[~null][:, None])
-        directions = torch.zeros(int(null.sum()), len(read), dtype=solution.dtype)
-        directions[:, read] = right[null]  # (J, Q)
-        part, free = null_space_part(block, directions, solution[step], outputs, step)
-        if not plausible(part, solution[step]):  # wrong masks above: nothing to trust here
-            undetermined[step] = in_every_channel(reaches(directions), block)
-            continue
-        solution[step] += part
-        if not len(free):
-            continue
-        resolved = None if outputs.below is None else resolve_free_part(
-            block, outputs.below, solution[step], free, outputs, step)
-        if resolved is None or not plausible(resolved - solution[step], solution[step]):
-            undetermined[step] = reaches(free)
-        else:
-            solution[step] = resolved
+    with one_thread():  # small solves a step: 81 → 59 ms a frame on cnn-small, 2 cores
+        for step in steps.nonzero().flatten().tolist():
+            complete_step(block, fit, outputs, step, solution, undetermined, completed)
     return InputFit(fit.matrix, fit.rhs, solution, undetermined, completed)
+
+
+def complete_step(block: ConvBlock, fit: InputFit, outputs: KnownOutputs, step: int,
+                  solution: torch.Tensor, undetermined: torch.Tensor,
+                  completed: torch.Tensor) -> None:
+    """`complete_from_outputs` on one step, in place."""
+    read = covered_pixels(block)
+    left, singular, right = torch.linalg.svd(fit.matrix[step], full_matrices=False)
+    null = singular < NULL_TOLERANCE * singular[0]
+    if not bool(null.any()):
+        return
+    completed[step] = True
+    solution[step, read] = right[~null].T @ (
+        left[:, ~null].T @ fit.rhs[step] / singular[~null][:, None])
+    directions = torch.zeros(int(null.sum()), len(read), dtype=solution.dtype)
+    directions[:, read] = right[null]  # (J, Q)
+    part, free = null_space_part(block, directions, solution[step], outputs, step)
+    if not plausible(part, solution[step]):  # wrong masks above: nothing to trust here
+        undetermined[step] = in_every_channel(reaches(directions), block)
+        return
+    solution[step] += part
+    if not len(free):
+        return
+    resolved = None if outputs.below is None else resolve_free_part(
+        block, outputs.below, solution[step], free, outputs, step)
+    if resolved is None or not plausible(resolved - solution[step], solution[step]):
+        undetermined[step] = reaches(free)
+    else:
+        solution[step] = resolved
 
 
 def null_space_part(block: ConvBlock, directions: torch.Tensor, solution: torch.Tensor,

@@ -21,13 +21,13 @@ from gradleak.capture.plan import CaptureJob, CapturePlan, plan_capture
 from gradleak.capture.producer import EpisodeProducer, Produced
 from gradleak.capture.schema import step_columns
 from gradleak.capture.writer import CaptureWriter, partial_path
-from gradleak.rl.rollout import torch_threads
 from gradleak.envs.factory import make_env
 from gradleak.errors import CaptureFileError, GradleakError
 from gradleak.io import (
     created_directories,
     write_json,
 )
+from gradleak.threads import torch_threads
 
 FLOAT16_MAX = 65504.0
 

@@ -11,6 +11,7 @@ import gymnasium as gym
 import numpy as np
 import torch
 
+from gradleak.threads import torch_threads
 from gradleak.victims.base import Victim
 
 
@@ -24,17 +25,6 @@ def single_threaded_torch() -> Iterator[None]:
     """
     with torch_threads(1):
         yield
-
-
-@contextlib.contextmanager
-def torch_threads(count: int) -> Iterator[None]:
-    """torch's intra-op threads set to `count` for the block."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 @dataclass

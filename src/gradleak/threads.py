@@ -1,0 +1,28 @@
+"""How many threads torch and BLAS may use for a block of work."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from threadpoolctl import threadpool_limits
+
+
+@contextlib.contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    """torch's intra-op threads set to `count` for the block."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """torch and BLAS (numpy's, scipy's) on one thread for the block: loops of small solves
+    (a few hundred rows) lose more to waking a second thread than they gain from it."""
+    with torch_threads(1), threadpool_limits(1, user_api="blas"):
+        yield
