@@ -152,9 +152,43 @@ def test_the_preconditioner_is_the_prior_operators_diagonal() -> None:
         assert torch.allclose(degree(edges).flatten(), diagonal, atol=1e-15)
 
 
+def test_the_colour_weighted_preconditioner_is_its_operators_diagonal() -> None:
+    generator = torch.Generator().manual_seed(1)
+    x = torch.rand(1, 3, 4, 5, generator=generator, dtype=torch.float64)
+    edges = edge_weights(x, 0.1)
+    diagonal = torch.empty(60, dtype=torch.float64)
+    for entry in range(60):
+        unit = torch.zeros(60, dtype=torch.float64)
+        unit[entry] = 1
+        diagonal[entry] = smoothness_normal(unit.view(1, 3, 4, 5), edges, 5.0).flatten()[entry]
+    expected = degree(edges, 5.0, 3).expand(1, 3, 4, 5).flatten()
+    assert torch.allclose(expected, diagonal, atol=1e-15)
+
+
+def test_colour_changes_cost_chroma_times_a_brightness_change() -> None:
+    """xᵀ(DᵀWDK)x: a ramp shared by every channel costs as at chroma 1, a ramp that only
+    changes the colour (channels summing to zero) chroma times as much; the operator is
+    symmetric, so CG stays valid."""
+    ramp = torch.linspace(0, 1, 6, dtype=torch.float64).expand(4, 6)
+    grey = ramp.expand(1, 3, 4, 6)
+    colour = torch.stack([ramp, -ramp, 0 * ramp])[None]
+    edges = uniform_edges(grey)
+
+    def energy(x: torch.Tensor, chroma: float) -> float:
+        return float((x * smoothness_normal(x, edges, chroma)).sum())
+
+    assert energy(grey, 5.0) == pytest.approx(energy(grey, 1.0), rel=1e-12)
+    assert energy(colour, 5.0) == pytest.approx(5 * energy(colour, 1.0), rel=1e-12)
+    a, b = (torch.rand(1, 3, 4, 6, generator=torch.Generator().manual_seed(i),
+                       dtype=torch.float64) for i in (2, 3))
+    assert float((a * smoothness_normal(b, edges, 5.0)).sum()) == pytest.approx(
+        float((b * smoothness_normal(a, edges, 5.0)).sum()), rel=1e-12)
+
+
 @pytest.mark.parametrize("field, value, message", [
     ("rounds", -1, "rounds -1"), ("round_iterations", 0, "round_iterations 0"),
-    ("edge_scale", -0.1, "edge_scale"), ("iterations", 0, "iterations 0")])
+    ("edge_scale", -0.1, "edge_scale"), ("iterations", 0, "iterations 0"),
+    ("chroma", 0.0, "chroma 0.0")])
 def test_bad_solve_settings_are_refused(field: str, value: float, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         ExactConfig(**{field: value}).check()

@@ -46,6 +46,7 @@ class ExactConfig:
     edge_scale: float = FrameSolve.edge_scale
     inequalities: bool = FrameSolve.inequalities
     precision: str = FrameSolve.precision  # float32 or float64
+    chroma: float = FrameSolve.chroma  # the colour differences' smoothness, times brightness's
     weight_gradient: bool = True  # use the first conv's weight-gradient equations
     chunk: int = 16  # steps solved together
     # weigh the equations by how exact they are (first_conv.NoiseModel); off: as if exact
@@ -71,7 +72,7 @@ class ExactConfig:
 
     def frame_solve(self) -> FrameSolve:
         return FrameSolve(self.smoothness, self.iterations, self.rounds, self.round_iterations,
-                          self.edge_scale, self.inequalities, self.precision)
+                          self.edge_scale, self.inequalities, self.precision, self.chroma)
 
     def noise_model(self) -> NoiseModel | None:
         return NoiseModel(self.gradient_tolerance, self.noise_reference) \
