@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Any
 
 import numpy as np
-from threadpoolctl import ThreadpoolController
+
+from gradleak.threads import blas_controller
 
 
 @lru_cache(maxsize=16)
@@ -26,11 +26,6 @@ def area_weights(source: int, target: int) -> np.ndarray:
     return weights
 
 
-@lru_cache(maxsize=1)
-def _blas() -> Any:
-    return ThreadpoolController().select(user_api="blas")
-
-
 def resize_area(frame: np.ndarray, height: int, width: int) -> np.ndarray:
     """Resize an (H, W, 3) uint8 frame to (height, width, 3) by area averaging."""
     rows = area_weights(frame.shape[0], height)  # (height, H)
@@ -39,6 +34,6 @@ def resize_area(frame: np.ndarray, height: int, width: int) -> np.ndarray:
     # On one BLAS thread: a threaded product wakes OpenBLAS's worker, which then spins between
     # frames (one per engine step) and burns a whole core (measured: the environment's process
     # 1.2 cores at 1,000 steps/s, 0.26 on one thread), which the capture needs for gradients.
-    with _blas().limit(limits=1):
+    with blas_controller().limit(limits=1):
         resized = (rows @ channels @ cols.T).transpose(1, 2, 0)  # (height, width, 3)
     return np.clip(np.rint(resized), 0, 255).astype(np.uint8)
