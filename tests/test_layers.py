@@ -11,7 +11,7 @@ from pathlib import Path
 SOURCE = Path(__file__).resolve().parents[1] / "src" / "gradleak"
 LAYERS = [
     {"errors"},
-    {"registry", "config", "safe_pickle"},
+    {"registry", "config", "safe_pickle", "threads"},
     {"victims", "metrics", "plugins"},
     {"threat", "io", "envs"},
     {"report"},
