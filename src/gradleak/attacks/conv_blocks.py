@@ -389,9 +389,8 @@ def least_violation(rows: np.ndarray, bounds: np.ndarray) -> np.ndarray | None:
     checked after each: where the rows near-active fix every coefficient and their least-squares
     point violates no row beyond the tolerance, that point is the vertex the linear programme
     stops at (21 of one cnn-small recovery's 24 programmes: HiGHS's vertex to 1e-5, in 2–16
-    ms against 60–70). Otherwise (a polytope
-    with room inside, or no convergence) the linear programme (HiGHS) decides. None when it
-    fails."""
+    ms against 60–70). Otherwise (a polytope with room inside, or no convergence) the linear
+    programme (HiGHS) decides. None when it fails."""
     key = hashlib.blake2b(rows.tobytes() + bounds.tobytes(), digest_size=16).digest()
     if _SOLVED is not None and key in _SOLVED:
         return _SOLVED[key]
