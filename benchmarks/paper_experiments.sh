@@ -10,7 +10,8 @@
 #
 # Environment: BUDGET (CPU minutes a cell, 6), SHARDS (2), OUT (runs/exp), SHARED
 # (runs/exp/shared), RESULTS (benchmarks/results), EXTRA (more arguments for every command,
-# e.g. "--plugin mymodule" for a user's own experiment). About 6.5 CPU minutes a learned cell at the default budget: table1 ~140
+# e.g. "--plugin mymodule" for a user's own experiment), WHERE (a slice of each grid first,
+# e.g. "defense=noise:0.01 window=1,8": its cells only, merged with --allow-partial). About 6.5 CPU minutes a learned cell at the default budget: table1 ~140
 # CPU minutes, fewshot ~160, auxscale ~160, defense-figure ~130, context ~300.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,6 +22,10 @@ OUT=${OUT:-runs/exp}
 SHARED=${SHARED:-runs/exp/shared}
 RESULTS=${RESULTS:-benchmarks/results}
 read -r -a EXTRA <<< "${EXTRA:-}"
+read -r -a WHERE <<< "${WHERE:-}"
+SLICE=() PARTIAL=()
+for axis in "${WHERE[@]}"; do SLICE+=(--where "$axis"); done
+[ ${#SLICE[@]} -eq 0 ] || PARTIAL=(--allow-partial)
 declare -A SEEDS=([table1]=3)  # the paper's Table 1 at three seeds, the others at two
 
 run() {
@@ -31,7 +36,7 @@ run() {
     for ((shard = 0; shard < SHARDS; shard++)); do
         # one thread per shard: the shards, not torch's threads, share the cores
         OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 nice -n 5 gradleak experiment "$name" \
-            "${common[@]}" --shard "$shard/$SHARDS" --resume --quiet \
+            "${common[@]}" "${SLICE[@]}" --shard "$shard/$SHARDS" --resume --quiet \
             > "$folder.shard$shard.log" 2>&1 &
         pids+=($!)
     done
@@ -39,7 +44,7 @@ run() {
         wait "$pid" || { echo "$name: a shard failed; the end of its log:" >&2
                          tail -n 3 "$folder".shard*.log >&2; exit 1; }
     done
-    gradleak experiment "$name" "${common[@]}" --merge --results "$RESULTS"
+    gradleak experiment "$name" "${common[@]}" --merge "${PARTIAL[@]}" --results "$RESULTS"
 }
 
 for name in "${@:-components losses table1 fewshot auxscale defense-figure context}"; do

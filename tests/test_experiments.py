@@ -354,6 +354,25 @@ def test_the_paper_script_runs_shards_side_by_side_merges_and_resumes(tmp_path) 
     assert sorted(ran) == sorted(set(ran)) and len(ran) == 6
 
 
+def test_the_paper_script_runs_a_slice_first_and_merges_it_as_partial(tmp_path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    script = Path(__file__).parents[1] / "benchmarks" / "paper_experiments.sh"
+    env = {**os.environ, "OUT": str(tmp_path / "exp"), "SHARED": str(tmp_path / "shared"),
+           "RESULTS": str(tmp_path / "results"), "BUDGET": "1", "WHERE": "setting=a,c seed=0",
+           "EXTRA": "--plugin user_experiments",
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+           "PYTHONPATH": f"{Path(__file__).parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    done = subprocess.run(["bash", str(script), "toy"], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    ran = (tmp_path / "exp" / "toy-1m" / "ran.log").read_text().split()
+    assert sorted(ran) == ["setting=a,seed=0", "setting=c,seed=0"]
+    merged = json.loads((tmp_path / "results" / "toy.json").read_text())
+    assert len(merged["missing"]) == 4
+
+
 def test_shards_claiming_one_new_folder_take_turns(tmp_path, monkeypatch) -> None:
     """Two shards claim a folder none has made yet, the second while the first is still
     writing the run's marker (its temporary file already in the folder, slowed down here): the
