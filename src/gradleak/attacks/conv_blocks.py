@@ -204,6 +204,8 @@ ACTIVE_TOLERANCE = 1e-4
 # marked undetermined instead): measured up to 50 (paper cnn, PPO) and 107 (cnn-small, random
 # init); at 250 one programme takes 2 s
 MAX_FREE = 160
+# nor is the completion for more null-space coefficients (C_in · nullity) than this
+MAX_COEFFICIENTS = 512
 # Newton steps on the squared violation before the linear programme decides: 1 to 13 certified
 # the vertex on cnn-small's random-init steps; a polytope with room inside never certifies
 NEWTON_STEPS = 16
@@ -212,8 +214,6 @@ _SOLVED: dict[bytes, np.ndarray | None] | None = None
 # the Newton system's ridge, times its mean diagonal: the violated rows may not fix every
 # coefficient
 NEWTON_DAMPING = 1e-10
-# nor is the completion for more null-space coefficients (C_in · nullity) than this
-MAX_COEFFICIENTS = 512
 # D's null space is looked for only on blocks with at most this many input pixels a channel:
 # the check costs as much as the solve itself (0.26 s per 16 steps at 441 pixels, 14 ms at
 # 100), and the null spaces measured are all on the top block (100 pixels)
@@ -281,17 +281,17 @@ def complete_from_outputs(block: ConvBlock, fit: InputFit, outputs: KnownOutputs
     solution = fit.solution.clone()
     undetermined = torch.zeros_like(solution, dtype=torch.bool)
     completed = torch.zeros(len(solution), dtype=torch.bool)
+    read = covered_pixels(block)
     with one_thread():  # small solves a step: 81 → 59 ms a frame on cnn-small, 2 cores
         for step in steps.nonzero().flatten().tolist():
-            complete_step(block, fit, outputs, step, solution, undetermined, completed)
+            complete_step(block, fit, outputs, step, read, solution, undetermined, completed)
     return InputFit(fit.matrix, fit.rhs, solution, undetermined, completed)
 
 
 def complete_step(block: ConvBlock, fit: InputFit, outputs: KnownOutputs, step: int,
-                  solution: torch.Tensor, undetermined: torch.Tensor,
+                  read: torch.Tensor, solution: torch.Tensor, undetermined: torch.Tensor,
                   completed: torch.Tensor) -> None:
-    """`complete_from_outputs` on one step, in place."""
-    read = covered_pixels(block)
+    """`complete_from_outputs` on one step, in place (`read`: the block's covered pixels)."""
     left, singular, right = torch.linalg.svd(fit.matrix[step], full_matrices=False)
     null = singular < NULL_TOLERANCE * singular[0]
     if not bool(null.any()):
@@ -391,15 +391,17 @@ def least_violation(rows: np.ndarray, bounds: np.ndarray) -> np.ndarray | None:
     stops at (21 of one cnn-small recovery's 24 programmes: HiGHS's vertex to 1e-5, in 2–16
     ms against 60–70). Otherwise (a polytope with room inside, or no convergence) the linear
     programme (HiGHS) decides. None when it fails."""
+    if _SOLVED is None:
+        return solved_vertex(rows, bounds)
     key = hashlib.blake2b(rows.tobytes() + bounds.tobytes(), digest_size=16).digest()
-    if _SOLVED is not None and key in _SOLVED:
-        return _SOLVED[key]
+    if key not in _SOLVED:
+        _SOLVED[key] = solved_vertex(rows, bounds)
+    return _SOLVED[key]
+
+
+def solved_vertex(rows: np.ndarray, bounds: np.ndarray) -> np.ndarray | None:
     found = newton_vertex(rows, bounds)
-    if found is None:
-        found = linear_programme(rows, bounds)
-    if _SOLVED is not None:
-        _SOLVED[key] = found
-    return found
+    return linear_programme(rows, bounds) if found is None else found
 
 
 @contextmanager
