@@ -1,6 +1,6 @@
 """The training-free attack's learned prior (`gradleak train-prior`), measured on held-out maps.
 
-For the paper's cnn at 84×84, random-init and trained with PPO, the attacker captures its own
+For the paper's cnn at 84×84, random-init and trained with PPO or A2C, the attacker captures its own
 --train-steps steps on training scenes against the victim's θ0 (it knows θ0 and the client's
 loss), fits the prior on the training-free attack's frames of them (`training.refiner_fit`,
 resumable), and attacks --frames evenly spaced steps of `benchmarks/exact_frames.py`'s
@@ -11,7 +11,7 @@ per victim on 2 cores.
 
     python benchmarks/exact_refiner.py [--work runs/exact-frames] [--train-steps 768]
         [--epochs 30] [--frames 16] [--ppo-cnn runs/victims/cnn84-ppo]
-        [--only "cnn 84×84, PPO"]
+        [--a2c-cnn runs/victims/cnn84-a2c] [--only "cnn 84×84, A2C"]
 """
 
 from __future__ import annotations
@@ -44,10 +44,14 @@ from exact_frames import Case
 RESULTS = Path(__file__).parent / "results" / "exact_refiner.json"
 
 
-def cases(args: argparse.Namespace) -> list[Case]:
+def all_cases(args: argparse.Namespace) -> list[Case]:
     """exact_frames.py's cnn 84×84 victims, whose held-out captures are scored here."""
-    return [case for case in exact_frames.paper_cases(args.ppo_cnn)
-            if not args.only or case.name in args.only]
+    return [*exact_frames.paper_cases(args.ppo_cnn),
+            Case("cnn 84×84, A2C", str(args.a2c_cnn), "paper", False)]
+
+
+def cases(args: argparse.Namespace) -> list[Case]:
+    return [case for case in all_cases(args) if not args.only or case.name in args.only]
 
 
 def own_capture(victim: str, random_init: bool, steps: int, work: Path) -> Path:
@@ -84,7 +88,8 @@ def measure(case: Case, args: argparse.Namespace) -> dict[str, Any]:
     with CaptureFile(heldout) as capture:
         rows = np.linspace(0, len(capture) - 1, args.frames).astype(int)
         truth = to_unit_tensor(capture.target(rows).images)
-    row: dict[str, Any] = {"victim": case.name, "attacker_frames": fit["train_frames"],
+    row: dict[str, Any] = {"victim": case.name, "chroma": ExactConfig().chroma,
+                           "attacker_frames": fit["train_frames"],
                            "fit_minutes": fit["minutes"], "parameters": fit["parameters"],
                            "validation": fit["last"]}
     settings = {"exact": ExactConfig(),
@@ -102,7 +107,9 @@ def measure(case: Case, args: argparse.Namespace) -> dict[str, Any]:
 
 def markdown(result: dict[str, Any]) -> str:
     methods = ("exact", "exact + prior", "exact + prior, unprojected", "mean image")
-    table = [{"victim": row["victim"], "frames": method,
+    # a row kept from a run before the colour-weighted frame prior has no "chroma": 1 then
+    table = [{"victim": row["victim"], "solve": f"chroma {row.get('chroma', 1.0):g}",
+              "frames": method,
               **{key: (f"{value:.2f}" if key in ("psnr", "ms_per_frame") else f"{value:.3f}")
                  for key, value in row[method].items()}}
              for row in result["rows"] for method in methods]
@@ -117,9 +124,12 @@ def markdown(result: dict[str, Any]) -> str:
             f"{result['epochs']} epochs on the training-free attack's frames of the attacker's "
             f"own {result['train_steps']} training-scene steps at the same θ0 ({fits}); "
             "`exact + prior` projects the prior's guess back onto the equations (30 CG "
-            "iterations), `unprojected` takes it as it is; ms per frame include the attack. "
+            "iterations), `unprojected` takes it as it is; ms per frame include the attack; "
+            "`solve` is the frame solve's colour weight (`FrameSolve.chroma`) the attack and "
+            "the prior's training frames used (chroma 1: a row kept from a run before the "
+            "colour-weighted prior). "
             f"{result['machine']}.\n\n"
-            + markdown_table(table, ["victim", "frames", "psnr", "ssim", "lpips",
+            + markdown_table(table, ["victim", "solve", "frames", "psnr", "ssim", "lpips",
                                      "ms_per_frame"]) + "\n")
 
 
@@ -131,6 +141,7 @@ def main() -> None:
     parser.add_argument("--frames", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ppo-cnn", type=Path, default=Path("runs/victims/cnn84-ppo"))
+    parser.add_argument("--a2c-cnn", type=Path, default=Path("runs/victims/cnn84-a2c"))
     parser.add_argument("--steps", type=int, default=64,
                         help="held-out capture length (exact_frames.py's --steps)")
     parser.add_argument("--only", action="append", default=[],
@@ -143,18 +154,17 @@ def main() -> None:
     chosen = cases(args)
     if not chosen:
         parser.error("--only: the victims are "
-                     + "; ".join(case.name for case in exact_frames.paper_cases(args.ppo_cnn)))
+                     + "; ".join(case.name for case in all_cases(args)))
     for case in chosen:
         if not case.random_init and not Path(case.victim).is_dir():
-            parser.error(f"--ppo-cnn {case.victim} is not a victim checkpoint directory: "
+            parser.error(f"{case.name}: {case.victim} is not a victim checkpoint directory: "
                          "train it first (see benchmarks/exact_frames.py)")
     rows = [measure(case, args) for case in chosen]
     if args.only and args.results.exists():  # keep the other victim's row
         earlier = json.loads(args.results.read_text())["rows"]
         kept = {row["victim"]: row for row in earlier}
         kept.update({row["victim"]: row for row in rows})
-        rows = [kept[case.name] for case in exact_frames.paper_cases(args.ppo_cnn)
-                if case.name in kept]
+        rows = [kept[case.name] for case in all_cases(args) if case.name in kept]
     result = {"benchmark": "exact_refiner", "frames": args.frames, "steps": args.steps,
               "train_steps": args.train_steps, "epochs": args.epochs,
               "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch "

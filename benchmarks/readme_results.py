@@ -273,7 +273,8 @@ def exact_refiner() -> tuple[str, str]:
         r = row[method]
         return f"{db(r['psnr'])} / {r['ssim']:.3f} / {r['lpips']:.3f}"
 
-    parts = [f"{row['victim']}: exact {scores(row, 'exact')}, with the prior "
+    parts = [f"{row['victim']} (solve chroma {row.get('chroma', 1.0):g}): exact "
+             f"{scores(row, 'exact')}, with the prior "
              f"{scores(row, 'exact + prior')} (unprojected "
              f"{db(row['exact + prior, unprojected']['psnr'])}, mean image "
              f"{db(row['mean image']['psnr'])}; "
