@@ -248,7 +248,17 @@ def test_defense_figure_draws_the_best_adapted_attacker_per_defense(tmp_path) ->
                                      key=lambda n: result["attacks"][n]["psnr"])
     assert main(["experiment", "defense-figure", "--merge", "--allow-partial", "--out",
                  str(out), "--results", str(results), "--quiet"]) == 0
-    assert "![defense-figure](defense-figure.png)" in (results / "defense-figure.md").read_text()
+    table = (results / "defense-figure.md").read_text()
+    assert "![defense-figure](defense-figure.png)" in table
+    merged = json.loads((results / "defense-figure.json").read_text())["summary"]
+    cells = {json.loads(c.read_text())["cell"]["defense"]: json.loads(c.read_text())
+             for c in (out / "cells").iterdir()}
+    for defense, entry in merged.items():  # each reference row beside the attacks
+        result = cells[defense]["result"]
+        assert entry["mean_colour_psnr"] == [result["mean colour (oracle)"]["psnr"]]
+        assert entry["mean_image_psnr"] == [result["mean training image"]["psnr"]]
+        assert entry["cpu_minutes"] == [cells[defense]["cpu_minutes"]]
+    assert "mean colour PSNR" in table and "CPU min / cell" in table
     width, height = Image.open(results / "defense-figure.png").size
     assert height > width / 8 * 2  # ground truth and two defenses' rows of 8 frames
     (samples,) = (out / "eval").glob("*defense=quant_8*/samples.npz")

@@ -59,8 +59,9 @@ class DefenseFigure(Experiment):
         names = sorted({name for r in results for name in r["result"]["attacks"]})
         summary: dict[str, Any] = {}
         lines = ["| defense | " + " | ".join(f"{n} PSNR" for n in names)
-                 + " | best (most seeds) | best SSIM | best LPIPS | mean image PSNR |",
-                 "|" + "---|" * (len(names) + 5)]
+                 + " | best (most seeds) | best SSIM | best LPIPS | best's parameters | best's "
+                 "ms / frame | mean image PSNR | mean colour PSNR | CPU min / cell |",
+                 "|" + "---|" * (len(names) + 9)]
         for (defense,), group in grouped(results, ["defense"]).items():
             def values(name: str, metric: str) -> list[float]:
                 return [r["result"]["attacks"][name][metric] for r in group
@@ -70,13 +71,22 @@ class DefenseFigure(Experiment):
             best = max(set(bests), key=bests.count)
             entry = {n: {m: values(n, m) for m in ("psnr", "ssim", "lpips")} for n in names}
             entry["best"] = best
-            entry["mean_image_psnr"] = [r["result"][REFERENCES[0]]["psnr"] for r in group]
+            for key, reference in zip(("mean_image_psnr", "mean_colour_psnr"), REFERENCES,
+                                      strict=True):
+                entry[key] = [r["result"][reference]["psnr"] for r in group]
+            entry["cpu_minutes"] = [r["cpu_minutes"] for r in group]
             summary[defense] = entry
+            size = next(iter(values(best, "parameters")), None)
+            speed = values(best, "ms_per_frame")
             lines.append(f"| {defense} | " + " | ".join(mean_std(entry[n]["psnr"])
                                                         for n in names)
                          + f" | {best} | {mean_std(entry[best]['ssim'], 3)} | "
                          f"{mean_std(entry[best]['lpips'], 3)} | "
-                         f"{mean_std(entry['mean_image_psnr'])} |")
+                         f"{'-' if size is None else f'{int(size):,}'} | "  # none: training-free
+                         f"{sum(speed) / len(speed):.1f} | "
+                         f"{mean_std(entry['mean_image_psnr'])} | "
+                         f"{mean_std(entry['mean_colour_psnr'])} | "
+                         f"{sum(entry['cpu_minutes']) / len(group):.1f} |")
         return summary, "\n".join(lines)
 
     def figures(self, results: list[dict[str, Any]], out: Path, folder: Path) -> list[Path]:
