@@ -161,6 +161,26 @@ def experiment(name: str) -> Callable[[], tuple[str, str]]:
     return row
 
 
+def defense_figure() -> tuple[str, str]:
+    """Per defense, the best attacker's PSNR (mean over seeds) beside the references."""
+    data = load("defense-figure.json")
+    settings, done = data["settings"], len(data["cells"])
+
+    def mean(values: list[float]) -> float:
+        return sum(values) / len(values)
+
+    groups = "; ".join(
+        f"{defense} {entry['best']} {mean(entry[entry['best']]['psnr']):.2f}"
+        for defense, entry in data["summary"].items())
+    first = next(iter(data["summary"].values()))
+    return (f"`gradleak experiment defense-figure` ({settings['preset']}, "
+            f"{settings['budget_minutes']:g} CPU-min a learned attacker, {settings['seeds']} "
+            "seeds; the best of TRACE, LtI and the training-free attack per defense, adaptive)",
+            f"PSNR: {groups} (mean image {mean(first['mean_image_psnr']):.2f}, mean colour "
+            f"{mean(first['mean_colour_psnr']):.2f}); {done} of {done + len(data['missing'])} "
+            "cells run")
+
+
 def victim_training(algo: str) -> Callable[[], tuple[str, str]]:
     def row() -> tuple[str, str]:
         data = load(f"victim_training_{algo}.json")
@@ -434,8 +454,10 @@ ROWS: dict[str, Callable[[], tuple[str, str]]] = {
     "flower_audit.json": flower_audit,
     # every merged `gradleak experiment` (src/gradleak/experiments), once it has results
     **{f"{name}.json": experiment(name) for name in
-       ("table1", "fewshot", "context", "components", "losses", "auxscale", "defense-figure")
+       ("table1", "fewshot", "context", "components", "losses", "auxscale")
        if (RESULTS / f"{name}.json").exists()},
+    **({"defense-figure.json": defense_figure}
+       if (RESULTS / "defense-figure.json").exists() else {}),
 }
 
 
