@@ -209,8 +209,7 @@ def test_what_no_equation_fixes_is_left_undecided_for_the_block_below(
 def test_a_completed_input_is_no_surer_than_its_completion(dead_top_channels) -> None:
     """The completion's own error (float32 weight gradients: ~1e-6 of the map) is above the
     fit's residual; its noise is floored at COMPLETION_NOISE of the map's largest value, so the
-    block below does not take a unit that close to 0 as surely on or off. A step solved
-    without a completion keeps the residual's noise."""
+    block below does not take a unit that close to 0 as surely on or off."""
     from gradleak.attacks.conv_blocks import COMPLETION_NOISE
 
     top, below, inputs, pre, delta, gradient = dead_top_channels
@@ -222,9 +221,6 @@ def test_a_completed_input_is_no_surer_than_its_completion(dead_top_channels) ->
     assert bool((noise[read] >= (COMPLETION_NOISE * largest).expand_as(noise)[read]).all())
     # the floor covers the error the residual alone would not
     assert bool(((recovered - inputs).abs()[read] <= 3 * noise[read]).all())
-    _, bare, solved = solve_input_with_noise(top, delta, gradient)  # no completion asked
-    assert not bool(solved.any())
-    assert float(bare[torch.isfinite(bare)].min()) < COMPLETION_NOISE * float(largest.min())
 
 
 def test_a_completed_input_is_replaced_by_the_forward_pass_of_the_exact_one_below() -> None:
