@@ -634,11 +634,11 @@ def solve_input_with_noise(block: ConvBlock, delta: torch.Tensor, weight_gradien
     spread = inverse_diagonal(matrix.transpose(1, 2) @ matrix)
     std = torch.full_like(solution, float("inf"))
     std[:, read] = sigma[:, None, :] * spread.clamp_min(0).sqrt()[:, :, None]  # (N, Q', C_in)
+    largest = solution.abs().flatten(1).amax(1)[:, None, None]
     if fit.undetermined is not None:
         # free along a null direction: any value is consistent, so the block below must
         # treat these units as undecided (finite, unlike the pixels no output reads)
-        scale = UNDETERMINED_SPREAD * solution.abs().flatten(1).amax(1)[:, None, None]
-        std = torch.where(fit.undetermined, scale.expand_as(std), std)
-    floor = COMPLETION_NOISE * solution.abs().flatten(1).amax(1)[:, None, None]
-    std = torch.where(fit.completed[:, None, None], torch.maximum(std, floor), std)
+        std = torch.where(fit.undetermined, (UNDETERMINED_SPREAD * largest).expand_as(std), std)
+    std = torch.where(fit.completed[:, None, None],
+                      torch.maximum(std, COMPLETION_NOISE * largest), std)
     return as_map(block, solution), as_map(block, std), fit.completed
