@@ -22,6 +22,12 @@ from gradleak.rl.losses import LossCoefficients
 from gradleak.victims import layer_table
 
 
+@pytest.fixture(autouse=True)
+def sb3_logs_in_tmp_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SB3's `learn` makes a log folder under /tmp unless told where: keep it in the test's."""
+    monkeypatch.setenv("SB3_LOGDIR", str(tmp_path / "sb3-logs"))
+
+
 class Frames(gym.Env):
     """64×64 RGB frames that change with the action: enough for SB3 to build a CnnPolicy."""
 

@@ -1,12 +1,19 @@
 """Crash-safe HDF5 writing: `OUT.partial` grows one whole episode at a time, then is renamed.
 
-After each episode the file is flushed and `num_rows` / `num_episodes` are updated last, so a
-killed capture leaves a file whose attributes describe only complete episodes; `--resume`
-truncates anything beyond them and continues with the next episode.
+The partial file is written in HDF5's single-writer/multiple-reader (SWMR) mode. Without it,
+HDF5 writes metadata in any order, so a capture killed between two flushes could leave a file
+whose metadata points past its end: resuming it failed with "addr overflow" and then crashed
+inside the library (seen once in CI). SWMR orders metadata writes so that the
+file on disk is consistent at every instant. After each episode its rows are flushed, then the
+episode's end is appended to `committed_rows` (the commit marker) and flushed; `--resume` keeps
+the rows the marker counts, drops the rest, and continues with the next episode. `finish`
+removes the marker and writes `num_rows` / `num_episodes` / `complete` (attributes cannot
+change under SWMR).
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 from pathlib import Path
@@ -34,6 +41,7 @@ from gradleak.errors import CaptureFileError
 
 SMALL_CHUNK = 1024
 FACTOR_CHUNK_ROWS = 16
+COMMITTED = "committed_rows"  # the partial file's commit marker: rows after each episode
 
 
 def partial_path(path: Path) -> Path:
@@ -83,7 +91,7 @@ class CaptureWriter:
 
     def _create(self, attrs: dict[str, Any], gradient_dim: int,
                 theta0: dict[str, np.ndarray]) -> h5py.File:
-        handle = h5py.File(self.partial, "w")
+        handle = h5py.File(self.partial, "w", libver="latest")
         filters = compression_options(self.compression)
         for column in self.columns:
             chunk = (1,) + column.shape if column.shape else (SMALL_CHUNK,)
@@ -111,15 +119,14 @@ class CaptureWriter:
         handle.attrs["num_rows"] = 0
         handle.attrs["num_episodes"] = 0
         handle.attrs["complete"] = False
-        handle.flush()
+        handle.create_dataset(COMMITTED, shape=(0,), maxshape=(None,), dtype="int64",
+                              chunks=(SMALL_CHUNK,))
+        self._rows = self._episodes = 0
+        handle.swmr_mode = True  # no object or attribute may be added from here on
         return handle
 
     def _reopen(self, attrs: dict[str, Any], steps: int | None) -> h5py.File:
-        try:
-            handle = h5py.File(self.partial, "a")
-        except OSError as err:
-            raise CaptureFileError(f"{self.partial} cannot be reopened to resume ({err}); start "
-                                   "again with --overwrite") from None
+        handle = _open_killed_writer(self.partial)
         if handle.attrs.get("format") != FORMAT:
             handle.close()
             raise CaptureFileError(f"{self.partial} is not a gradleak capture")
@@ -133,7 +140,13 @@ class CaptureWriter:
                     if "factored_layers" in differ else "")
             raise CaptureFileError(f"{self.partial} was captured with other settings "
                                    f"({', '.join(differ)} differ); cannot resume it{hint}")
-        rows = int(handle.attrs["num_rows"])  # the commit marker: written last per episode
+        if COMMITTED not in handle:
+            handle.close()
+            raise CaptureFileError(f"{self.partial} was written by an earlier gradleak (without "
+                                   "a commit marker), which this one cannot resume safely: "
+                                   "start again with --overwrite")
+        committed = handle[COMMITTED][:]
+        rows = int(committed[-1]) if len(committed) else 0
         if steps is not None and rows > steps:
             handle.close()
             raise CaptureFileError(f"{self.partial} already holds {rows} steps, more than "
@@ -141,18 +154,18 @@ class CaptureWriter:
                                    "or start again with --overwrite")
         for name in [c.name for c in self.columns] + [GRADIENTS] + factor_datasets(handle):
             handle[name].resize(rows, axis=0)  # drop rows of an episode cut off by the crash
-        handle.attrs["num_episodes"] = int(handle["episode_ids"][rows - 1]) + 1 if rows else 0
-        handle.flush()
+        self._rows, self._episodes = rows, len(committed)
+        handle.swmr_mode = True
         return handle
 
     # -- writing -------------------------------------------------------------------------------
     @property
     def num_rows(self) -> int:
-        return int(self._file.attrs["num_rows"]) if not self.already_complete else -1
+        return self._rows if not self.already_complete else -1
 
     @property
     def num_episodes(self) -> int:
-        return int(self._file.attrs["num_episodes"]) if not self.already_complete else -1
+        return self._episodes if not self.already_complete else -1
 
     def append_episode(self, steps: dict[str, np.ndarray], gradients: np.ndarray,
                        factors: np.ndarray | None = None) -> None:
@@ -172,14 +185,23 @@ class CaptureWriter:
             data.resize(start + n, axis=0)
             data[start:start + n] = values
         self._file.flush()
-        self._file.attrs["num_rows"] = start + n  # last: the episode now counts
-        self._file.attrs["num_episodes"] = self.num_episodes + 1
+        self._commit(start + n)
+
+    def _commit(self, rows: int) -> None:
+        """The episode counts once its end is in the marker (after its rows are flushed)."""
+        marker = self._file[COMMITTED]
+        marker.resize(self._episodes + 1, axis=0)
+        marker[self._episodes] = rows
         self._file.flush()
+        self._rows, self._episodes = rows, self._episodes + 1
 
     def finish(self) -> None:
         if self.already_complete:
             return
-        with h5py.File(self.partial, "a") as handle:
+        with h5py.File(self.partial, "a") as handle:  # closed cleanly: no SWMR flag left
+            del handle[COMMITTED]
+            handle.attrs["num_rows"] = self._rows
+            handle.attrs["num_episodes"] = self._episodes
             handle.attrs["complete"] = True
         os.replace(self.partial, self.path)
 
@@ -194,3 +216,24 @@ class CaptureWriter:
         if not self.already_complete and self._file.id.valid:
             self._file.flush()
             self._file.close()
+
+
+def _open_killed_writer(path: Path) -> h5py.File:
+    """Opens for writing a partial file whose writer may have been killed. A SWMR writer that
+    did not close leaves a flag in the superblock that makes HDF5 refuse the file ("already open
+    for write"); the caller holds the capture's lock, so no writer is alive, and the flag is
+    cleared the way `h5clear -s` does it (through a file-access property the HDF5 library
+    reads but h5py does not expose)."""
+    fapl = h5py.h5p.create(h5py.h5p.FILE_ACCESS)
+    fapl.set_libver_bounds(h5py.h5f.LIBVER_LATEST, h5py.h5f.LIBVER_LATEST)
+    hdf5 = ctypes.CDLL(h5py.h5p.__file__)  # resolves to the HDF5 library h5py itself loaded
+    hdf5.H5Pset.argtypes = [ctypes.c_int64, ctypes.c_char_p, ctypes.c_void_p]
+    clear = ctypes.c_bool(True)
+    if hdf5.H5Pset(fapl.id, b"clear_status_flags", ctypes.byref(clear)) < 0:
+        raise CaptureFileError(f"cannot clear {path}'s HDF5 writer flag with this HDF5 library: "
+                               f"run `h5clear -s {path}`, then resume")
+    try:
+        return h5py.File(h5py.h5f.open(os.fsencode(path), h5py.h5f.ACC_RDWR, fapl=fapl))
+    except OSError as err:
+        raise CaptureFileError(f"{path} cannot be reopened to resume ({err}); start again "
+                               "with --overwrite") from None

@@ -1,0 +1,80 @@
+"""The partial file survives its writer's SIGKILL at the worst moment: an episode's rows are on
+disk, its commit is not."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from gradleak.capture.schema import GRADIENTS, Column
+from gradleak.capture.writer import COMMITTED, CaptureWriter
+from gradleak.errors import CaptureFileError
+from gradleak.victims.base import LayerInfo, layers_to_json
+
+COLUMNS = (Column("episode_ids", "int64", private=False), Column("images", "uint8", (2, 2, 3)))
+WIDTH = 6
+ATTRS = {"format": "gradleak-capture", "settings": '{"seed": 1}',
+         "layer_table": layers_to_json([LayerInfo("w", (WIDTH,), 0, "heads")])}
+
+
+def episode(number: int, length: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    rng = np.random.default_rng(number)
+    steps = {"episode_ids": np.full(length, number, np.int64),
+             "images": rng.integers(0, 255, (length, 2, 2, 3), dtype=np.uint8)}
+    return steps, rng.standard_normal((length, WIDTH)).astype(np.float32)
+
+
+def writer(path: Path, resume: bool = False) -> CaptureWriter:
+    return CaptureWriter(path, ATTRS, COLUMNS, WIDTH, {"w": np.zeros(WIDTH, np.float32)},
+                         resume=resume)
+
+
+def killed_before_the_third_commit(path: Path) -> None:
+    """Two episodes committed; the third's rows written and flushed; SIGKILL before its commit
+    (the writer never closes, so HDF5's "open for write" flag stays in the file)."""
+    script = textwrap.dedent(f"""
+        import os, signal, sys
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from test_writer_crash import CaptureWriter, episode, writer
+        from pathlib import Path
+        w = writer(Path({str(path)!r}))
+        w.append_episode(*episode(0, 5))
+        w.append_episode(*episode(1, 3))
+        CaptureWriter._commit = lambda self, rows: os.kill(os.getpid(), signal.SIGKILL)
+        w.append_episode(*episode(2, 4))
+    """)
+    assert subprocess.run([sys.executable, "-c", script]).returncode == -9
+
+
+def test_a_writer_killed_mid_episode_resumes_from_its_last_commit(tmp_path: Path) -> None:
+    out = tmp_path / "x.h5"
+    killed_before_the_third_commit(out)
+    resumed = writer(out, resume=True)
+    assert (resumed.num_rows, resumed.num_episodes) == (8, 2)
+    resumed.append_episode(*episode(2, 4))
+    resumed.close()
+    resumed.finish()
+    with h5py.File(out, "r") as done:
+        assert COMMITTED not in done
+        assert (done.attrs["num_rows"], done.attrs["num_episodes"]) == (12, 3)
+        assert done.attrs["complete"]
+        expected = np.concatenate([episode(n, length)[1] for n, length in ((0, 5), (1, 3), (2, 4))])
+        np.testing.assert_array_equal(done[GRADIENTS][:], expected)
+        np.testing.assert_array_equal(done["episode_ids"][:], [0] * 5 + [1] * 3 + [2] * 4)
+
+
+def test_a_partial_without_a_commit_marker_is_refused_not_guessed(tmp_path: Path) -> None:
+    out = tmp_path / "x.h5"
+    w = writer(out)
+    w.append_episode(*episode(0, 5))
+    w.close()
+    with h5py.File(tmp_path / "x.h5.partial", "a") as handle:
+        del handle[COMMITTED]
+    with pytest.raises(CaptureFileError, match="commit marker.*--overwrite"):
+        writer(out, resume=True)
