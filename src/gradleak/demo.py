@@ -46,7 +46,7 @@ AUDIT_WINDOWS = 32  # held-out windows the learned attackers and the references 
 DEMO_RULES = ("odd-sign", "sign-agnostic", "sign-aware")
 MARKER = ".gradleak-demo.json"  # says: this directory is a demo's output, these names its own
 CAPTURE_FILES = tuple(f"{split}.h5{suffix}" for split in ("train", "heldout")
-                      for suffix in ("", ".json", ".partial", ".lock"))
+                      for suffix in ("", ".json", ".partial", ".partial.new", ".lock"))
 DEMO_ENTRIES = ("config.json", "results.json", "victim-ppo", "eval", "exact", "trace", "lti",
                 "audit", "heldout_actions.png", *CAPTURE_FILES)
 

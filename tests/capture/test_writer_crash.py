@@ -35,21 +35,29 @@ def writer(path: Path, resume: bool = False) -> CaptureWriter:
                          resume=resume)
 
 
-def killed_before_the_third_commit(path: Path) -> None:
-    """Two episodes committed; the third's rows written and flushed; SIGKILL before its commit
-    (the writer never closes, so HDF5's "open for write" flag stays in the file)."""
+def run_killed(path: Path, then: str) -> None:
+    """A writer of `path` in a child process that runs `then` and is SIGKILLed by it."""
     script = textwrap.dedent(f"""
         import os, signal, sys
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         from test_writer_crash import CaptureWriter, episode, writer
         from pathlib import Path
-        w = writer(Path({str(path)!r}))
+        path = Path({str(path)!r})
+        kill = lambda *args: os.kill(os.getpid(), signal.SIGKILL)
+    """) + textwrap.dedent(then)
+    assert subprocess.run([sys.executable, "-c", script]).returncode == -9
+
+
+def killed_before_the_third_commit(path: Path) -> None:
+    """Two episodes committed; the third's rows written and flushed; SIGKILL before its commit
+    (the writer never closes, so HDF5's "open for write" flag stays in the file)."""
+    run_killed(path, """
+        w = writer(path)
         w.append_episode(*episode(0, 5))
         w.append_episode(*episode(1, 3))
-        CaptureWriter._commit = lambda self, rows: os.kill(os.getpid(), signal.SIGKILL)
+        CaptureWriter._commit = kill
         w.append_episode(*episode(2, 4))
     """)
-    assert subprocess.run([sys.executable, "-c", script]).returncode == -9
 
 
 def test_a_writer_killed_mid_episode_resumes_from_its_last_commit(tmp_path: Path) -> None:
@@ -78,3 +86,23 @@ def test_a_partial_without_a_commit_marker_is_refused_not_guessed(tmp_path: Path
         del handle[COMMITTED]
     with pytest.raises(CaptureFileError, match="commit marker.*--overwrite"):
         writer(out, resume=True)
+
+
+def test_a_writer_killed_while_laying_out_leaves_no_partial_to_resume(tmp_path: Path) -> None:
+    out = tmp_path / "x.h5"
+    run_killed(out, """
+        def half_laid_out(self, handle, *args):
+            handle.create_dataset("images", shape=(0, 2, 2, 3), maxshape=(None, 2, 2, 3),
+                                  dtype="uint8", chunks=(1, 2, 2, 3))
+            handle.flush()
+            kill()
+        CaptureWriter._lay_out = half_laid_out
+        writer(path)
+    """)
+    assert not (tmp_path / "x.h5.partial").exists()
+    assert (tmp_path / "x.h5.partial.new").exists()
+    fresh = writer(out, resume=True)  # nothing to resume: a new file over the leftover
+    fresh.append_episode(*episode(0, 5))
+    fresh.close()
+    fresh.finish()
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["x.h5"]

@@ -42,6 +42,7 @@ from gradleak.errors import CaptureFileError
 SMALL_CHUNK = 1024
 FACTOR_CHUNK_ROWS = 16
 COMMITTED = "committed_rows"  # the partial file's commit marker: rows after each episode
+NEW_SUFFIX = ".new"  # OUT.partial while it is being laid out
 
 
 def partial_path(path: Path) -> Path:
@@ -91,7 +92,23 @@ class CaptureWriter:
 
     def _create(self, attrs: dict[str, Any], gradient_dim: int,
                 theta0: dict[str, np.ndarray]) -> h5py.File:
-        handle = h5py.File(self.partial, "w", libver="latest")
+        """The file is laid out under `OUT.partial.new` and renamed to `OUT.partial` once it is
+        flushed in SWMR mode: before that HDF5 orders nothing, and a kill mid-creation left a
+        `.partial` a resume could not read. A leftover `.new` is overwritten by the next run."""
+        fresh = self.partial.with_name(self.partial.name + NEW_SUFFIX)
+        handle = h5py.File(fresh, "w", libver="latest")
+        try:
+            self._lay_out(handle, attrs, gradient_dim, theta0)
+        except BaseException:
+            handle.close()
+            fresh.unlink(missing_ok=True)
+            raise
+        os.replace(fresh, self.partial)
+        self._rows = self._episodes = 0
+        return handle
+
+    def _lay_out(self, handle: h5py.File, attrs: dict[str, Any], gradient_dim: int,
+                 theta0: dict[str, np.ndarray]) -> None:
         filters = compression_options(self.compression)
         for column in self.columns:
             chunk = (1,) + column.shape if column.shape else (SMALL_CHUNK,)
@@ -121,9 +138,8 @@ class CaptureWriter:
         handle.attrs["complete"] = False
         handle.create_dataset(COMMITTED, shape=(0,), maxshape=(None,), dtype="int64",
                               chunks=(SMALL_CHUNK,))
-        self._rows = self._episodes = 0
         handle.swmr_mode = True  # no object or attribute may be added from here on
-        return handle
+        handle.flush()
 
     def _reopen(self, attrs: dict[str, Any], steps: int | None) -> h5py.File:
         handle = _open_killed_writer(self.partial)
