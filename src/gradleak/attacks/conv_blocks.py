@@ -367,8 +367,14 @@ def convolve(block: ConvBlock, maps: torch.Tensor, bias: bool = True) -> torch.T
 
 def block_output(block: ConvBlock, columns: torch.Tensor, bias: bool = True) -> torch.Tensor:
     """(C_out, h, w): the conv applied to one input given as (Q, C_in) columns."""
+    return block_outputs(block, columns[None], bias)[0]
+
+
+def block_outputs(block: ConvBlock, columns: torch.Tensor, bias: bool = True) -> torch.Tensor:
+    """(F, C_out, h, w): the conv applied to F inputs given as (F, Q, C_in) columns."""
     size = block.input_size
-    return convolve(block, columns.T.reshape(1, block.conv.in_channels, size, size), bias)[0]
+    maps = columns.transpose(1, 2).reshape(len(columns), block.conv.in_channels, size, size)
+    return convolve(block, maps, bias)
 
 
 def resolve_free_part(block: ConvBlock, below: ConvBlock, solution: torch.Tensor,
@@ -517,7 +523,7 @@ def inequalities(block: ConvBlock, below: ConvBlock, solution: torch.Tensor,
     reached = reaches(free)  # (Q, C_in)
     floor_rows = (-free[:, reached] / gain.expand_as(solution)[reached]).T  # (units, F)
     floor_bounds = (solution / gain - shift + mean)[reached]
-    changes = torch.stack([block_output(block, basis, bias=False) for basis in free])
+    changes = block_outputs(block, free, bias=False)
     off = off & reaches(changes)
     rows = torch.cat([floor_rows, changes[:, off].T])
     bounds = torch.cat([floor_bounds, -block_output(block, solution)[off]])
