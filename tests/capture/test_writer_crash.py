@@ -106,3 +106,30 @@ def test_a_writer_killed_while_laying_out_leaves_no_partial_to_resume(tmp_path: 
     fresh.close()
     fresh.finish()
     assert sorted(path.name for path in tmp_path.iterdir()) == ["x.h5"]
+
+
+def test_a_reader_following_the_capture_delays_its_end_then_leaves_it_resumable(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SWMR lets another process follow the partial file; one still holding it when the capture
+    ends gets a clear message, and the capture finishes on --resume once it is closed."""
+    monkeypatch.setattr("gradleak.capture.writer.READER_WAIT_SECONDS", 0.5)
+    out = tmp_path / "x.h5"
+    w = writer(out)
+    w.append_episode(*episode(0, 5))
+    follow = (f"import h5py, sys\nf = h5py.File({str(tmp_path / 'x.h5.partial')!r}, 'r', "
+              "swmr=True)\nprint(f['committed_rows'][-1], flush=True)\nsys.stdin.read()")
+    reader = subprocess.Popen([sys.executable, "-c", follow], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert reader.stdout.readline().strip() == "5"
+        w.close()
+        with pytest.raises(CaptureFileError, match="another process has it open.*--resume"):
+            w.finish()
+    finally:
+        reader.communicate("")
+    resumed = writer(out, resume=True)
+    assert resumed.num_rows == 5
+    resumed.close()
+    resumed.finish()
+    with h5py.File(out, "r") as done:
+        assert done.attrs["num_rows"] == 5 and done.attrs["complete"]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,7 @@ SMALL_CHUNK = 1024
 FACTOR_CHUNK_ROWS = 16
 COMMITTED = "committed_rows"  # the partial file's commit marker: rows after each episode
 NEW_SUFFIX = ".new"  # OUT.partial while it is being laid out
+READER_WAIT_SECONDS = 30.0  # at the end, for a reader following the capture to close
 
 
 def partial_path(path: Path) -> Path:
@@ -214,12 +216,27 @@ class CaptureWriter:
     def finish(self) -> None:
         if self.already_complete:
             return
-        with h5py.File(self.partial, "a") as handle:  # closed cleanly: no SWMR flag left
+        with self._open_to_finish() as handle:
             del handle[COMMITTED]
             handle.attrs["num_rows"] = self._rows
             handle.attrs["num_episodes"] = self._episodes
             handle.attrs["complete"] = True
         os.replace(self.partial, self.path)
+
+    def _open_to_finish(self) -> h5py.File:
+        """The closed partial file (closed cleanly: no SWMR flag), once no SWMR reader following
+        the capture holds it open."""
+        deadline = time.monotonic() + READER_WAIT_SECONDS
+        while True:
+            try:
+                return h5py.File(self.partial, "a")
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise CaptureFileError(
+                        f"{self.partial} holds every step, but another process has it open (a "
+                        "reader following the capture): close it, then run the same capture "
+                        "with --resume to finish the file") from None
+                time.sleep(0.5)
 
     def discard(self) -> None:
         """Delete the partial file: the capture failed for a reason a resume would not fix."""
