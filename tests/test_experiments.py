@@ -99,7 +99,8 @@ def test_a_later_session_continues_a_merged_partial_grid(tmp_path, capsys) -> No
     assert main(["experiment", "toy", *PLUGIN, "--merge", "--out", str(later), "--results",
                  str(results), "--quiet"]) == 0
     table = (results / "toy.md").read_text()
-    assert "3 of the cells were run by an earlier session" in table
+    assert "3 of the 6 cells were run by an earlier session" in table
+    assert "the others ran on victims rebuilt" in table
     # each session trained its own victim: the merge says the rows mix two checkpoints
     assert "attacked 2 different checkpoints" in table
     assert len(json.loads(merged.read_text())["victim_checkpoints"]["victim"]) == 2
@@ -418,3 +419,11 @@ def test_shards_claiming_one_new_folder_take_turns(tmp_path, monkeypatch) -> Non
     shard()
     first.join()
     assert errors == [] and json.loads((out / "experiment.json").read_text())["format"]
+
+
+def test_a_single_seed_is_not_shown_as_seeds_that_agreed() -> None:
+    from gradleak.experiments import mean_std
+
+    assert mean_std([10.0, 11.0]) == "10.50 ± 0.50"
+    assert mean_std([10.0]) == "10.00 (n = 1)"
+    assert mean_std([]) == "-"

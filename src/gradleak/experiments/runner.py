@@ -233,15 +233,16 @@ def merge_experiment(out: Path, results: Path, allow_partial: bool = False
     write_json(json_path, data)
     note = f"\n\n{len(missing)} cells missing: {', '.join(missing)}\n" if missing else "\n"
     for victim, hashes in sorted(checkpoints.items()):
-        if len(hashes) > 1:  # victim training is not bit-reproducible across machines
+        if len(hashes) > 1:  # a victim rebuilt after code changes (or elsewhere) differs
             note += (f"\nThe {victim} cells attacked {len(hashes)} different checkpoints of "
                      f"that victim (θ0 {', '.join(h[:12] for h in sorted(hashes))}): its rows "
                      "mix victims trained alike, not one victim.\n")
     if imported:  # victims and captures rebuilt from the same preset by the later run
         count = sum(1 for r in records if "imported_from" in r)
-        note += (f"\n{count} of the cells were run by an earlier session and imported from "
-                 f"{', '.join(imported)}; the others ran on victims rebuilt from the same "
-                 "preset.\n")
+        rest = ("; the others ran on victims rebuilt from the same preset" if count < len(records)
+                else "")
+        note += (f"\n{count} of the {len(records)} cells were run by an earlier session and "
+                 f"imported from {', '.join(imported)}{rest}.\n")
     with atomic_path(md_path) as tmp:
         tmp.write_text(f"# `gradleak experiment {settings.name}`\n\n{experiment.description}\n\n"
                        f"Settings: {settings.to_dict()}; {machine()}; "
@@ -270,11 +271,13 @@ def machine() -> str:
 
 
 def mean_std(values: list[float], digits: int = 2) -> str:
-    """'m ± s' over seeds (population std; a single value has ± 0)."""
+    """'m ± s' over seeds (population std); a single value says so instead of '± 0', which
+    would read as seeds that agreed."""
     if not values:
         return "-"
-    spread = statistics.pstdev(values) if len(values) > 1 else 0.0
-    return f"{statistics.fmean(values):.{digits}f} ± {spread:.{digits}f}"
+    if len(values) == 1:
+        return f"{values[0]:.{digits}f} (n = 1)"
+    return f"{statistics.fmean(values):.{digits}f} ± {statistics.pstdev(values):.{digits}f}"
 
 
 def grouped(records: list[dict[str, Any]], by: list[str]) -> dict[tuple, list[dict[str, Any]]]:
