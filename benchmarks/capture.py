@@ -91,12 +91,12 @@ class _ThreadedBlas:
 
 @contextlib.contextmanager
 def resize_on_default_blas_threads():
-    original = frames_module._blas
-    frames_module._blas = lambda: _ThreadedBlas()
+    original = frames_module.blas_controller
+    frames_module.blas_controller = lambda: _ThreadedBlas()
     try:
         yield
     finally:
-        frames_module._blas = original
+        frames_module.blas_controller = original
 
 
 def gradient_rates(victim_name: str, frames: np.ndarray, repeats: int) -> dict[str, Any]:
