@@ -17,6 +17,7 @@ import pytest
 
 import gradleak.capture.run  # noqa: F401  (imported before a fork that drops root)
 from gradleak.capture.lock import capture_lock
+from gradleak.capture.writer import COMMITTED
 from gradleak.cli import main
 from gradleak.io import save_victim
 from gradleak.victims import create_victim
@@ -109,8 +110,9 @@ def test_resume_with_fewer_steps_than_captured_is_refused(refused, tmp_path: Pat
     refused(capture_argv(complete, "--resume", steps=rows - 10), f"complete with {rows} steps")
     partial = tmp_path / "p.h5.partial"
     shutil.copyfile(short_capture, partial)
-    with h5py.File(partial, "r+") as handle:
+    with h5py.File(partial, "r+") as handle:  # as a writer leaves it: a commit per episode
         handle.attrs["complete"] = False
+        handle.create_dataset(COMMITTED, data=[rows], maxshape=(None,), chunks=(16,))
     refused(capture_argv(tmp_path / "p.h5", "--resume", steps=rows - 10),
             f"already holds {rows} steps", f"--steps {rows - 10}")
 
