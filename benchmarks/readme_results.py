@@ -165,10 +165,7 @@ def defense_figure() -> tuple[str, str]:
     """Per defense, the best attacker's PSNR (mean over seeds) beside the references."""
     data = load("defense-figure.json")
     settings, done = data["settings"], len(data["cells"])
-
-    def mean(values: list[float]) -> float:
-        return sum(values) / len(values)
-
+    mean = statistics.fmean
     groups = "; ".join(
         f"{defense} {entry['best']} {mean(entry[entry['best']]['psnr']):.2f}"
         for defense, entry in data["summary"].items())

@@ -23,6 +23,7 @@ from gradleak.attacks.action_rules import policy_weight, recover_actions
 from gradleak.attacks.exact import ExactAttack
 from gradleak.capture.reader import CaptureFile
 from gradleak.capture.run import CaptureJob, run_capture
+from gradleak.capture.schema import OWN_SUFFIXES
 from gradleak.envs.actions import action_set
 from gradleak.errors import ConfigError
 from gradleak.evaluation import evaluate_action_rules
@@ -46,7 +47,7 @@ AUDIT_WINDOWS = 32  # held-out windows the learned attackers and the references 
 DEMO_RULES = ("odd-sign", "sign-agnostic", "sign-aware")
 MARKER = ".gradleak-demo.json"  # says: this directory is a demo's output, these names its own
 CAPTURE_FILES = tuple(f"{split}.h5{suffix}" for split in ("train", "heldout")
-                      for suffix in ("", ".json", ".partial", ".partial.new", ".lock"))
+                      for suffix in OWN_SUFFIXES)
 DEMO_ENTRIES = ("config.json", "results.json", "victim-ppo", "eval", "exact", "trace", "lti",
                 "audit", "heldout_actions.png", *CAPTURE_FILES)
 

@@ -14,11 +14,12 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+from gradleak.capture.schema import LOCK_SUFFIX
 from gradleak.errors import CaptureFileError
 
 
 def lock_path(out: Path) -> Path:
-    return out.with_name(out.name + ".lock")
+    return out.with_name(out.name + LOCK_SUFFIX)
 
 
 @contextlib.contextmanager

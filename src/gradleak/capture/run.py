@@ -19,7 +19,7 @@ from gradleak.capture.grads import FactoredRows, StepBatch, StepGradients
 from gradleak.capture.lock import capture_lock
 from gradleak.capture.plan import CaptureJob, CapturePlan, plan_capture
 from gradleak.capture.producer import EpisodeProducer, Produced
-from gradleak.capture.schema import step_columns
+from gradleak.capture.schema import SIDECAR_SUFFIX, step_columns
 from gradleak.capture.writer import CaptureWriter, partial_path
 from gradleak.envs.factory import make_env
 from gradleak.errors import CaptureFileError, GradleakError
@@ -41,7 +41,7 @@ def run_capture(job: CaptureJob) -> dict[str, Any]:
     with created_directories(plan.out.parent), capture_lock(plan.out, partial_path(plan.out)):
         result = _run_locked(plan, job)
     if result["status"] == "complete":
-        write_json(plan.out.with_name(plan.out.name + ".json"),
+        write_json(plan.out.with_name(plan.out.name + SIDECAR_SUFFIX),
                    {"command": "capture", "victim": job.victim, "random_init": job.random_init,
                     "split": job.split, "steps": job.steps, "shard": list(job.shard),
                     "seed": plan.seed, "preset": job.preset.to_dict(), "result": result})

@@ -13,6 +13,12 @@ FORMAT_VERSION = 1
 FACTORED_FORMAT_VERSION = 2
 READABLE_VERSIONS = (FORMAT_VERSION, FACTORED_FORMAT_VERSION)
 PARTIAL_SUFFIX = ".partial"
+NEW_SUFFIX = ".new"  # OUT.partial while the writer lays it out (capture.writer)
+LOCK_SUFFIX = ".lock"  # the one-writer lock (capture.lock)
+SIDECAR_SUFFIX = ".json"  # the capture job's settings beside OUT
+# every file a capture of OUT writes beside or instead of it: what a command that made the
+# capture may remove again
+OWN_SUFFIXES = ("", SIDECAR_SUFFIX, PARTIAL_SUFFIX, PARTIAL_SUFFIX + NEW_SUFFIX, LOCK_SUFFIX)
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from gradleak.capture.layout import (
 from gradleak.capture.schema import (
     FORMAT,
     GRADIENTS,
+    NEW_SUFFIX,
     PARTIAL_SUFFIX,
     THETA0_GROUP,
     Column,
@@ -43,7 +44,6 @@ from gradleak.errors import CaptureFileError
 SMALL_CHUNK = 1024
 FACTOR_CHUNK_ROWS = 16
 COMMITTED = "committed_rows"  # the partial file's commit marker: rows after each episode
-NEW_SUFFIX = ".new"  # OUT.partial while it is being laid out
 READER_WAIT_SECONDS = 30.0  # at the end, for a reader following the capture to close
 
 
