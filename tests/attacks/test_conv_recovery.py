@@ -246,15 +246,34 @@ def test_the_noise_spread_is_the_pseudo_inverses_diagonal_on_definite_and_singul
     """diag(G⁻¹) by Cholesky where G is definite equals the pseudo-inverse's; a singular G
     (a null direction, as on a trained victim's top conv) and an all-zero one (every unit
     off under a defense) in the same batch fall back to the pseudo-inverse instead of failing."""
-    from gradleak.attacks.conv_blocks import inverse_diagonal
+    from gradleak.attacks.conv_blocks import Gram, inverse_diagonal
 
     generator = torch.Generator().manual_seed(0)
     rows = torch.randn(3, 12, 5, generator=generator, dtype=torch.float64)
     rows[1, :, 4] = rows[1, :, 3]  # two equal columns: a null direction
     rows[2] = 0
-    gram = rows.transpose(1, 2) @ rows
-    expected = torch.linalg.pinv(gram).diagonal(dim1=1, dim2=2)
+    gram = Gram.of(rows)
+    expected = torch.linalg.pinv(gram.matrix).diagonal(dim1=1, dim2=2)
     assert torch.allclose(inverse_diagonal(gram), expected, rtol=1e-9, atol=1e-12)
+
+
+def test_least_squares_by_normal_equations_match_gelsy_and_fall_back_where_singular() -> None:
+    """Well-posed steps are solved through the Gram matrix's Cholesky factor (with one
+    refinement step) to gelsy's answer; a step with a null direction and an all-zero one in the
+    same batch are not well posed, and get gelsy's basic solution, not a failed factor's."""
+    from gradleak.attacks.conv_blocks import Gram, solve_least_squares
+
+    generator = torch.Generator().manual_seed(1)
+    matrix = torch.randn(4, 40, 12, generator=generator, dtype=torch.float64)
+    matrix[0] = matrix[0] @ torch.diag(torch.logspace(0, -3, 12, dtype=torch.float64))
+    matrix[2, :, 7] = matrix[2, :, 3]
+    matrix[3] = 0
+    rhs = torch.randn(4, 40, 3, generator=generator, dtype=torch.float64)
+    assert Gram.of(matrix).well_posed.tolist() == [True, True, False, False]
+    expected = torch.linalg.lstsq(matrix, rhs, driver="gelsy").solution
+    got = solve_least_squares(matrix, rhs)
+    assert torch.allclose(got[:2], expected[:2], rtol=1e-11, atol=1e-12)
+    assert torch.equal(got[2:], expected[2:])
 
 
 def test_the_noise_aware_rule_keeps_the_masks_the_margins_lose_under_added_noise(

@@ -10,6 +10,7 @@ import hashlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 import torch
@@ -160,19 +161,30 @@ def bn_inverse(block: ConvBlock, y: torch.Tensor, noise: torch.Tensor
 
 
 def unfold_identity(block: ConvBlock) -> torch.Tensor:
-    """(Q, k², P): which input pixel each output position's kernel tap reads."""
-    size, kernel = block.input_size, block.conv.kernel_size[0]
-    basis = torch.eye(size * size, dtype=torch.float64).view(-1, 1, size, size)
-    return F.unfold(basis, kernel, padding=block.conv.padding, stride=block.conv.stride)
+    """(Q, k², P): which input pixel each output position's kernel tap reads. Shared, read
+    only: a function of the block's geometry, asked for at every solve (its unfold of the
+    identity was a fifth of cnn-small's recursion)."""
+    conv = block.conv
+    return tap_map(block.input_size, conv.kernel_size[0], conv.stride[0], conv.padding[0])
 
+
+@lru_cache(maxsize=32)
+def tap_map(size: int, kernel: int, stride: int, padding: int) -> torch.Tensor:
+    basis = torch.eye(size * size, dtype=torch.float64).view(-1, 1, size, size)
+    return F.unfold(basis, kernel, padding=padding, stride=stride)
 
 
 def covered_pixels(block: ConvBlock) -> torch.Tensor:
     """(Q,) bool: the input pixels some output position reads. A strided conv without padding
     can leave the last rows and columns unread (NatureCNN's 15×15 map under its 4×4, stride-2
-    conv); no gradient says anything about them."""
-    return unfold_identity(block).flatten(1).any(1)
+    conv); no gradient says anything about them. Shared, read only."""
+    conv = block.conv
+    return read_pixels(block.input_size, conv.kernel_size[0], conv.stride[0], conv.padding[0])
 
+
+@lru_cache(maxsize=32)
+def read_pixels(size: int, kernel: int, stride: int, padding: int) -> torch.Tensor:
+    return tap_map(size, kernel, stride, padding).flatten(1).any(1)
 
 
 def weight_gradient_matrix(block: ConvBlock, delta: torch.Tensor,
@@ -218,6 +230,11 @@ NEWTON_DAMPING = 1e-10
 # the check costs as much as the solve itself (0.26 s per 16 steps at 441 pixels, 14 ms at
 # 100), and the null spaces measured are all on the top block (100 pixels)
 NULL_CHECK_PIXELS = 256
+# D(δ) whose Gram matrix's Cholesky pivots span less than this (squared) is solved by its
+# normal equations, and has no null space: cond(D) was 7–480 on every well-posed step of the
+# held-out captures (cnn-small random init, the paper's cnn random init and PPO) and 1e16 or
+# more on those with a null space, whose exact null direction leaves a pivot at rounding level
+NORMAL_EQUATIONS = 1e-8
 # a Gram matrix whose Cholesky pivots span more than this (squared) is inverted by the
 # pseudo-inverse instead (pinv's own cut-off is 1e-13 of the largest eigenvalue)
 NEAR_SINGULAR = 1e-10
@@ -241,10 +258,56 @@ class InputFit:
     solution: torch.Tensor  # (N, Q, C_in), zero at the pixels no output reads
     undetermined: torch.Tensor | None = None  # (N, Q, C_in) bool: no equation fixes these
     completed: torch.Tensor | None = None  # (N,) bool: D(δ) had a null space on these steps
+    gram: Gram | None = None  # D's Gram matrix and its Cholesky factor, when computed
 
     def __post_init__(self) -> None:
         if self.completed is None:
             self.completed = torch.zeros(len(self.solution), dtype=torch.bool)
+
+
+@dataclass(frozen=True)
+class Gram:
+    """DᵀD (N, Q, Q) of a batch of matrices, its Cholesky factor and (N,) the spread of the
+    factor's pivots (smallest² / largest²; 0 where the factor failed)."""
+
+    matrix: torch.Tensor
+    factor: torch.Tensor
+    spread: torch.Tensor
+
+    @classmethod
+    def of(cls, matrix: torch.Tensor) -> Gram:
+        gram = matrix.transpose(1, 2) @ matrix
+        factor, info = torch.linalg.cholesky_ex(gram)
+        pivots = factor.diagonal(dim1=1, dim2=2).abs()
+        spread = (pivots.amin(1) / pivots.amax(1).clamp_min(1e-300)) ** 2
+        return cls(gram, factor, torch.where(info == 0, spread, torch.zeros_like(spread)))
+
+    @property
+    def well_posed(self) -> torch.Tensor:
+        """(N,) the steps solved by the normal equations, and taken to have no null space."""
+        return self.spread > NORMAL_EQUATIONS
+
+
+def solve_least_squares(matrix: torch.Tensor, rhs: torch.Tensor, gram: Gram | None = None
+                        ) -> torch.Tensor:
+    """argmin ‖D x − b‖ per step: by the normal equations' Cholesky factor where D is well
+    posed (one refinement step wins back what squaring its condition number loses), by
+    gelsy's rank-revealing QR where it is not. gelsy alone was a third of the recursion."""
+    gram = Gram.of(matrix) if gram is None else gram
+    well = gram.well_posed
+    if bool(well.all()):
+        return refined_normal_solve(matrix, rhs, gram.factor)
+    solution = rhs.new_empty(len(matrix), matrix.shape[2], rhs.shape[2])
+    if bool(well.any()):
+        solution[well] = refined_normal_solve(matrix[well], rhs[well], gram.factor[well])
+    solution[~well] = torch.linalg.lstsq(matrix[~well], rhs[~well], driver="gelsy").solution
+    return solution
+
+
+def refined_normal_solve(matrix: torch.Tensor, rhs: torch.Tensor, factor: torch.Tensor
+                         ) -> torch.Tensor:
+    x = torch.cholesky_solve(matrix.transpose(1, 2) @ rhs, factor)
+    return x + torch.cholesky_solve(matrix.transpose(1, 2) @ (rhs - matrix @ x), factor)
 
 
 def least_squares(block: ConvBlock, delta: torch.Tensor, weight_gradient: torch.Tensor,
@@ -257,11 +320,15 @@ def least_squares(block: ConvBlock, delta: torch.Tensor, weight_gradient: torch.
     matrix = weight_gradient_matrix(block, delta, unfold_identity(block)[read])
     rhs = weight_gradient.permute(0, 1, 3, 4, 2).reshape(count, -1, channels_in)
     solution = torch.zeros(count, len(read), channels_in, dtype=matrix.dtype)
-    solution[:, read] = torch.linalg.lstsq(matrix, rhs, driver="gelsy").solution
-    fit = InputFit(matrix, rhs, solution)
+    gram = Gram.of(matrix)
+    solution[:, read] = solve_least_squares(matrix, rhs, gram)
+    fit = InputFit(matrix, rhs, solution, gram=gram)
     if outputs is None or matrix.shape[-1] > NULL_CHECK_PIXELS:
         return fit
-    nullity = null_space_size(matrix)
+    nullity = torch.zeros(count, dtype=torch.long)
+    unsure = ~gram.well_posed
+    if bool(unsure.any()):
+        nullity[unsure] = null_space_size(gram.matrix[unsure])
     # a δ this sparse means the masks above collapsed (a defense's noise): the outputs cannot
     # fix so many directions; those steps keep the minimum-norm solve
     fixable = (nullity > 0) & (nullity * channels_in <= MAX_COEFFICIENTS)
@@ -270,10 +337,10 @@ def least_squares(block: ConvBlock, delta: torch.Tensor, weight_gradient: torch.
     return complete_from_outputs(block, fit, outputs, fixable)
 
 
-def null_space_size(matrix: torch.Tensor) -> torch.Tensor:
+def null_space_size(gram: torch.Tensor) -> torch.Tensor:
     """(N,) D's nullity from its Gram matrix's eigenvalues, at a quarter of an SVD's cost
     (σ² squares the gap: 1e-32 against 1e-7 relative on the paper's CNN; floor 1e-16)."""
-    eigenvalues = torch.linalg.eigvalsh(matrix.transpose(1, 2) @ matrix)
+    eigenvalues = torch.linalg.eigvalsh(gram)
     return (eigenvalues < NULL_TOLERANCE ** 1.5 * eigenvalues[:, -1:]).sum(1)
 
 
@@ -292,7 +359,7 @@ def complete_from_outputs(block: ConvBlock, fit: InputFit, outputs: KnownOutputs
     with one_thread():  # small solves a step: 81 → 59 ms a frame on cnn-small, 2 cores
         for step in steps.nonzero().flatten().tolist():
             complete_step(block, fit, outputs, step, read, solution, undetermined, completed)
-    return InputFit(fit.matrix, fit.rhs, solution, undetermined, completed)
+    return InputFit(fit.matrix, fit.rhs, solution, undetermined, completed, fit.gram)
 
 
 def complete_step(block: ConvBlock, fit: InputFit, outputs: KnownOutputs, step: int,
@@ -572,7 +639,7 @@ def fitted_output_gradient(block: ConvBlock, inputs: torch.Tensor,
     """(N, C_out, h, w) the δ that best explains the weight gradient given the input: C_in·k²
     equations per output channel for its h·w positions."""
     patches = input_patches(block, inputs)
-    fitted = torch.linalg.lstsq(patches, weight_gradient.flatten(2).transpose(1, 2)).solution
+    fitted = solve_least_squares(patches, weight_gradient.flatten(2).transpose(1, 2))
     conv = block.conv
     height, width = ((size + 2 * conv.padding[i] - conv.kernel_size[i]) // conv.stride[i] + 1
                      for i, size in enumerate(inputs.shape[-2:]))
@@ -601,28 +668,27 @@ def robust_input(block: ConvBlock, delta: torch.Tensor, weight_gradient: torch.T
         typical = residuals.median(1, keepdim=True).values.clamp_min(1e-300)
         weights = 1 / (1 + residuals / (ROBUST_SPREAD * typical))
         scale = weights.sqrt().repeat_interleave(taps, dim=1)[:, :, None]
-        solution = torch.linalg.lstsq(fit.matrix * scale, fit.rhs * scale,
-                                      driver="gelsy").solution
+        solution = solve_least_squares(fit.matrix * scale, fit.rhs * scale)
     columns = torch.zeros_like(fit.solution)
     columns[:, read] = solution
     return as_map(block, columns)
 
 
 
-def inverse_diagonal(gram: torch.Tensor) -> torch.Tensor:
+def inverse_diagonal(gram: Gram) -> torch.Tensor:
     """(N, Q) diag(G⁻¹) of symmetric positive semi-definite (N, Q, Q) Gram matrices: by
-    Cholesky where G is definite (a tenth of the pseudo-inverse's SVD cost: 0.3 s of the
-    recursion's 0.5 s a frame at 84×84 went there), the pseudo-inverse on the steps where it
-    is not, or nearly not (a D(δ) with a null space: the pseudo-inverse drops directions
-    under 1e-13 of the largest eigenvalue, where the Cholesky factor would blow up)."""
-    factor, info = torch.linalg.cholesky_ex(gram)
-    pivots = factor.diagonal(dim1=1, dim2=2).abs()
-    definite = (info == 0) & (pivots.amin(1) ** 2 > NEAR_SINGULAR * pivots.amax(1) ** 2)
-    spread = torch.empty(gram.shape[:2], dtype=gram.dtype)
+    their Cholesky factor where G is definite (a tenth of the pseudo-inverse's SVD cost: 0.3 s
+    of the recursion's 0.5 s a frame at 84×84 went there), the pseudo-inverse on the steps
+    where it is not, or nearly not (a D(δ) with a null space: the pseudo-inverse drops
+    directions under 1e-13 of the largest eigenvalue, where the Cholesky factor would blow
+    up)."""
+    definite = gram.spread > NEAR_SINGULAR
+    spread = torch.empty(gram.matrix.shape[:2], dtype=gram.matrix.dtype)
     if bool(definite.any()):
-        spread[definite] = torch.cholesky_inverse(factor[definite]).diagonal(dim1=1, dim2=2)
+        spread[definite] = torch.cholesky_inverse(gram.factor[definite]).diagonal(dim1=1,
+                                                                                  dim2=2)
     if not bool(definite.all()):
-        spread[~definite] = torch.linalg.pinv(gram[~definite]).diagonal(dim1=1, dim2=2)
+        spread[~definite] = torch.linalg.pinv(gram.matrix[~definite]).diagonal(dim1=1, dim2=2)
     return spread
 
 
@@ -637,7 +703,7 @@ def solve_input_with_noise(block: ConvBlock, delta: torch.Tensor, weight_gradien
     read = covered_pixels(block)
     residual = (matrix @ solution[:, read] - rhs).pow(2).sum(1)  # (N, C_in)
     sigma = (residual / max(1, matrix.shape[1] - matrix.shape[2])).sqrt()
-    spread = inverse_diagonal(matrix.transpose(1, 2) @ matrix)
+    spread = inverse_diagonal(Gram.of(matrix) if fit.gram is None else fit.gram)
     std = torch.full_like(solution, float("inf"))
     std[:, read] = sigma[:, None, :] * spread.clamp_min(0).sqrt()[:, :, None]  # (N, Q', C_in)
     largest = solution.abs().flatten(1).amax(1)[:, None, None]
