@@ -350,8 +350,8 @@ def complete_from_outputs(block: ConvBlock, fit: InputFit, outputs: KnownOutputs
     """The weight gradient fixes each input channel up to D(δ)'s null space, the same for every
     channel: a_i = a_i* + Σ_j c_ij n_j. The on-units' pre-activations are linear in the c_ij,
     so one small least squares per step fixes those the live output channels reach; the rest
-    are marked undetermined. Only `steps` (where gelsy found D rank-deficient) are looked at;
-    gelsy's a* is not the minimum-norm one there, so the SVD's is used instead."""
+    are marked undetermined. Only `steps` (where D's Gram matrix has a null space) are looked
+    at; gelsy's a* is not the minimum-norm one there, so the SVD's is used instead."""
     solution = fit.solution.clone()
     undetermined = torch.zeros_like(solution, dtype=torch.bool)
     completed = torch.zeros(len(solution), dtype=torch.bool)
