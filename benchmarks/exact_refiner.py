@@ -20,6 +20,7 @@ import argparse
 import json
 import platform
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -149,6 +150,21 @@ def main() -> None:
     parser.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args()
     torch.set_num_threads(2)
+    chosen = checked_cases(parser, args)
+    rows = [measure(case, args) for case in chosen]
+    if args.only and args.results.exists():  # keep the other victim's row
+        earlier = json.loads(args.results.read_text())["rows"]
+        kept = {row["victim"]: row for row in earlier}
+        kept.update({row["victim"]: row for row in rows})
+        rows = [kept[case.name] for case in all_cases(args) if case.name in kept]
+    write({"benchmark": "exact_refiner", "frames": args.frames, "steps": args.steps,
+           "train_steps": args.train_steps, "epochs": args.epochs, "machine": machine(),
+           "rows": rows}, args.results, markdown)
+
+
+def checked_cases(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[Case]:
+    """The victims --only names (all by default), each trained checkpoint present, and the
+    results folder there, checked before any work."""
     if not args.results.parent.is_dir():
         parser.error(f"--results {args.results}: its folder does not exist")
     chosen = cases(args)
@@ -159,19 +175,20 @@ def main() -> None:
         if not case.random_init and not Path(case.victim).is_dir():
             parser.error(f"{case.name}: {case.victim} is not a victim checkpoint directory: "
                          "train it first (see benchmarks/exact_frames.py)")
-    rows = [measure(case, args) for case in chosen]
-    if args.only and args.results.exists():  # keep the other victim's row
-        earlier = json.loads(args.results.read_text())["rows"]
-        kept = {row["victim"]: row for row in earlier}
-        kept.update({row["victim"]: row for row in rows})
-        rows = [kept[case.name] for case in all_cases(args) if case.name in kept]
-    result = {"benchmark": "exact_refiner", "frames": args.frames, "steps": args.steps,
-              "train_steps": args.train_steps, "epochs": args.epochs,
-              "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch "
-                         f"{torch.__version__}, no GPU", "rows": rows}
-    with atomic_path(args.results) as temporary:
+    return chosen
+
+
+def machine() -> str:
+    return (f"{platform.machine()}, {torch.get_num_threads()} threads, torch "
+            f"{torch.__version__}, no GPU")
+
+
+def write(result: dict[str, Any], path: Path, markdown: Callable[[dict[str, Any]], str]
+          ) -> None:
+    """The results JSON and its Markdown table beside it, each written atomically."""
+    with atomic_path(path) as temporary:
         temporary.write_text(json.dumps(result, indent=2) + "\n")
-    with atomic_path(args.results.with_suffix(".md")) as temporary:
+    with atomic_path(path.with_suffix(".md")) as temporary:
         temporary.write_text(markdown(result))
 
 

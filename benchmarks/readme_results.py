@@ -302,6 +302,21 @@ def exact_refiner() -> tuple[str, str]:
             "steps; PSNR / SSIM / LPIPS)", "; ".join(parts))
 
 
+def exact_solve_sweep() -> tuple[str, str]:
+    data = load("exact_solve_sweep.json")
+
+    def scores(row: dict, setting: str) -> str:
+        r = row["heldout"][setting]
+        return f"{db(r['psnr'])} / {r['ssim']:.3f}"
+
+    parts = [f"{row['victim']}: default {scores(row, 'default')}, picked on training scenes "
+             f"({row['picked']}) {scores(row, row['picked'])}, best of the grid held out "
+             f"{scores(row, row['best_heldout'])}" for row in data["rows"]]
+    return (f"the frame solve's settings chosen on the attacker's own training scenes "
+            f"({len(data['grid'])} settings, {data['frames']} steps; held-out PSNR / SSIM)",
+            "; ".join(parts))
+
+
 def exact_speed() -> tuple[str, str]:
     data = load("exact_speed.json")
     parts = [f"{row['victim']}: {row['total_ms_per_frame']:.0f} ms (recursion "
@@ -446,6 +461,8 @@ ROWS: dict[str, Callable[[], tuple[str, str]]] = {
     "layer_ablation.json": layer_ablation, "victims.json": victims,
     "exact_frames.json": exact_frames,
     "exact_refiner.json": exact_refiner,
+    **({"exact_solve_sweep.json": exact_solve_sweep}
+       if (RESULTS / "exact_solve_sweep.json").exists() else {}),
     "exact_speed.json": exact_speed,
     "fedavg_controls.json": fedavg_controls,
     "flower_audit.json": flower_audit,

@@ -160,16 +160,11 @@ def bn_inverse(block: ConvBlock, y: torch.Tensor, noise: torch.Tensor
 
 
 
-def unfold_identity(block: ConvBlock) -> torch.Tensor:
+@lru_cache(maxsize=32)
+def tap_map(size: int, kernel: int, stride: int, padding: int) -> torch.Tensor:
     """(Q, k², P): which input pixel each output position's kernel tap reads. Shared, read
     only: a function of the block's geometry, asked for at every solve (its unfold of the
     identity was a fifth of cnn-small's recursion)."""
-    conv = block.conv
-    return tap_map(block.input_size, conv.kernel_size[0], conv.stride[0], conv.padding[0])
-
-
-@lru_cache(maxsize=32)
-def tap_map(size: int, kernel: int, stride: int, padding: int) -> torch.Tensor:
     basis = torch.eye(size * size, dtype=torch.float64).view(-1, 1, size, size)
     return F.unfold(basis, kernel, padding=padding, stride=stride)
 
@@ -187,11 +182,126 @@ def read_pixels(size: int, kernel: int, stride: int, padding: int) -> torch.Tens
     return tap_map(size, kernel, stride, padding).flatten(1).any(1)
 
 
-def weight_gradient_matrix(block: ConvBlock, delta: torch.Tensor,
-                           taps: torch.Tensor) -> torch.Tensor:
-    """D(δ): (N, C_out·k², Q), so that ∇W[:, i] (flattened) = D a_i for every input channel i."""
-    return torch.einsum("nop,qkp->nokq", delta.flatten(2), taps).flatten(1, 2)
+@lru_cache(maxsize=32)
+def tap_pixels(size: int, kernel: int, stride: int, padding: int) -> torch.Tensor:
+    """(k², P) the index, among the covered pixels, of the pixel kernel tap k reads at output
+    position p; −1 where it reads padding. Shared, read only."""
+    taps = tap_map(size, kernel, stride, padding)[read_pixels(size, kernel, stride, padding)]
+    return torch.where(taps.any(0), taps.argmax(0), -1)
 
+
+@lru_cache(maxsize=32)
+def gram_pairs(size: int, kernel: int, stride: int, padding: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """For the Gram matrix of D(δ): each pair of output positions (p, p') a tap reads pixels at,
+    as its index p·P + p' into δᵀδ and its index q·Q' + q' into the Gram matrix."""
+    pixels = tap_pixels(size, kernel, stride, padding)
+    positions, covered = pixels.shape[1], int(read_pixels(size, kernel, stride, padding).sum())
+    source, target = [], []
+    for row in pixels:
+        valid = (row >= 0).nonzero().flatten()
+        source.append((valid[:, None] * positions + valid[None, :]).flatten())
+        target.append((row[valid][:, None] * covered + row[valid][None, :]).flatten())
+    return torch.cat(source), torch.cat(target)
+
+
+@dataclass(frozen=True)
+class TapOperator:
+    """D(δ) (N, C_out·k², Q'), with ∇W[:, i] (flattened) = D a_i for every input channel i,
+    kept implicit: its row (o, k) is δ(o, ·) placed at the pixels kernel tap k reads. Its Gram
+    matrix is δᵀWδ (P × P) scattered once per tap: C_out·P² + k²·P² operations a step against
+    the dense product's C_out·k²·Q'², which was half the paper's cnn's recursion."""
+
+    delta: torch.Tensor  # (N, C_out, P)
+    geometry: tuple[int, int, int, int]  # input size, kernel, stride, padding
+
+    @classmethod
+    def of(cls, block: ConvBlock, delta: torch.Tensor) -> TapOperator:
+        conv = block.conv
+        return cls(delta.flatten(2), (block.input_size, conv.kernel_size[0], conv.stride[0],
+                                      conv.padding[0]))
+
+    @property
+    def pixels(self) -> torch.Tensor:
+        return tap_pixels(*self.geometry)
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        taps, _ = self.pixels.shape
+        return len(self.delta), self.delta.shape[1] * taps, int(read_pixels(*self.geometry).sum())
+
+    def take(self, rows: torch.Tensor | int) -> TapOperator:
+        return TapOperator(self.delta[rows].reshape(-1, *self.delta.shape[1:]), self.geometry)
+
+    def dense(self) -> torch.Tensor:
+        """(N, C_out·k², Q'): for the solves that need the matrix itself (gelsy, the SVD)."""
+        pixels, (_, _, covered) = self.pixels, self.shape
+        taps = torch.zeros(*pixels.shape, covered + 1, dtype=self.delta.dtype)
+        taps.scatter_(2, torch.where(pixels >= 0, pixels, covered)[..., None], 1.0)
+        return torch.einsum("nop,kpq->nokq", self.delta, taps[..., :covered]).flatten(1, 2)
+
+    def gram(self, weights: torch.Tensor | None = None) -> torch.Tensor:
+        """DᵀWD (N, Q', Q'), W weighing each output channel's rows ((N, C_out); None: 1)."""
+        weighted = self.delta if weights is None else self.delta * weights[..., None]
+        products = weighted.transpose(1, 2) @ self.delta  # (N, P, P)
+        source, target = gram_pairs(*self.geometry)
+        count, _, covered = self.shape
+        gram = products.new_zeros(count, covered * covered)
+        gram.index_add_(1, target, products.flatten(1)[:, source])
+        return gram.view(count, covered, covered)
+
+    def adjoint(self, rows: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+        """DᵀW b (N, Q', C) for b (N, C_out·k², C)."""
+        pixels, (count, _, covered) = self.pixels, self.shape
+        weighted = self.delta if weights is None else self.delta * weights[..., None]
+        per_tap = torch.einsum("nop,nokc->nkpc", weighted,
+                               rows.unflatten(1, (self.delta.shape[1], len(pixels))))
+        valid = (pixels >= 0).flatten()
+        out = rows.new_zeros(count, covered, rows.shape[-1])
+        return out.index_add_(1, pixels.flatten()[valid], per_tap.flatten(1, 2)[:, valid])
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """D x (N, C_out·k², C) for x (N, Q', C)."""
+        pixels = self.pixels
+        read = x[:, pixels.clamp_min(0)] * (pixels >= 0)[None, :, :, None].to(x.dtype)
+        return torch.einsum("nop,nkpc->nokc", self.delta, read).flatten(1, 2)
+
+    def row_weights(self, weights: torch.Tensor) -> torch.Tensor:
+        return weights.repeat_interleave(len(self.pixels), dim=1)
+
+
+@dataclass(frozen=True)
+class DenseOperator:
+    """A matrix (N, R, Q) behind TapOperator's interface; weights are per row (N, R)."""
+
+    matrix: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return tuple(self.matrix.shape)
+
+    def take(self, rows: torch.Tensor | int) -> DenseOperator:
+        return DenseOperator(self.matrix[rows].reshape(-1, *self.matrix.shape[1:]))
+
+    def dense(self) -> torch.Tensor:
+        return self.matrix
+
+    def gram(self, weights: torch.Tensor | None = None) -> torch.Tensor:
+        weighted = self.matrix if weights is None else self.matrix * weights[..., None]
+        return weighted.transpose(1, 2) @ self.matrix
+
+    def adjoint(self, rows: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+        return self.matrix.transpose(1, 2) @ (rows if weights is None
+                                              else rows * weights[..., None])
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matrix @ x
+
+    def row_weights(self, weights: torch.Tensor) -> torch.Tensor:
+        return weights
+
+
+Operator = TapOperator | DenseOperator
 
 
 @dataclass(frozen=True)
@@ -253,7 +363,7 @@ COMPLETION_NOISE = 1e-5
 class InputFit:
     """One block's input from its weight gradient (and, given, its known outputs)."""
 
-    matrix: torch.Tensor  # D(δ) (N, R, Q') over the read pixels
+    operator: TapOperator  # D(δ) (N, R, Q') over the read pixels
     rhs: torch.Tensor  # (N, R, C_in)
     solution: torch.Tensor  # (N, Q, C_in), zero at the pixels no output reads
     undetermined: torch.Tensor | None = None  # (N, Q, C_in) bool: no equation fixes these
@@ -275,8 +385,8 @@ class Gram:
     spread: torch.Tensor
 
     @classmethod
-    def of(cls, matrix: torch.Tensor) -> Gram:
-        gram = matrix.transpose(1, 2) @ matrix
+    def of(cls, operator: Operator, weights: torch.Tensor | None = None) -> Gram:
+        gram = operator.gram(weights)
         factor, info = torch.linalg.cholesky_ex(gram)
         pivots = factor.diagonal(dim1=1, dim2=2).abs()
         spread = (pivots.amin(1) / pivots.amax(1).clamp_min(1e-300)) ** 2
@@ -288,26 +398,35 @@ class Gram:
         return self.spread > NORMAL_EQUATIONS
 
 
-def solve_least_squares(matrix: torch.Tensor, rhs: torch.Tensor, gram: Gram | None = None
+def solve_least_squares(operator: Operator, rhs: torch.Tensor,
+                        weights: torch.Tensor | None = None, gram: Gram | None = None
                         ) -> torch.Tensor:
-    """argmin ‖D x − b‖ per step: by the normal equations' Cholesky factor where D is well
-    posed (one refinement step wins back what squaring its condition number loses), by
+    """argmin ‖W^½ (D x − b)‖ per step: by the normal equations' Cholesky factor where D is
+    well posed (one refinement step wins back what squaring its condition number loses), by
     gelsy's rank-revealing QR where it is not. gelsy alone was a third of the recursion."""
-    gram = Gram.of(matrix) if gram is None else gram
+    gram = Gram.of(operator, weights) if gram is None else gram
     well = gram.well_posed
     if bool(well.all()):
-        return refined_normal_solve(matrix, rhs, gram.factor)
-    solution = rhs.new_empty(len(matrix), matrix.shape[2], rhs.shape[2])
+        return refined_normal_solve(operator, rhs, weights, gram.factor)
+    count, _, columns = operator.shape
+    solution = rhs.new_empty(count, columns, rhs.shape[2])
     if bool(well.any()):
-        solution[well] = refined_normal_solve(matrix[well], rhs[well], gram.factor[well])
-    solution[~well] = torch.linalg.lstsq(matrix[~well], rhs[~well], driver="gelsy").solution
+        solution[well] = refined_normal_solve(
+            operator.take(well), rhs[well], None if weights is None else weights[well],
+            gram.factor[well])
+    ill = operator.take(~well)
+    matrix, target = ill.dense(), rhs[~well]
+    if weights is not None:
+        scale = ill.row_weights(weights[~well]).sqrt()[..., None]
+        matrix, target = matrix * scale, target * scale
+    solution[~well] = torch.linalg.lstsq(matrix, target, driver="gelsy").solution
     return solution
 
 
-def refined_normal_solve(matrix: torch.Tensor, rhs: torch.Tensor, factor: torch.Tensor
-                         ) -> torch.Tensor:
-    x = torch.cholesky_solve(matrix.transpose(1, 2) @ rhs, factor)
-    return x + torch.cholesky_solve(matrix.transpose(1, 2) @ (rhs - matrix @ x), factor)
+def refined_normal_solve(operator: Operator, rhs: torch.Tensor, weights: torch.Tensor | None,
+                         factor: torch.Tensor) -> torch.Tensor:
+    x = torch.cholesky_solve(operator.adjoint(rhs, weights), factor)
+    return x + torch.cholesky_solve(operator.adjoint(rhs - operator.apply(x), weights), factor)
 
 
 def least_squares(block: ConvBlock, delta: torch.Tensor, weight_gradient: torch.Tensor,
@@ -317,13 +436,13 @@ def least_squares(block: ConvBlock, delta: torch.Tensor, weight_gradient: torch.
     `outputs` sets the part of the input in its null space (`complete_from_outputs`)."""
     count, channels_in = len(delta), block.conv.in_channels
     read = covered_pixels(block)
-    matrix = weight_gradient_matrix(block, delta, unfold_identity(block)[read])
+    operator = TapOperator.of(block, delta)
     rhs = weight_gradient.permute(0, 1, 3, 4, 2).reshape(count, -1, channels_in)
-    solution = torch.zeros(count, len(read), channels_in, dtype=matrix.dtype)
-    gram = Gram.of(matrix)
-    solution[:, read] = solve_least_squares(matrix, rhs, gram)
-    fit = InputFit(matrix, rhs, solution, gram=gram)
-    if outputs is None or matrix.shape[-1] > NULL_CHECK_PIXELS:
+    solution = torch.zeros(count, len(read), channels_in, dtype=delta.dtype)
+    gram = Gram.of(operator)
+    solution[:, read] = solve_least_squares(operator, rhs, gram=gram)
+    fit = InputFit(operator, rhs, solution, gram=gram)
+    if outputs is None or operator.shape[-1] > NULL_CHECK_PIXELS:
         return fit
     nullity = torch.zeros(count, dtype=torch.long)
     unsure = ~gram.well_posed
@@ -359,14 +478,15 @@ def complete_from_outputs(block: ConvBlock, fit: InputFit, outputs: KnownOutputs
     with one_thread():  # small solves a step: 81 → 59 ms a frame on cnn-small, 2 cores
         for step in steps.nonzero().flatten().tolist():
             complete_step(block, fit, outputs, step, read, solution, undetermined, completed)
-    return InputFit(fit.matrix, fit.rhs, solution, undetermined, completed, fit.gram)
+    return InputFit(fit.operator, fit.rhs, solution, undetermined, completed, fit.gram)
 
 
 def complete_step(block: ConvBlock, fit: InputFit, outputs: KnownOutputs, step: int,
                   read: torch.Tensor, solution: torch.Tensor, undetermined: torch.Tensor,
                   completed: torch.Tensor) -> None:
     """`complete_from_outputs` on one step, in place (`read`: the block's covered pixels)."""
-    left, singular, right = torch.linalg.svd(fit.matrix[step], full_matrices=False)
+    left, singular, right = torch.linalg.svd(fit.operator.take(step).dense()[0],
+                                             full_matrices=False)
     null = singular < NULL_TOLERANCE * singular[0]
     if not bool(null.any()):
         return
@@ -639,7 +759,8 @@ def fitted_output_gradient(block: ConvBlock, inputs: torch.Tensor,
     """(N, C_out, h, w) the δ that best explains the weight gradient given the input: C_in·k²
     equations per output channel for its h·w positions."""
     patches = input_patches(block, inputs)
-    fitted = solve_least_squares(patches, weight_gradient.flatten(2).transpose(1, 2))
+    fitted = solve_least_squares(DenseOperator(patches),
+                                 weight_gradient.flatten(2).transpose(1, 2))
     conv = block.conv
     height, width = ((size + 2 * conv.padding[i] - conv.kernel_size[i]) // conv.stride[i] + 1
                      for i, size in enumerate(inputs.shape[-2:]))
@@ -664,11 +785,11 @@ def robust_input(block: ConvBlock, delta: torch.Tensor, weight_gradient: torch.T
     solution = fit.solution[:, read]
     for _ in range(rounds):
         # D's rows run over (output channel, tap): sum each channel's squared residuals
-        residuals = (fit.matrix @ solution - fit.rhs).pow(2).unflatten(1, (-1, taps)).sum((2, 3))
+        residuals = (fit.operator.apply(solution) - fit.rhs).pow(2).unflatten(
+            1, (-1, taps)).sum((2, 3))
         typical = residuals.median(1, keepdim=True).values.clamp_min(1e-300)
         weights = 1 / (1 + residuals / (ROBUST_SPREAD * typical))
-        scale = weights.sqrt().repeat_interleave(taps, dim=1)[:, :, None]
-        solution = solve_least_squares(fit.matrix * scale, fit.rhs * scale)
+        solution = solve_least_squares(fit.operator, fit.rhs, weights)
     columns = torch.zeros_like(fit.solution)
     columns[:, read] = solution
     return as_map(block, columns)
@@ -699,11 +820,12 @@ def solve_input_with_noise(block: ConvBlock, delta: torch.Tensor, weight_gradien
     infinite at the pixels no output reads (unknown, not zero); and (N,) bool, the steps where
     D(δ) had a null space (completed from `outputs`: the block below may be more exact)."""
     fit = least_squares(block, delta, weight_gradient, outputs)
-    matrix, rhs, solution = fit.matrix, fit.rhs, fit.solution
+    operator, rhs, solution = fit.operator, fit.rhs, fit.solution
     read = covered_pixels(block)
-    residual = (matrix @ solution[:, read] - rhs).pow(2).sum(1)  # (N, C_in)
-    sigma = (residual / max(1, matrix.shape[1] - matrix.shape[2])).sqrt()
-    spread = inverse_diagonal(Gram.of(matrix) if fit.gram is None else fit.gram)
+    residual = (operator.apply(solution[:, read]) - rhs).pow(2).sum(1)  # (N, C_in)
+    _, rows, columns = operator.shape
+    sigma = (residual / max(1, rows - columns)).sqrt()
+    spread = inverse_diagonal(Gram.of(operator) if fit.gram is None else fit.gram)
     std = torch.full_like(solution, float("inf"))
     std[:, read] = sigma[:, None, :] * spread.clamp_min(0).sqrt()[:, :, None]  # (N, Q', C_in)
     largest = solution.abs().flatten(1).amax(1)[:, None, None]
