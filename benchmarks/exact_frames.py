@@ -259,7 +259,8 @@ def markdown(result: dict[str, Any]) -> str:
                "the equations, not on the solve" if result.get("rank_from") else "")
             + "). LPIPS (AlexNet, v0.1): "
             f"{result['lpips']}; `cast:bfloat16` is what a mixed-precision client sends, and "
-            f"float16 storage is `cast:float16`."
+            f"float16 storage is `cast:float16`. `ms_per_frame`: this run's wall time, beside "
+            "whatever else ran on the machine (`exact_speed.py` times the attack alone)."
             + (f" Measured again with `--only` after a change to the code: {'; '.join(rerun)}."
                if (rerun := result.get("rerun")) else "")
             + f"\n\n{table}\n\n![frames](exact_frames.png)\n" + leverage_text(result))

@@ -268,8 +268,8 @@ def exact_frames() -> tuple[str, str]:
 
     exact = [f"{r['victim']}: {db(r['psnr'])} / {r['ssim']:.3f} (quadratic prior "
              f"{db(r['psnr_quadratic_prior'])}, penalty solve {db(r['psnr_penalty'])}, mean "
-             f"image {db(r['psnr_mean_image'])}{extras(r)}, "
-             f"{r['ms_per_frame']:.0f} ms)" for r in rows if r["storage"] == "float32"]
+             f"image {db(r['psnr_mean_image'])}{extras(r)})"
+             for r in rows if r["storage"] == "float32"]
     rounded = [r["psnr"] for r in rows if r["storage"] == "float16"]
     defenses = list(dict.fromkeys(r["defense"] for r in data["rows"] if r["defense"] != "none"))
     # per defense the range over victims: one maximum over the grid would hide where it breaks
