@@ -366,9 +366,9 @@ class InputFit:
     operator: TapOperator  # D(δ) (N, R, Q') over the read pixels
     rhs: torch.Tensor  # (N, R, C_in)
     solution: torch.Tensor  # (N, Q, C_in), zero at the pixels no output reads
+    gram: Gram  # D's Gram matrix and its Cholesky factor: the solve's, reused for the noise
     undetermined: torch.Tensor | None = None  # (N, Q, C_in) bool: no equation fixes these
     completed: torch.Tensor | None = None  # (N,) bool: D(δ) had a null space on these steps
-    gram: Gram | None = None  # D's Gram matrix and its Cholesky factor, when computed
 
     def __post_init__(self) -> None:
         if self.completed is None:
@@ -441,7 +441,7 @@ def least_squares(block: ConvBlock, delta: torch.Tensor, weight_gradient: torch.
     solution = torch.zeros(count, len(read), channels_in, dtype=delta.dtype)
     gram = Gram.of(operator)
     solution[:, read] = solve_least_squares(operator, rhs, gram=gram)
-    fit = InputFit(operator, rhs, solution, gram=gram)
+    fit = InputFit(operator, rhs, solution, gram)
     if outputs is None or operator.shape[-1] > NULL_CHECK_PIXELS:
         return fit
     nullity = torch.zeros(count, dtype=torch.long)
@@ -478,7 +478,7 @@ def complete_from_outputs(block: ConvBlock, fit: InputFit, outputs: KnownOutputs
     with one_thread():  # small solves a step: 81 → 59 ms a frame on cnn-small, 2 cores
         for step in steps.nonzero().flatten().tolist():
             complete_step(block, fit, outputs, step, read, solution, undetermined, completed)
-    return InputFit(fit.operator, fit.rhs, solution, undetermined, completed, fit.gram)
+    return InputFit(fit.operator, fit.rhs, solution, fit.gram, undetermined, completed)
 
 
 def complete_step(block: ConvBlock, fit: InputFit, outputs: KnownOutputs, step: int,
@@ -780,7 +780,7 @@ def robust_input(block: ConvBlock, delta: torch.Tensor, weight_gradient: torch.T
     wrong on/off decision do not pull the input away. Measured on the paper's CNN at random
     init under noise:1e-6, 16 steps: the 32×21×21 map's median relative error 0.116 → 0.028
     (the true masks give 0.011)."""
-    fit = least_squares(block, delta, weight_gradient)  # D(δ) is built once for all rounds
+    fit = least_squares(block, delta, weight_gradient)  # the first, unweighted round
     read, taps = covered_pixels(block), block.conv.kernel_size[0] ** 2
     solution = fit.solution[:, read]
     for _ in range(rounds):
@@ -825,7 +825,7 @@ def solve_input_with_noise(block: ConvBlock, delta: torch.Tensor, weight_gradien
     residual = (operator.apply(solution[:, read]) - rhs).pow(2).sum(1)  # (N, C_in)
     _, rows, columns = operator.shape
     sigma = (residual / max(1, rows - columns)).sqrt()
-    spread = inverse_diagonal(Gram.of(operator) if fit.gram is None else fit.gram)
+    spread = inverse_diagonal(fit.gram)
     std = torch.full_like(solution, float("inf"))
     std[:, read] = sigma[:, None, :] * spread.clamp_min(0).sqrt()[:, :, None]  # (N, Q', C_in)
     largest = solution.abs().flatten(1).amax(1)[:, None, None]
