@@ -234,7 +234,7 @@ class TapOperator:
         return TapOperator(self.delta[rows].reshape(-1, *self.delta.shape[1:]), self.geometry)
 
     def dense(self) -> torch.Tensor:
-        """(N, C_out·k², Q'): for the solves that need the matrix itself (gelsy, the SVD)."""
+        """(N, C_out·k², Q'): for the solves that need the matrix itself (gelsd, the SVD)."""
         pixels, (_, _, covered) = self.pixels, self.shape
         taps = torch.zeros(*pixels.shape, covered + 1, dtype=self.delta.dtype)
         taps.scatter_(2, torch.where(pixels >= 0, pixels, covered)[..., None], 1.0)
@@ -403,7 +403,10 @@ def solve_least_squares(operator: Operator, rhs: torch.Tensor,
                         ) -> torch.Tensor:
     """argmin ‖W^½ (D x − b)‖ per step: by the normal equations' Cholesky factor where D is
     well posed (one refinement step wins back what squaring its condition number loses), by
-    gelsy's rank-revealing QR where it is not. gelsy alone was a third of the recursion."""
+    gelsd's SVD where it is not: the minimum-norm solution. Not gelsy (a third of the recursion
+    when it solved every step): torch's gelsy leaves LAPACK's pivot array unset (pytorch
+    #187411, unfixed in torch 2.13), so on a rank-deficient matrix its rank, and its answer,
+    changed from call to call (rank 11, 7, 5 or 4 of 11 over 200 calls of one matrix)."""
     gram = Gram.of(operator, weights) if gram is None else gram
     well = gram.well_posed
     if bool(well.all()):
@@ -419,7 +422,7 @@ def solve_least_squares(operator: Operator, rhs: torch.Tensor,
     if weights is not None:
         scale = ill.row_weights(weights[~well]).sqrt()[..., None]
         matrix, target = matrix * scale, target * scale
-    solution[~well] = torch.linalg.lstsq(matrix, target, driver="gelsy").solution
+    solution[~well] = torch.linalg.lstsq(matrix, target, driver="gelsd").solution
     return solution
 
 
@@ -431,9 +434,9 @@ def refined_normal_solve(operator: Operator, rhs: torch.Tensor, weights: torch.T
 
 def least_squares(block: ConvBlock, delta: torch.Tensor, weight_gradient: torch.Tensor,
                   outputs: KnownOutputs | None = None) -> InputFit:
-    """The input by least squares on D(δ), zero at the pixels no output reads (rank-deficient
-    columns otherwise, which gelsy does not solve). Where D itself is rank-deficient,
-    `outputs` sets the part of the input in its null space (`complete_from_outputs`)."""
+    """The input by least squares on D(δ), zero at the pixels no output reads (zero columns
+    otherwise, every step rank-deficient). Where D itself is rank-deficient, `outputs` sets
+    the part of the input in its null space (`complete_from_outputs`)."""
     count, channels_in = len(delta), block.conv.in_channels
     read = covered_pixels(block)
     operator = TapOperator.of(block, delta)
@@ -470,7 +473,9 @@ def complete_from_outputs(block: ConvBlock, fit: InputFit, outputs: KnownOutputs
     channel: a_i = a_i* + Σ_j c_ij n_j. The on-units' pre-activations are linear in the c_ij,
     so one small least squares per step fixes those the live output channels reach; the rest
     are marked undetermined. Only `steps` (where D's Gram matrix has a null space) are looked
-    at; gelsy's a* is not the minimum-norm one there, so the SVD's is used instead."""
+    at; there a* is the minimum-norm solution with the singular values under NULL_TOLERANCE
+    dropped (gelsd's own cut-off is machine precision), so that it has no part along the
+    null directions it is completed with."""
     solution = fit.solution.clone()
     undetermined = torch.zeros_like(solution, dtype=torch.bool)
     completed = torch.zeros(len(solution), dtype=torch.bool)

@@ -124,10 +124,12 @@ class ConvInputs:
         return ((forward - self.features).flatten(1).norm(dim=1)
                 / self.features.flatten(1).norm(dim=1).clamp_min(1e-300))
 
-    def pick(self, others: list[ConvInputs], scores: list[torch.Tensor], labels: list[str]
-             ) -> ConvInputs:
-        """Per step, the run (this or one of `others`, labelled `labels`) of least (N,) score."""
+    def pick(self, others: list[ConvInputs], scores: list[torch.Tensor]) -> ConvInputs:
+        """Per step, the run (this or one of `others`) of least (N,) score, with that run's
+        label of the step (each run's `rules`: a run may itself be a pick of earlier ones)."""
         runs = [self, *others]
+        if any(run.rules is None for run in runs):
+            raise ValueError("pick needs every run's rules, the label of each of its steps")
         best = torch.stack(scores).argmin(0)
         rows = torch.arange(len(best))
 
@@ -136,7 +138,8 @@ class ConvInputs:
                     for key in getattr(self, field)}
 
         return ConvInputs(choose("inputs"), choose("noise"), choose("masks"),
-                          [labels[index] for index in best.tolist()], choose("upstream"),
+                          [runs[run].rules[row] for row, run in enumerate(best.tolist())],
+                          choose("upstream"),
                           choose("completed"), self.features)
 
     def steps(self, rows: torch.Tensor) -> ConvInputs:
@@ -213,10 +216,9 @@ def walk_every_rule(once: GradientOf, victim: Victim, down_to: str | None,
             return once(name)[rows]
 
         other = walk_down(on_rows, victim, down_to, rule)
+        other.rules = [rule.label] * len(rows)
         other_score = other.inconsistency(blocks, deepest)
-        earlier = [found.rules[row] for row in rows.tolist()]
-        best = found.steps(rows).pick([other], [score[rows], other_score], ["", rule.label])
-        best.rules = [label or kept for label, kept in zip(best.rules, earlier, strict=True)]
+        best = found.steps(rows).pick([other], [score[rows], other_score])
         found = found.with_rows(rows, best)
         score = score.clone()
         score[rows] = torch.minimum(score[rows], other_score)

