@@ -3,7 +3,8 @@ vmap, the autograd loop, Opacus' GradSampleModule, BackPACK's BatchGrad), the HD
 the whole capture (with and without the rollout overlapped in a child process).
 
 Prints JSON and writes benchmarks/results/capture.json. Every figure is a median over repeats,
-and every ratio is taken between timings measured side by side in this one run. BackPACK is
+and every ratio is taken round by round between timings measured side by side in this one run
+(each round runs every method or capture variant once). BackPACK is
 measured when `backpack-for-pytorch` is installed (it is not a dependency).
 
     python benchmarks/capture.py [--repeats 5] [--steps 256]
@@ -56,6 +57,20 @@ def median_seconds(run, repeats: int) -> float:
         run()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def round_robin_seconds(runs: dict[str, Any], repeats: int) -> dict[str, list[float]]:
+    """Each run's seconds over `repeats` rounds, every run once a round (after a warm-up
+    round): the host's drift over minutes falls on all of them alike, so a ratio is taken
+    round by round."""
+    seconds: dict[str, list[float]] = {name: [] for name in runs}
+    for round_ in range(repeats + 1):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            if round_:
+                seconds[name].append(time.perf_counter() - start)
+    return seconds
 
 
 def environment_rate(frame_size: int, steps: int, repeats: int
@@ -112,30 +127,35 @@ def gradient_rates(victim_name: str, frames: np.ndarray, repeats: int) -> dict[s
     einsum = StepGradients("einsum", chunk=64)  # its buffer reused, as the capture keeps it
     factored = StepGradients("einsum", chunk=64, factored=factorable_weights(
         victim, layers, batch.slice(0, 2)))
-    seconds = {
-        "einsum": median_seconds(lambda: einsum(victim, batch, coefficients, layers), repeats),
+    runs = {
+        "batched": lambda: batch_gradient(victim, batch, coefficients, layers),
+        "einsum": lambda: einsum(victim, batch, coefficients, layers),
         # the Linear weights as their factors, as a capture stores them by default
-        "einsum_factored": median_seconds(lambda: factored(victim, batch, coefficients, layers),
-                                          repeats),
-        "einsum_fresh_buffer": median_seconds(lambda: StepGradients("einsum", 64)(
-            victim, batch, coefficients, layers), repeats),
-        "vmap": median_seconds(lambda: per_step_gradients(victim, batch, coefficients, layers,
-                                                          chunk=32), repeats),
-        "loop": median_seconds(lambda: loop_gradients(victim, batch, coefficients, layers),
-                               repeats),
-        "backpack": _backpack_seconds(victim, batch, coefficients, layers, repeats)}
-    batched_s = median_seconds(lambda: batch_gradient(victim, batch, coefficients, layers),
-                               repeats)
+        "einsum_factored": lambda: factored(victim, batch, coefficients, layers),
+        "einsum_fresh_buffer": lambda: StepGradients("einsum", 64)(victim, batch, coefficients,
+                                                                   layers),
+        "vmap": lambda: per_step_gradients(victim, batch, coefficients, layers, chunk=32),
+        "loop": lambda: loop_gradients(victim, batch, coefficients, layers)}
+    timed = round_robin_seconds(runs, repeats)
     result: dict[str, Any] = {"victim": victim_name, "frame_size": size, "steps": n,
                               "parameters": sum(layer.size for layer in layers),
-                              "batched_forward_backward_ms_per_step": 1e3 * batched_s / n,
+                              "batched_forward_backward_ms_per_step":
+                                  1e3 * statistics.median(timed["batched"]) / n,
                               "opacus": _opacus_refusal(victim)}
-    for name, value in seconds.items():
-        if isinstance(value, str):
-            result[f"{name}_note"] = value
+    for name, values in timed.items():
+        if name == "batched":
             continue
-        result[f"{name}_ms_per_step"] = 1e3 * value / n
-        result[f"{name}_cost_vs_one_batched_backward"] = value / batched_s
+        result[f"{name}_ms_per_step"] = 1e3 * statistics.median(values) / n
+        result[f"{name}_cost_vs_one_batched_backward"] = statistics.median(
+            value / batched for value, batched in zip(values, timed["batched"], strict=True))
+    backpack = _backpack_seconds(victim, batch, coefficients, layers, repeats)
+    if isinstance(backpack, str):
+        result["backpack_note"] = backpack
+    else:
+        result["backpack_ms_per_step"] = 1e3 * backpack / n
+        result["backpack_cost_vs_one_batched_backward"] = backpack / statistics.median(
+            timed["batched"])
+    seconds = {name: statistics.median(values) for name, values in timed.items()}
     result["einsum_speedup_over_vmap"] = seconds["vmap"] / seconds["einsum"]
     return result
 
@@ -226,28 +246,45 @@ CAPTURE_VARIANTS = {  # name → overrides: the default first, then what each pa
 }
 
 
-def capture_rates(victim: str, frame_size: int, steps: int, repeats: int) -> dict[str, Any]:
+def capture_rates(victim: str, frame_size: int, steps: int, repeats: int,
+                  engine_steps: int) -> dict[str, Any]:
     """The whole capture of `victim` (float32, LZ4) as it runs by default (the rollout in a
     child process, writes in a thread, Linear weights factored), with every weight dense, with
-    the writes in line, and all in this process; the file's bytes per step."""
+    the writes in line, and all in this process; the file's bytes per step. Round-robin: each round runs the engine alone and then every
+    variant once, so the host's drift (its engine made 308 to 575 steps/s at 64×64 across
+    runs, and a variant's blocks of repeats once differed by 1.3× from the same settings run
+    minutes later) falls on all of them alike; each ratio to the engine is the median over
+    rounds of that round's ratio. Round 0 is a warm-up."""
     rates: dict[str, Any] = {"victim": victim, "frame_size": frame_size, "steps": steps}
+    presets = {key: load_preset("cpu-bench", [f"env.doomnav.frame_size={frame_size}",
+                                              *overrides])
+               for key, overrides in CAPTURE_VARIANTS.items()}
+    seconds: dict[str, list[float]] = {key: [] for key in presets}
+    timings: dict[str, list[dict[str, float]]] = {key: [] for key in presets}
+    engine: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:
-        for key, overrides in CAPTURE_VARIANTS.items():
-            preset = load_preset("cpu-bench", [f"env.doomnav.frame_size={frame_size}",
-                                               *overrides])
-            timings: list[dict[str, float]] = []
-
-            def run(preset=preset, key=key, timings=timings) -> None:
+        for round_ in range(repeats + 1):
+            with single_threaded_torch():
+                rate = environment_rate(frame_size, engine_steps, 1)[0]
+            for key, preset in presets.items():
+                start = time.perf_counter()
                 result = run_capture(CaptureJob(victim=victim, random_init=True, split="train",
                                                 steps=steps, out=Path(tmp) / f"{key}.h5",
                                                 preset=preset, progress=False, overwrite=True))
-                timings.append({k: v for k, v in result.items() if k.endswith("_s")})
-
-            rates[f"steps_per_s_{key}"] = steps / median_seconds(run, repeats)
+                if round_:
+                    seconds[key].append(time.perf_counter() - start)
+                    timings[key].append({k: v for k, v in result.items() if k.endswith("_s")})
+            if round_:
+                engine.append(rate)
+        for key in presets:
+            rates[f"steps_per_s_{key}"] = steps / statistics.median(seconds[key])
             rates[f"bytes_per_step_{key}"] = (Path(tmp) / f"{key}.h5").stat().st_size / steps
             rates[f"ms_per_step_{key}"] = {
-                part: 1e3 * statistics.median(t[part] for t in timings) / steps
-                for part in timings[0]}
+                part: 1e3 * statistics.median(t[part] for t in timings[key]) / steps
+                for part in timings[key][0]}
+            rates[f"{key}_vs_engine"] = statistics.median(
+                steps / took / rate for took, rate in zip(seconds[key], engine, strict=True))
+    rates["engine_steps_per_s"] = statistics.median(engine)
     return rates
 
 
@@ -274,12 +311,8 @@ def main() -> None:
     time.sleep(2.0)  # let the engine processes exit before timing torch alone
     results["gradients"] = [gradient_rates("cnn-small", frames64, args.repeats),
                             gradient_rates("cnn", frames84[:128], args.repeats)]
-    captures = [capture_rates("cnn-small", 64, args.steps * 4, args.repeats),
-                capture_rates("cnn", 84, args.steps * 2, max(1, args.repeats // 2))]
-    for capture in captures:
-        engine = results["env_steps_per_s"][f"{capture['frame_size']}x{capture['frame_size']}"]
-        for key in CAPTURE_VARIANTS:
-            capture[f"{key}_vs_engine"] = capture[f"steps_per_s_{key}"] / engine
+    captures = [capture_rates("cnn-small", 64, args.steps * 4, args.repeats, args.steps),
+                capture_rates("cnn", 84, args.steps * 2, args.repeats, args.steps)]
     results["captures"] = captures
     with tempfile.TemporaryDirectory() as tmp:  # filters on real rows: a cnn-small capture's
         path = Path(tmp) / "rows.h5"
