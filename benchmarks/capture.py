@@ -4,8 +4,8 @@ the whole capture (with and without the rollout overlapped in a child process).
 
 Prints JSON and writes benchmarks/results/capture.json. Every figure is a median over repeats,
 and every ratio is taken round by round between timings measured side by side in this one run
-(each round runs every method or capture variant once). BackPACK is
-measured when `backpack-for-pytorch` is installed (it is not a dependency).
+(each round runs every method or capture variant once). BackPACK is measured when
+`backpack-for-pytorch` is installed (it is not a dependency).
 
     python benchmarks/capture.py [--repeats 5] [--steps 256]
 """
@@ -250,11 +250,12 @@ def capture_rates(victim: str, frame_size: int, steps: int, repeats: int,
                   engine_steps: int) -> dict[str, Any]:
     """The whole capture of `victim` (float32, LZ4) as it runs by default (the rollout in a
     child process, writes in a thread, Linear weights factored), with every weight dense, with
-    the writes in line, and all in this process; the file's bytes per step. Round-robin: each round runs the engine alone and then every
-    variant once, so the host's drift (its engine made 308 to 575 steps/s at 64×64 across
-    runs, and a variant's blocks of repeats once differed by 1.3× from the same settings run
-    minutes later) falls on all of them alike; each ratio to the engine is the median over
-    rounds of that round's ratio. Round 0 is a warm-up."""
+    the writes in line, and all in this process; the file's bytes per step. Round-robin: each
+    round runs the engine alone and then every variant once, so the host's drift (its engine
+    made 308 to 575 steps/s at 64×64 across runs, and a variant's blocks of repeats once
+    differed by 1.3× from the same settings run minutes later) falls on all of them alike;
+    each ratio to the engine is the median over rounds of that round's ratio. Round 0 is a
+    warm-up."""
     rates: dict[str, Any] = {"victim": victim, "frame_size": frame_size, "steps": steps}
     presets = {key: load_preset("cpu-bench", [f"env.doomnav.frame_size={frame_size}",
                                               *overrides])
