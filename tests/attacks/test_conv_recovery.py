@@ -25,11 +25,15 @@ from gradleak.attacks.conv_blocks import (
     solve_input,
     solve_input_with_noise,
 )
+from gradleak.attacks import conv_recovery
 from gradleak.attacks.conv_recovery import (
+    CONSISTENT,
     MASK_RULES,
     ConvInputs,
     MaskRule,
+    Run,
     observed_conv_inputs,
+    walk_down,
 )
 from gradleak.capture.reader import CaptureFile
 from gradleak.errors import ConfigError
@@ -120,19 +124,85 @@ def test_missing_conv_gradients_are_named(trained_statistics) -> None:
 
 
 def test_each_step_keeps_the_run_of_least_score_and_its_label() -> None:
-    """A run that is itself an earlier pick keeps each of its steps' own label."""
-    def run(scale: float, rules: list[str] | None) -> ConvInputs:
-        inputs = torch.full((3, 1, 2, 2), scale, dtype=torch.float64)
-        return ConvInputs({"c": inputs}, {"c": torch.zeros_like(inputs)},
-                          {"c": torch.full((3, 1, 1, 1), scale > 1)}, rules)
+    """Runs over different steps: per step the least score among the runs that walked it, the
+    earlier run on a tie, with that run's own label of the step."""
+    def run(scale: float, rows: list[int], labels: list[str] | None, score: list[float]) -> Run:
+        inputs = torch.full((len(rows), 1, 2, 2), scale, dtype=torch.float64)
+        found = ConvInputs({"c": inputs}, {"c": torch.zeros_like(inputs)},
+                           {"c": torch.full((len(rows), 1, 1, 1), scale > 1)}, labels)
+        return Run(torch.tensor(rows), found, torch.tensor(score, dtype=torch.float64))
 
-    low, high = run(1.0, ["margin 10", "posterior", "margin 20"]), run(2.0, ["posterior"] * 3)
-    kept = low.pick([high], [torch.tensor([0.1, 0.5, 0.1]), torch.tensor([0.4, 0.2, 0.3])])
-    assert kept.inputs["c"][:, 0, 0, 0].tolist() == [1.0, 2.0, 1.0]
-    assert kept.masks["c"].flatten().tolist() == [False, True, False]
-    assert kept.rules == ["margin 10", "posterior", "margin 20"]
+    low = run(1.0, [0, 1, 2], ["margin 10", "posterior", "margin 20"], [0.1, 0.5, 0.3])
+    high = run(2.0, [1, 2, 3], ["posterior"] * 3, [0.2, 0.3, float("nan")])
+    kept = ConvInputs.best_of([low, high], 4)
+    assert kept.inputs["c"][:, 0, 0, 0].tolist() == [1.0, 2.0, 1.0, 2.0]
+    assert kept.masks["c"].flatten().tolist() == [False, True, False, True]
+    assert kept.rules == ["margin 10", "posterior", "margin 20", "posterior"]
+    with pytest.raises(ValueError, match="steps \\[4\\] are in no run"):
+        ConvInputs.best_of([low, high], 5)
     with pytest.raises(ValueError, match="rules"):
-        low.pick([run(2.0, None)], [torch.zeros(3), torch.ones(3)])
+        ConvInputs.best_of([low, run(2.0, [0], None, [0.0])], 3)
+
+
+def every_rule_on_every_step(observation, rules=MASK_RULES):  # noqa: ANN001, ANN201
+    """The recursion without pausing or skipping: every rule walked on every step, per step
+    the first rule that is consistent, else the least inconsistent."""
+    victim = victim_at_theta0(observation).double()
+    blocks = conv_blocks(victim)
+
+    def gradient_of(name: str) -> torch.Tensor:
+        return torch.from_numpy(observation.block(name).astype(np.float64))
+
+    with torch.no_grad():
+        walks = [walk_down(gradient_of, victim, None, rule) for rule in rules]
+    scores = torch.stack([walk.inconsistency(blocks, "encoder.3") for walk in walks])
+    consistent = scores <= CONSISTENT
+    first = consistent.double().argmax(0)
+    best = torch.where(consistent.any(0), first, scores.argmin(0))
+    return {name: torch.stack([walks[int(rule)].inputs[name][step]
+                               for step, rule in enumerate(best)]) for name in walks[0].inputs}
+
+
+def test_a_step_a_rule_pauses_is_walked_on_by_the_next_and_the_result_is_unchanged(
+        trained_statistics, monkeypatch) -> None:
+    """float16 rounding: the noise-aware walk is consistent after the top block on every step
+    and turns inconsistent after the middle one on some; it pauses those there, margin 10
+    makes them consistent, and the posterior never solves their lowest block. The inputs are
+    those of walking every rule on every step."""
+    observation, _ = trained_statistics
+    rounded = replace(observation, gradients=observation.gradients.astype(np.float16)
+                      .astype(np.float32))
+    walks = []
+    original = conv_recovery.descend
+
+    def spy(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        done, paused = original(*args, **kwargs)
+        walks.append((args[3].label, kwargs["pause"], [descent.rows for descent in paused]))
+        return done, paused
+
+    monkeypatch.setattr(conv_recovery, "descend", spy)
+    found = observed_conv_inputs(rounded)
+    paused = [rows for label, _, stops in walks for rows in stops if label == "posterior"]
+    assert paused and all(len(rows) for rows in paused)
+    assert not any(label == "posterior" and not pause for label, pause, _ in walks)
+    expected = every_rule_on_every_step(rounded)
+    for name, inputs in expected.items():
+        assert float(relative_error(found.inputs[name], inputs).max()) <= 1e-6
+
+
+def test_a_paused_walk_no_rule_makes_consistent_is_finished(trained_statistics) -> None:
+    """With the noise-aware rule alone the steps it pauses have no other rule to try: their walk
+    is finished from where it stopped, and every input equals one uninterrupted walk's."""
+    observation, _ = trained_statistics
+    rounded = replace(observation, gradients=observation.gradients.astype(np.float16)
+                      .astype(np.float32))
+    alone = MASK_RULES[:1]
+    found = observed_conv_inputs(rounded, rules=alone)
+    expected = every_rule_on_every_step(rounded, alone)
+    for name, inputs in expected.items():
+        assert float((found.inputs[name] - inputs).abs().max()) <= 1e-12 * float(
+            inputs.abs().max())
+    assert found.rules == ["posterior"] * len(found.rules)
 
 
 def test_blocks_without_batchnorm_are_walked_exactly() -> None:
