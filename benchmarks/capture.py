@@ -19,6 +19,7 @@ import platform
 import statistics
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -73,27 +74,39 @@ def round_robin_seconds(runs: dict[str, Any], repeats: int) -> dict[str, list[fl
     return seconds
 
 
-def environment_rate(frame_size: int, steps: int, repeats: int
-                     ) -> tuple[float, float, np.ndarray]:
-    """Steps per second of the environment alone, the cores this process used meanwhile (the
-    engine's own process apart), and the frames it rendered."""
+@contextlib.contextmanager
+def engine(frame_size: int) -> Iterator[Callable[[int], list[np.ndarray]]]:
+    """The environment alone on cpu-bench's training scenes, kept open: a function that takes
+    that many random actions from a fresh episode and returns the frames."""
     preset = load_preset("cpu-bench", [f"env.doomnav.frame_size={frame_size}"])
     env = make_env(preset.env, scene_names(preset.env, "train"))
     rng = np.random.default_rng(0)
-    frames = []
 
-    def run() -> None:
+    def take(steps: int) -> list[np.ndarray]:
         env.reset(seed=int(rng.integers(1 << 30)))
+        frames = []
         for _ in range(steps):
             observation, _, terminated, truncated, _ = env.step(int(rng.integers(5)))
             frames.append(observation["image"])
             if terminated or truncated:
                 env.reset()
+        return frames
 
-    cpu, wall = time.process_time(), time.perf_counter()
-    seconds = median_seconds(run, repeats)
-    cores = (time.process_time() - cpu) / (time.perf_counter() - wall)
-    env.close()
+    try:
+        yield take
+    finally:
+        env.close()
+
+
+def environment_rate(frame_size: int, steps: int, repeats: int
+                     ) -> tuple[float, float, np.ndarray]:
+    """Steps per second of the environment alone, the cores this process used meanwhile (the
+    engine's own process apart), and the frames it rendered."""
+    frames: list[np.ndarray] = []
+    with engine(frame_size) as take:
+        cpu, wall = time.process_time(), time.perf_counter()
+        seconds = median_seconds(lambda: frames.extend(take(steps)), repeats)
+        cores = (time.process_time() - cpu) / (time.perf_counter() - wall)
     return steps / seconds, cores, np.stack(frames[-steps:])
 
 
@@ -250,42 +263,43 @@ def capture_rates(victim: str, frame_size: int, steps: int, repeats: int,
                   engine_steps: int) -> dict[str, Any]:
     """The whole capture of `victim` (float32, LZ4) as it runs by default (the rollout in a
     child process, writes in a thread, Linear weights factored), with every weight dense, with
-    the writes in line, and all in this process; the file's bytes per step. Round-robin: each
-    round runs the engine alone and then every variant once, so the host's drift (its engine
-    made 308 to 575 steps/s at 64×64 across runs, and a variant's blocks of repeats once
-    differed by 1.3× from the same settings run minutes later) falls on all of them alike;
-    each ratio to the engine is the median over rounds of that round's ratio. Round 0 is a
-    warm-up."""
+    the writes in line, and all in this process; the file's bytes per step. Round-robin with
+    the engine alone as one more run (`round_robin_seconds`): the host's drift (its engine made
+    308 to 575 steps/s at 64×64 across runs, and a variant's blocks of repeats once differed by
+    1.3× from the same settings run minutes later) falls on all of them alike, and each ratio to
+    the engine is the median over rounds of that round's ratio."""
     rates: dict[str, Any] = {"victim": victim, "frame_size": frame_size, "steps": steps}
     presets = {key: load_preset("cpu-bench", [f"env.doomnav.frame_size={frame_size}",
                                               *overrides])
                for key, overrides in CAPTURE_VARIANTS.items()}
-    seconds: dict[str, list[float]] = {key: [] for key in presets}
     timings: dict[str, list[dict[str, float]]] = {key: [] for key in presets}
-    engine: list[float] = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for round_ in range(repeats + 1):
-            with single_threaded_torch():
-                rate = environment_rate(frame_size, engine_steps, 1)[0]
-            for key, preset in presets.items():
-                start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp, engine(frame_size) as take:
+        def capture(key: str) -> Callable[[], None]:
+            def run() -> None:
                 result = run_capture(CaptureJob(victim=victim, random_init=True, split="train",
                                                 steps=steps, out=Path(tmp) / f"{key}.h5",
-                                                preset=preset, progress=False, overwrite=True))
-                if round_:
-                    seconds[key].append(time.perf_counter() - start)
-                    timings[key].append({k: v for k, v in result.items() if k.endswith("_s")})
-            if round_:
-                engine.append(rate)
+                                                preset=presets[key], progress=False,
+                                                overwrite=True))
+                timings[key].append({k: v for k, v in result.items() if k.endswith("_s")})
+            return run
+
+        def alone() -> None:
+            with single_threaded_torch():  # as capture runs it
+                take(engine_steps)
+
+        seconds = round_robin_seconds({"engine": alone, **{key: capture(key) for key in presets}},
+                                      repeats)
         for key in presets:
+            parts = timings[key][1:]  # the warm-up round's apart
             rates[f"steps_per_s_{key}"] = steps / statistics.median(seconds[key])
             rates[f"bytes_per_step_{key}"] = (Path(tmp) / f"{key}.h5").stat().st_size / steps
             rates[f"ms_per_step_{key}"] = {
-                part: 1e3 * statistics.median(t[part] for t in timings[key]) / steps
-                for part in timings[key][0]}
+                part: 1e3 * statistics.median(t[part] for t in parts) / steps
+                for part in parts[0]}
             rates[f"{key}_vs_engine"] = statistics.median(
-                steps / took / rate for took, rate in zip(seconds[key], engine, strict=True))
-    rates["engine_steps_per_s"] = statistics.median(engine)
+                (steps / took) / (engine_steps / alone_took)
+                for took, alone_took in zip(seconds[key], seconds["engine"], strict=True))
+    rates["engine_steps_per_s"] = engine_steps / statistics.median(seconds["engine"])
     return rates
 
 
