@@ -243,21 +243,21 @@ def walk_every_rule(once: GradientOf, victim: Victim, down_to: str | None,
     only matched it to 2e-8).
 
     A walk pauses a step where, consistent after the top block, it turns inconsistent above the
-    target: a wrong mask, so the next rule tries it before the expensive lower blocks are
+    deepest input: a wrong mask, so the next rule tries it before the expensive lower blocks are
     solved (the paper's PPO cnn: the posterior pauses its 3 bad steps at the middle block, 7e-3
     against 4e-7, and margin 10 makes them exact). A paused walk is finished only for the steps
     no rule makes consistent, so the walks compared there are the same as without pausing."""
     blocks = conv_blocks(victim)
-    target = checked_target(victim, blocks, down_to)
+    deepest = checked_deepest(victim, blocks, down_to)
     start = top_descent(once, victim, blocks)
     runs: list[Run] = []
     paused: list[tuple[MaskRule, Descent]] = []
     score = torch.full((len(start.rows),), float("inf"), dtype=torch.float64)
     pending = start
     for rule in rules:
-        done, stopped = descend(once, blocks, target, rule, pending, pause=True)
+        done, stopped = descend(once, blocks, deepest, rule, pending, pause=True)
         if done is not None:
-            runs.append(finished_run(done, rule, blocks, target))
+            runs.append(finished_run(done, rule, blocks, deepest))
             score[done.rows] = torch.minimum(score[done.rows], runs[-1].score)
         paused += [(rule, descent) for descent in stopped]
         rows = (~(score <= CONSISTENT)).nonzero().flatten()
@@ -268,23 +268,24 @@ def walk_every_rule(once: GradientOf, victim: Victim, down_to: str | None,
     for rule, descent in paused:
         keep = unsettled[descent.rows].nonzero().flatten()
         if len(keep):
-            done, _ = descend(once, blocks, target, rule, descent.steps(keep), pause=False)
+            done, _ = descend(once, blocks, deepest, rule, descent.steps(keep), pause=False)
             assert done is not None
-            runs.append(finished_run(done, rule, blocks, target))
+            runs.append(finished_run(done, rule, blocks, deepest))
     return ConvInputs.best_of(runs, len(score))
 
 
-def finished_run(descent: Descent, rule: MaskRule, blocks: list[ConvBlock], target: str) -> Run:
+def finished_run(descent: Descent, rule: MaskRule, blocks: list[ConvBlock], deepest: str
+                 ) -> Run:
     descent.found.rules = [rule.label] * len(descent.rows)
-    return Run(descent.rows, descent.found, descent.found.inconsistency(blocks, target))
+    return Run(descent.rows, descent.found, descent.found.inconsistency(blocks, deepest))
 
 
 def walk_down(gradient_of: GradientOf, victim: Victim, down_to: str | None, rule: MaskRule
               ) -> ConvInputs:
     """One pass of the recursion on every step, deciding the on-units by `rule`."""
     blocks = conv_blocks(victim)
-    target = checked_target(victim, blocks, down_to)
-    done, _ = descend(gradient_of, blocks, target, rule,
+    deepest = checked_deepest(victim, blocks, down_to)
+    done, _ = descend(gradient_of, blocks, deepest, rule,
                       top_descent(gradient_of, victim, blocks), pause=False)
     assert done is not None
     return done.found
@@ -306,9 +307,9 @@ def top_descent(gradient_of: GradientOf, victim: Victim, blocks: list[ConvBlock]
                    len(blocks) - 1)
 
 
-def descend(gradient_of: GradientOf, blocks: list[ConvBlock], target: str, rule: MaskRule,
+def descend(gradient_of: GradientOf, blocks: list[ConvBlock], deepest: str, rule: MaskRule,
             descent: Descent, pause: bool) -> tuple[Descent | None, list[Descent]]:
-    """Walk `descent`'s steps down to the input of conv `target`, deciding the on-units by
+    """Walk `descent`'s steps down to the input of conv `deepest`, deciding the on-units by
     `rule`: (the steps walked to it, the steps paused above it). With `pause`, a step
     consistent with the features after the top block and inconsistent after a lower one stops
     there (consistent at the top: the gradient is clean, so the inconsistency is a mask this rule
@@ -328,7 +329,7 @@ def descend(gradient_of: GradientOf, blocks: list[ConvBlock], target: str, rule:
                                               padding=block.conv.padding)
         found.upstream[block.name] = upstream
         state = Descent(state.rows, found, y, noise, upstream, index - 1, state.clean)
-        if block.name == target:
+        if block.name == deepest:
             refresh_upward(found, blocks)
             return state, paused
         if not pause:
@@ -344,20 +345,20 @@ def descend(gradient_of: GradientOf, blocks: list[ConvBlock], target: str, rule:
             found = state.found
             if not len(state.rows):
                 return None, paused
-    raise AssertionError("unreachable: the target is one of the blocks")
+    raise AssertionError("unreachable: the deepest input is one of the blocks'")
 
 
-def checked_target(victim: Victim, blocks: list[ConvBlock], down_to: str | None) -> str:
+def checked_deepest(victim: Victim, blocks: list[ConvBlock], down_to: str | None) -> str:
     reachable = deepest_inputs(victim)
-    target = down_to or reachable[-1]
-    if target not in reachable:
+    deepest = down_to or reachable[-1]
+    if deepest not in reachable:
         known = [block.name for block in blocks]
-        raise ConfigError(f"conv input {target!r}: the gradients determine the inputs of "
+        raise ConfigError(f"conv input {deepest!r}: the gradients determine the inputs of "
                           f"{', '.join(reachable) or 'none'}" + (
                               " only (below, a conv's weight gradient has fewer equations than "
                               "its input has pixels: that layer needs a prior)"
-                              if target in known else f"; the convs are {', '.join(known)}"))
-    return target
+                              if deepest in known else f"; the convs are {', '.join(known)}"))
+    return deepest
 
 
 def refresh_upward(found: ConvInputs, blocks: list[ConvBlock]) -> ConvInputs:
