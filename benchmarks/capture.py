@@ -75,27 +75,26 @@ def round_robin_seconds(runs: dict[str, Any], repeats: int) -> dict[str, list[fl
 
 
 @contextlib.contextmanager
-def engine(frame_size: int) -> Iterator[Callable[[int], list[np.ndarray]]]:
-    """The environment alone on cpu-bench's training scenes, kept open: a function that takes
-    that many random actions from a fresh episode and returns the frames."""
+def engine(frame_size: int) -> Iterator[Any]:
+    """The environment alone on cpu-bench's training scenes, kept open across timed runs."""
     preset = load_preset("cpu-bench", [f"env.doomnav.frame_size={frame_size}"])
     env = make_env(preset.env, scene_names(preset.env, "train"))
-    rng = np.random.default_rng(0)
-
-    def take(steps: int) -> list[np.ndarray]:
-        env.reset(seed=int(rng.integers(1 << 30)))
-        frames = []
-        for _ in range(steps):
-            observation, _, terminated, truncated, _ = env.step(int(rng.integers(5)))
-            frames.append(observation["image"])
-            if terminated or truncated:
-                env.reset()
-        return frames
-
     try:
-        yield take
+        yield env
     finally:
         env.close()
+
+
+def random_steps(env: Any, steps: int, rng: np.random.Generator) -> list[np.ndarray]:
+    """That many random actions from a fresh episode (a new one where one ends); the frames."""
+    env.reset(seed=int(rng.integers(1 << 30)))
+    frames = []
+    for _ in range(steps):
+        observation, _, terminated, truncated, _ = env.step(int(rng.integers(5)))
+        frames.append(observation["image"])
+        if terminated or truncated:
+            env.reset()
+    return frames
 
 
 def environment_rate(frame_size: int, steps: int, repeats: int
@@ -103,9 +102,10 @@ def environment_rate(frame_size: int, steps: int, repeats: int
     """Steps per second of the environment alone, the cores this process used meanwhile (the
     engine's own process apart), and the frames it rendered."""
     frames: list[np.ndarray] = []
-    with engine(frame_size) as take:
+    rng = np.random.default_rng(0)
+    with engine(frame_size) as env:
         cpu, wall = time.process_time(), time.perf_counter()
-        seconds = median_seconds(lambda: frames.extend(take(steps)), repeats)
+        seconds = median_seconds(lambda: frames.extend(random_steps(env, steps, rng)), repeats)
         cores = (time.process_time() - cpu) / (time.perf_counter() - wall)
     return steps / seconds, cores, np.stack(frames[-steps:])
 
@@ -251,12 +251,41 @@ def filter_rates(capture: Path, rows: int, repeats: int) -> list[dict[str, Any]]
     return results
 
 
+LONG = 4  # the long capture's steps, in multiples of the short one's
 CAPTURE_VARIANTS = {  # name → overrides: the default first, then what each part adds
     "overlapped": [],
     "overlapped_dense": ["capture.factor_linear=False"],
     "overlapped_inline_write": ["capture.background_write=False"],
     "in_process": ["capture.overlap=False", "capture.background_write=False"],
 }
+
+
+def replay(capture: Path) -> Callable[[Any], None]:
+    """A run that steps an open engine through `capture`'s own episodes (each reset to the
+    episode's scene and seed, then its stored actions): the engine's own pace on the very
+    steps the capture took, its maps and its policy's mix of moves and turns (a move costs the
+    engine ~10x a turn, and maps differ by up to 2x), which random actions on random scenes
+    do not share. The run checks that each episode's first frame is the stored one."""
+    from gradleak.capture.run import episode_seed
+
+    with h5py.File(capture, "r") as handle:
+        scenes = json.loads(handle.attrs["all_scenes"])
+        seed, shard = int(handle.attrs["seed"]), int(str(handle.attrs["shard"]).split("/")[0])
+        ids, actions = handle["episode_ids"][()], handle["actions"][()]
+        scene_ids, first_frames = handle["scene_ids"][()], handle["images"][()]
+    starts = np.flatnonzero(np.r_[True, ids[1:] != ids[:-1]])
+    episodes = [(int(ids[i]), scenes[int(scene_ids[i])], actions[i:j], first_frames[i])
+                for i, j in zip(starts, np.r_[starts[1:], len(ids)], strict=True)]
+
+    def run(env: Any) -> None:
+        for index, scene, moves, frame in episodes:
+            observation, _ = env.reset(seed=episode_seed(seed, shard, index),
+                                       options={"scene": scene})
+            if not np.array_equal(observation["image"], frame):
+                raise RuntimeError(f"replay of episode {index} ({scene}) left the capture")
+            for action in moves:
+                env.step(int(action))
+    return run
 
 
 def capture_rates(victim: str, frame_size: int, steps: int, repeats: int,
@@ -267,28 +296,42 @@ def capture_rates(victim: str, frame_size: int, steps: int, repeats: int,
     the engine alone as one more run (`round_robin_seconds`): the host's drift (its engine made
     308 to 575 steps/s at 64×64 across runs, and a variant's blocks of repeats once differed by
     1.3× from the same settings run minutes later) falls on all of them alike, and each ratio to
-    the engine is the median over rounds of that round's ratio."""
-    rates: dict[str, Any] = {"victim": victim, "frame_size": frame_size, "steps": steps}
+    the engine is the median over rounds of that round's ratio.
+
+    A capture of `steps` pays its start (the engine's launch and first map in the child, the
+    victim, the file) once; a capture of the paper's size (108,000 steps) does not notice it.
+    So each round also times the default capture at LONG× the steps: the steady pace is the
+    extra steps over the extra seconds, set against the engine replaying the long capture's
+    own episodes (`replay`) in the same round."""
+    rates: dict[str, Any] = {"victim": victim, "frame_size": frame_size, "steps": steps,
+                             "long_steps": steps * LONG}
     presets = {key: load_preset("cpu-bench", [f"env.doomnav.frame_size={frame_size}",
                                               *overrides])
                for key, overrides in CAPTURE_VARIANTS.items()}
     timings: dict[str, list[dict[str, float]]] = {key: [] for key in presets}
-    with tempfile.TemporaryDirectory() as tmp, engine(frame_size) as take:
-        def capture(key: str) -> Callable[[], None]:
+    rng = np.random.default_rng(0)
+    with tempfile.TemporaryDirectory() as tmp, engine(frame_size) as env:
+        def capture(key: str, length: int, name: str) -> Callable[[], None]:
             def run() -> None:
                 result = run_capture(CaptureJob(victim=victim, random_init=True, split="train",
-                                                steps=steps, out=Path(tmp) / f"{key}.h5",
+                                                steps=length, out=Path(tmp) / f"{name}.h5",
                                                 preset=presets[key], progress=False,
                                                 overwrite=True))
-                timings[key].append({k: v for k, v in result.items() if k.endswith("_s")})
+                timings.setdefault(name, []).append(
+                    {k: v for k, v in result.items() if k.endswith("_s")})
             return run
 
         def alone() -> None:
             with single_threaded_torch():  # as capture runs it
-                take(engine_steps)
+                random_steps(env, engine_steps, rng)
 
-        seconds = round_robin_seconds({"engine": alone, **{key: capture(key) for key in presets}},
-                                      repeats)
+        def replayed() -> None:  # the long capture's episodes, written just before it
+            with single_threaded_torch():
+                replay(Path(tmp) / "long.h5")(env)
+
+        runs = {"engine": alone, **{key: capture(key, steps, key) for key in presets},
+                "long": capture("overlapped", steps * LONG, "long"), "replay": replayed}
+        seconds = round_robin_seconds(runs, repeats)
         for key in presets:
             parts = timings[key][1:]  # the warm-up round's apart
             rates[f"steps_per_s_{key}"] = steps / statistics.median(seconds[key])
@@ -300,7 +343,31 @@ def capture_rates(victim: str, frame_size: int, steps: int, repeats: int,
                 (steps / took) / (engine_steps / alone_took)
                 for took, alone_took in zip(seconds[key], seconds["engine"], strict=True))
     rates["engine_steps_per_s"] = engine_steps / statistics.median(seconds["engine"])
+    rates.update(steady_rates(seconds, steps, engine_steps))
     return rates
+
+
+def steady_rates(seconds: dict[str, list[float]], steps: int, engine_steps: int
+                 ) -> dict[str, float]:
+    """The default capture's steady pace (`capture_rates`), per round: its extra steps over
+    its extra seconds, the start that leaves, and its ratios to the engine on random actions
+    and to the engine replaying the long capture's episodes; medians over rounds."""
+    extra = steps * (LONG - 1)
+    steady = [extra / (long - short)
+              for short, long in zip(seconds["overlapped"], seconds["long"], strict=True)]
+    replayed = [steps * LONG / took for took in seconds["replay"]]
+    return {"steady_steps_per_s": statistics.median(steady),
+            "start_s": statistics.median(short - steps / rate for short, rate
+                                         in zip(seconds["overlapped"], steady, strict=True)),
+            "replay_steps_per_s": statistics.median(replayed),
+            "steady_vs_engine": statistics.median(
+                rate * took / engine_steps
+                for rate, took in zip(steady, seconds["engine"], strict=True)),
+            "steady_vs_replay": statistics.median(
+                rate / engine for rate, engine in zip(steady, replayed, strict=True)),
+            "long_vs_replay": statistics.median(
+                steps * LONG / long / engine
+                for long, engine in zip(seconds["long"], replayed, strict=True))}
 
 
 def main() -> None:

@@ -124,6 +124,11 @@ def capture() -> tuple[str, str]:
                       + (f"; {c['steps_per_s_overlapped_inline_write']:.0f} with the writes "
                          "in line" if "steps_per_s_overlapped_inline_write" in c else "")
                       + f"; {c['steps_per_s_in_process']:.0f} all in one process)"
+                      + (f", steady pace {c['steady_steps_per_s']:.0f} steps/s after a "
+                         f"{c['start_s']:.1f} s start ({c['steady_vs_engine']:.2f}× the engine on "
+                         f"random actions, {c['steady_vs_replay']:.2f}× the engine replaying "
+                         "the capture's own episodes)" if "steady_steps_per_s" in c
+                         else "")
                       for c in data["captures"])
     lz4 = next(f for f in data["filters"] if f["filter"] == "lz4" and f["dtype"] == "float32")
     return (f"environment and capture speed ({data['statistic']}s of {data['repeats']})",
