@@ -205,6 +205,32 @@ def test_a_paused_walk_no_rule_makes_consistent_is_finished(trained_statistics) 
     assert found.rules == ["posterior"] * len(found.rules)
 
 
+def test_a_step_every_rule_pauses_is_finished_once_by_the_first(trained_statistics,
+                                                                monkeypatch) -> None:
+    """Two rules that pause the same steps (the noise-aware rule twice): no rule makes those
+    steps consistent, and only the first rule's walk is finished there; the inputs are the
+    noise-aware rule's alone."""
+    observation, _ = trained_statistics
+    rounded = replace(observation, gradients=observation.gradients.astype(np.float16)
+                      .astype(np.float32))
+    finished = []
+    original = conv_recovery.descend
+
+    def spy(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        if not kwargs["pause"]:
+            finished.append(args[4].rows.tolist())
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(conv_recovery, "descend", spy)
+    twice = (MASK_RULES[0], MASK_RULES[0])
+    found = observed_conv_inputs(rounded, rules=twice)
+    assert len(finished) == 1 and finished[0]  # one finishing walk, of the paused steps
+    expected = every_rule_on_every_step(rounded, MASK_RULES[:1])
+    for name, inputs in expected.items():
+        assert float((found.inputs[name] - inputs).abs().max()) <= 1e-12 * float(
+            inputs.abs().max())
+
+
 def test_blocks_without_batchnorm_are_walked_exactly() -> None:
     """NatureCNN (SB3's CnnPolicy): Conv → ReLU with no normalisation; at 64×64 the gradients
     determine the inputs of its last two convs exactly, and the frame needs the prior."""
