@@ -427,3 +427,23 @@ def test_a_single_seed_is_not_shown_as_seeds_that_agreed() -> None:
     assert mean_std([10.0, 11.0]) == "10.50 ± 0.50"
     assert mean_std([10.0]) == "10.00 (n = 1)"
     assert mean_std([]) == "-"
+
+
+def test_context_verdict_pairs_t1_and_t8_seed_by_seed() -> None:
+    """T = 8 against T = 1 per seed (a seed without both windows left out); 'beats' only when
+    every seed gains, and seeds that disagree are said to."""
+    from gradleak.experiments.context import seed_gains, verdict
+
+    def record(window: int, seed: int, psnr: float) -> dict:
+        return {"cell": {"victim": "a2c", "defense": "noise:0.1", "attacker": "decoder",
+                         "window": window, "seed": seed},
+                "result": {"attack": {"psnr": psnr}}}
+
+    results = [record(1, 0, 20.0), record(8, 0, 19.9), record(1, 1, 21.0), record(8, 1, 21.2),
+               record(1, 2, 22.0)]
+    gains = seed_gains(results, "a2c", "noise:0.1", "decoder")
+    assert gains == pytest.approx([-0.1, 0.2])
+    assert verdict(gains) == "T = 8 against T = 1 depends on the seed"
+    assert verdict([0.1, 0.2]) == "T = 8 beats T = 1"
+    assert verdict([-0.1, 0.0]) == "T = 8 does not beat T = 1"
+    assert seed_gains(results, "ppo", "noise:0.1", "decoder") == []
