@@ -3,7 +3,7 @@ estimates, and clear refusals where the gradient does not determine the input.""
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -163,6 +163,34 @@ def every_rule_on_every_step(observation, rules=MASK_RULES):  # noqa: ANN001, AN
                                for step, rule in enumerate(best)]) for name in walks[0].inputs}
 
 
+def float16_rounded(observation):  # noqa: ANN001, ANN201
+    return replace(observation, gradients=observation.gradients.astype(np.float16)
+                   .astype(np.float32))
+
+
+@dataclass
+class Walk:
+    rule: str
+    pause: bool
+    rows: torch.Tensor  # the steps it set out with
+    paused: list[torch.Tensor]  # the steps it paused, per block
+
+
+def recorded_walks(monkeypatch) -> list[Walk]:  # noqa: ANN001
+    """Every `descend` of the recursion from now on, in order."""
+    walks: list[Walk] = []
+    original = conv_recovery.descend
+
+    def spy(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        done, paused = original(*args, **kwargs)
+        walks.append(Walk(args[3].label, kwargs["pause"], args[4].rows,
+                          [descent.rows for descent in paused]))
+        return done, paused
+
+    monkeypatch.setattr(conv_recovery, "descend", spy)
+    return walks
+
+
 def test_a_step_a_rule_pauses_is_walked_on_by_the_next_and_the_result_is_unchanged(
         trained_statistics, monkeypatch) -> None:
     """float16 rounding: the noise-aware walk is consistent after the top block on every step
@@ -170,21 +198,12 @@ def test_a_step_a_rule_pauses_is_walked_on_by_the_next_and_the_result_is_unchang
     makes them consistent, and the posterior never solves their lowest block. The inputs are
     those of walking every rule on every step."""
     observation, _ = trained_statistics
-    rounded = replace(observation, gradients=observation.gradients.astype(np.float16)
-                      .astype(np.float32))
-    walks = []
-    original = conv_recovery.descend
-
-    def spy(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-        done, paused = original(*args, **kwargs)
-        walks.append((args[3].label, kwargs["pause"], [descent.rows for descent in paused]))
-        return done, paused
-
-    monkeypatch.setattr(conv_recovery, "descend", spy)
+    rounded = float16_rounded(observation)
+    walks = recorded_walks(monkeypatch)
     found = observed_conv_inputs(rounded)
-    paused = [rows for label, _, stops in walks for rows in stops if label == "posterior"]
+    paused = [rows for walk in walks if walk.rule == "posterior" for rows in walk.paused]
     assert paused and all(len(rows) for rows in paused)
-    assert not any(label == "posterior" and not pause for label, pause, _ in walks)
+    assert not any(walk.rule == "posterior" and not walk.pause for walk in walks)
     expected = every_rule_on_every_step(rounded)
     for name, inputs in expected.items():
         assert float(relative_error(found.inputs[name], inputs).max()) <= 1e-6
@@ -194,8 +213,7 @@ def test_a_paused_walk_no_rule_makes_consistent_is_finished(trained_statistics) 
     """With the noise-aware rule alone the steps it pauses have no other rule to try: their walk
     is finished from where it stopped, and every input equals one uninterrupted walk's."""
     observation, _ = trained_statistics
-    rounded = replace(observation, gradients=observation.gradients.astype(np.float16)
-                      .astype(np.float32))
+    rounded = float16_rounded(observation)
     alone = MASK_RULES[:1]
     found = observed_conv_inputs(rounded, rules=alone)
     expected = every_rule_on_every_step(rounded, alone)
@@ -211,20 +229,12 @@ def test_a_step_every_rule_pauses_is_finished_once_by_the_first(trained_statisti
     steps consistent, and only the first rule's walk is finished there; the inputs are the
     noise-aware rule's alone."""
     observation, _ = trained_statistics
-    rounded = replace(observation, gradients=observation.gradients.astype(np.float16)
-                      .astype(np.float32))
-    finished = []
-    original = conv_recovery.descend
-
-    def spy(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-        if not kwargs["pause"]:
-            finished.append(args[4].rows.tolist())
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(conv_recovery, "descend", spy)
+    rounded = float16_rounded(observation)
+    walks = recorded_walks(monkeypatch)
     twice = (MASK_RULES[0], MASK_RULES[0])
     found = observed_conv_inputs(rounded, rules=twice)
-    assert len(finished) == 1 and finished[0]  # one finishing walk, of the paused steps
+    finished = [walk.rows for walk in walks if not walk.pause]
+    assert len(finished) == 1 and len(finished[0])  # one finishing walk, of the paused steps
     expected = every_rule_on_every_step(rounded, MASK_RULES[:1])
     for name, inputs in expected.items():
         assert float((found.inputs[name] - inputs).abs().max()) <= 1e-12 * float(
