@@ -91,6 +91,7 @@ class MaskRule:
 MASK_RULES = (MaskRule(None), MaskRule(10.0), MaskRule(20.0))
 # a step whose deepest map reproduces the features to this relative error is taken as exact
 CONSISTENT = 1e-4
+FLOAT64_CHUNK_BYTES = 16 << 20  # float64 temporaries within what malloc keeps for reuse
 
 
 @dataclass
@@ -210,7 +211,8 @@ class Descent:
 def recover_conv_inputs(gradient_of: GradientOf, victim: Victim, down_to: str | None = None,
                         rules: tuple[MaskRule, ...] = MASK_RULES) -> ConvInputs:
     """Walk down from the FC layer to the input of conv `down_to` (default: as far as the
-    gradients determine it). `victim` holds θ0 and is in eval mode; float64 throughout.
+    gradients determine it). `victim` holds θ0 and is in eval mode; the gradients in any float
+    dtype (read once, as given), the arithmetic in float64.
 
     Why several rules: no single one suits every step (a unit's noise varies with the step's
     advantage and how many units are on; rounding and added noise differ) and the features,
@@ -223,9 +225,9 @@ def recover_conv_inputs(gradient_of: GradientOf, victim: Victim, down_to: str | 
     step, the others only on the steps it leaves inconsistent."""
     read: dict[str, torch.Tensor] = {}
 
-    def once(name: str) -> torch.Tensor:  # every walk reads the same gradients
+    def once(name: str) -> torch.Tensor:  # every walk reads the same gradients, as stored
         if name not in read:
-            read[name] = gradient_of(name).double()
+            read[name] = gradient_of(name)
         return read[name]
 
     if not rules:
@@ -301,7 +303,7 @@ def top_descent(gradient_of: GradientOf, victim: Victim, blocks: list[ConvBlock]
     reaching it, from the FC gradients alone, whatever the masks."""
     feature_linear = victim.roles().feature_linear
     fc_weight, fc_bias = gradient_of(f"{feature_linear}.weight"), gradient_of(
-        f"{feature_linear}.bias")
+        f"{feature_linear}.bias").double()
     count = len(fc_bias)
     last = blocks[-1].conv.out_channels
     side = int(round((fc_weight.shape[-1] / last) ** 0.5))
@@ -323,7 +325,7 @@ def descend(gradient_of: GradientOf, blocks: list[ConvBlock], deepest: str, rule
     found = state.found.shallow_copy()  # the descent it started from stays as it was
     for index in range(state.index, -1, -1):
         block, below = blocks[index], blocks[index - 1] if index else None
-        weight_gradient = gradient_of(f"{block.name}.weight")[state.rows]
+        weight_gradient = gradient_of(f"{block.name}.weight")[state.rows].double()
         delta, outputs = output_gradient(block, below, state.y, state.noise, state.upstream,
                                          weight_gradient, rule)
         y, noise, completed = solve_input_with_noise(block, delta, weight_gradient, outputs)
@@ -386,7 +388,25 @@ def linear_input_with_noise(weight_gradient: torch.Tensor, bias_gradient: torch.
                             ) -> tuple[torch.Tensor, torch.Tensor]:
     """x = ∇Wᵀ∇b/‖∇b‖² (N, in), and its noise: the rank-one fit's residual per entry over ‖∇b‖.
     Storage rounding alone makes a unit that is exactly off come back as ±1e-7 (float32) or
-    ±1e-3 (float16) after BN⁻¹, so even the top layer needs this margin."""
+    ±1e-3 (float16) after BN⁻¹, so even the top layer needs this margin. In float64, a few
+    steps at a time from the stored (float32) rows: the paper cnn's FC gradient is 819k
+    entries a step, and a float64 copy of 16 steps (105 MB), with the residual as large, is
+    beyond what glibc's malloc keeps for reuse (32 MB at most), so each one was mapped afresh
+    and paid its page faults, 0.5–0.9 s on this machine's VM against 0.02 s in reused memory:
+    most of the recursion inside the attack."""
+    per_step = max(1, weight_gradient[0].numel()) * 8
+    size = max(1, FLOAT64_CHUNK_BYTES // per_step)
+    parts = [rank_one_fit(weight_gradient[start:start + size].double(),
+                          bias_gradient[start:start + size].double())
+             for start in range(0, len(bias_gradient), size)]
+    if not parts:
+        return rank_one_fit(weight_gradient.double(), bias_gradient.double())
+    return torch.cat([x for x, _ in parts]), torch.cat([noise for _, noise in parts])
+
+
+def rank_one_fit(weight_gradient: torch.Tensor, bias_gradient: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`linear_input_with_noise` on float64 rows."""
     norm = (bias_gradient ** 2).sum(1, keepdim=True)
     x = torch.nan_to_num(linear_input(weight_gradient, bias_gradient), nan=0.0)
     # one fused product and a norm: the paper's FC gradient is 1.6M entries a step, and
@@ -468,7 +488,7 @@ def observed_conv_inputs(observation: Observation, down_to: str | None = None,
 
     def gradient_of(name: str) -> torch.Tensor:
         try:
-            return torch.from_numpy(observation.block(name).astype("float64"))
+            return torch.from_numpy(observation.block(name))  # as stored: float64 per use
         except KeyError:
             raise ConfigError(f"recovery through the conv stack needs the gradient of {name}: "
                               "capture with --components including 'cnn' and 'fc'") from None
