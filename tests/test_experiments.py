@@ -447,3 +447,4 @@ def test_context_verdict_pairs_t1_and_t8_seed_by_seed() -> None:
     assert verdict([0.1, 0.2]) == "T = 8 beats T = 1"
     assert verdict([-0.1, 0.0]) == "T = 8 does not beat T = 1"
     assert seed_gains(results, "ppo", "noise:0.1", "decoder") == []
+    assert verdict([]) == "T = 8 and T = 1 share no seed"

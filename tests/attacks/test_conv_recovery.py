@@ -32,6 +32,7 @@ from gradleak.attacks.conv_recovery import (
     ConvInputs,
     MaskRule,
     Run,
+    linear_input_with_noise,
     observed_conv_inputs,
     walk_down,
 )
@@ -543,3 +544,19 @@ def test_the_implicit_weight_gradient_operator_equals_the_dense_matrix(geometry)
                           rtol=1e-12, atol=1e-12)
     x = torch.randn(3, dense.shape[2], 4, generator=generator, dtype=torch.float64)
     assert torch.allclose(operator.apply(x), dense @ x, rtol=1e-12, atol=1e-12)
+
+
+def test_the_fc_fit_a_few_steps_at_a_time_equals_all_at_once(monkeypatch) -> None:
+    """float32 rows fitted in float64 chunks of two steps give the very bits of one float64 pass
+    (each step's products and norms are its own); no steps give empty results."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(5, 6, 7, generator=generator)
+    bias = torch.randn(5, 6, generator=generator)
+    bias[3] = 0  # nothing flowed back: x is 0 there
+    whole = linear_input_with_noise(weight.double(), bias.double())
+    monkeypatch.setattr(conv_recovery, "FLOAT64_CHUNK_BYTES", 2 * 8 * 6 * 7)
+    chunked = linear_input_with_noise(weight, bias)
+    assert all(torch.equal(a, b) for a, b in zip(whole, chunked))
+    assert float(chunked[0][3].abs().max()) == 0.0
+    empty = linear_input_with_noise(weight[:0], bias[:0])
+    assert [part.shape for part in empty] == [(0, 7), (0, 7)]

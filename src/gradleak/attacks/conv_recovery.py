@@ -394,13 +394,10 @@ def linear_input_with_noise(weight_gradient: torch.Tensor, bias_gradient: torch.
     beyond what glibc's malloc keeps for reuse (32 MB at most), so each one was mapped afresh
     and paid its page faults, 0.5–0.9 s on this machine's VM against 0.02 s in reused memory:
     most of the recursion inside the attack."""
-    per_step = max(1, weight_gradient[0].numel()) * 8
-    size = max(1, FLOAT64_CHUNK_BYTES // per_step)
+    size = max(1, FLOAT64_CHUNK_BYTES // (8 * max(1, weight_gradient.shape[1:].numel())))
     parts = [rank_one_fit(weight_gradient[start:start + size].double(),
                           bias_gradient[start:start + size].double())
-             for start in range(0, len(bias_gradient), size)]
-    if not parts:
-        return rank_one_fit(weight_gradient.double(), bias_gradient.double())
+             for start in range(0, max(1, len(bias_gradient)), size)]  # no steps: one empty
     return torch.cat([x for x, _ in parts]), torch.cat([noise for _, noise in parts])
 
 

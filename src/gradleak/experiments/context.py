@@ -102,14 +102,16 @@ def seed_gains(results: list[dict[str, Any]], victim: str, defense: str, attacke
         cell = record["cell"]
         if (cell["victim"], cell["defense"], cell["attacker"]) == (victim, defense, attacker):
             psnr[int(cell["window"]), int(cell["seed"])] = record["result"]["attack"]["psnr"]
-    seeds = sorted({seed for window, seed in psnr if (DEFENDED_WINDOWS[0], seed) in psnr
-                    and (DEFENDED_WINDOWS[1], seed) in psnr})
+    seeds = sorted(seed for window, seed in psnr
+                   if window == DEFENDED_WINDOWS[0] and (DEFENDED_WINDOWS[1], seed) in psnr)
     return [psnr[DEFENDED_WINDOWS[1], seed] - psnr[DEFENDED_WINDOWS[0], seed] for seed in seeds]
 
 
 def verdict(gains: list[float]) -> str:
     """T = 8 'beats' T = 1 only where every seed gains, 'does not beat' it where none does."""
-    if gains and all(gain > 0 for gain in gains):
+    if not gains:
+        return "T = 8 and T = 1 share no seed"
+    if all(gain > 0 for gain in gains):
         return "T = 8 beats T = 1"
     if all(gain <= 0 for gain in gains):
         return "T = 8 does not beat T = 1"
