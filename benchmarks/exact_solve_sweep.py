@@ -42,6 +42,9 @@ GRID: dict[str, dict[str, Any]] = {
                                                             "round_iterations": 200},
     "edge ε 0.003": {"edge_scale": 0.003}, "edge ε 0.03": {"edge_scale": 0.03},
     "chroma 2.5": {"chroma": 2.5}, "chroma 10": {"chroma": 10.0},
+    # the rounds' colour axes: off (the chroma weighting throughout, the default until then)
+    "colour axes off": {"colour_power": 0.0},
+    "colour power 0.25": {"colour_power": 0.25}, "colour power 0.75": {"colour_power": 0.75},
 }
 
 

@@ -14,6 +14,7 @@ from gradleak.attacks.exact import ExactConfig
 from gradleak.attacks.first_conv import FirstConvEquations
 from gradleak.attacks.frame_solve import (
     Bounds,
+    ColourAxes,
     FrameSolve,
     degree,
     edge_weights,
@@ -185,10 +186,61 @@ def test_colour_changes_cost_chroma_times_a_brightness_change() -> None:
         float((b * smoothness_normal(a, edges, 5.0)).sum()), rel=1e-12)
 
 
+def tinted_frame(tint: torch.Tensor, seed: int) -> torch.Tensor:
+    """(1, 3, 6, 7) a random brightness pattern along `tint`, plus a 10× weaker one along the
+    first channel: the third colour direction never varies."""
+    generator = torch.Generator().manual_seed(seed)
+    pattern, weak = (torch.rand(2, 1, 1, 6, 7, generator=generator, dtype=torch.float64))
+    return pattern * tint[None, :, None, None] + 0.1 * weak * torch.tensor(
+        [1.0, 0.0, 0.0], dtype=torch.float64)[None, :, None, None]
+
+
+def test_a_frames_colour_axes_weigh_its_own_tint_least() -> None:
+    """A frame whose differences run along a warm tint has that tint as its axis of weight 1;
+    the others weigh (λ_max / λ)^power, as their difference variances say. A flat frame keeps
+    every axis at weight 1."""
+    tint = torch.tensor([0.8, 0.5, 0.33], dtype=torch.float64)
+    tint = tint / tint.norm()
+    x = tinted_frame(tint, 0)
+    axes = ColourAxes.of(x, 0.5)
+    assert abs(float(axes.axes[0, :, -1] @ tint)) == pytest.approx(1.0, abs=1e-2)
+    assert float(axes.weights[0, -1]) == 1.0
+    differences = torch.cat([(x[..., 1:, :] - x[..., :-1, :]).flatten(2),
+                             (x[..., :, 1:] - x[..., :, :-1]).flatten(2)], 2)[0]
+    variances = ((axes.axes[0].t() @ differences) ** 2).sum(1)
+    # the third colour direction never varies: its weight stops at a variance 1e-6 of the largest
+    assert float(axes.weights[0, 1]) == pytest.approx(float(variances[-1] / variances[1]) ** 0.5,
+                                                      rel=1e-9)
+    assert float(axes.weights[0, 1]) > 3 and float(axes.weights[0, 0]) == pytest.approx(1e3)
+    flat = ColourAxes.of(torch.full((1, 3, 4, 4), 0.3, dtype=torch.float64), 0.5)
+    assert torch.equal(flat.weights, torch.ones(1, 3, dtype=torch.float64))
+
+
+def test_the_colour_axes_prior_is_symmetric_and_its_preconditioner_its_diagonal() -> None:
+    """U S DᵀW_kD Uᵀ with one edge weight per axis: ⟨a, Lb⟩ = ⟨La, b⟩ (CG needs it), and
+    degree() is its diagonal, read off one unit vector at a time."""
+    x = tinted_frame(torch.tensor([0.6, 0.6, 0.53], dtype=torch.float64), 4)
+    axes = ColourAxes.of(x, 0.5)
+    edges = edge_weights(x, 0.05, axes)
+    assert edges[0].shape == (1, 3, 5, 7) and edges[1].shape == (1, 3, 6, 6)
+    a, b = (torch.rand(1, 3, 6, 7, generator=torch.Generator().manual_seed(i),
+                       dtype=torch.float64) for i in (5, 6))
+    assert float((a * smoothness_normal(b, edges, axes)).sum()) == pytest.approx(
+        float((b * smoothness_normal(a, edges, axes)).sum()), rel=1e-12)
+    diagonal = torch.empty(126, dtype=torch.float64)
+    for entry in range(126):
+        unit = torch.zeros(126, dtype=torch.float64)
+        unit[entry] = 1
+        diagonal[entry] = smoothness_normal(unit.view(1, 3, 6, 7), edges, axes).flatten()[entry]
+    assert torch.allclose(degree(edges, axes, 3).flatten(), diagonal, atol=1e-13)
+    shared = uniform_edges(x)  # the quadratic prior on the axes: one weight for all of them
+    assert degree(shared, axes, 3).shape == (1, 3, 6, 7)
+
+
 @pytest.mark.parametrize("field, value, message", [
     ("rounds", -1, "rounds -1"), ("round_iterations", 0, "round_iterations 0"),
     ("edge_scale", -0.1, "edge_scale"), ("iterations", 0, "iterations 0"),
-    ("chroma", 0.0, "chroma 0.0")])
+    ("chroma", 0.0, "chroma 0.0"), ("colour_power", -0.5, "colour_power -0.5")])
 def test_bad_solve_settings_are_refused(field: str, value: float, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         ExactConfig(**{field: value}).check()

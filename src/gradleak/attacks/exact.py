@@ -47,6 +47,8 @@ class ExactConfig:
     inequalities: bool = FrameSolve.inequalities
     precision: str = FrameSolve.precision  # float32 or float64
     chroma: float = FrameSolve.chroma  # the colour differences' smoothness, times brightness's
+    # the rounds' smoothness along each frame's own colour axes (FrameSolve.colour_power; 0: off)
+    colour_power: float = FrameSolve.colour_power
     weight_gradient: bool = True  # use the first conv's weight-gradient equations
     chunk: int = 16  # steps solved together
     # weigh the equations by how exact they are (first_conv.NoiseModel); off: as if exact
@@ -72,7 +74,8 @@ class ExactConfig:
 
     def frame_solve(self) -> FrameSolve:
         return FrameSolve(self.smoothness, self.iterations, self.rounds, self.round_iterations,
-                          self.edge_scale, self.inequalities, self.precision, self.chroma)
+                          self.edge_scale, self.inequalities, self.precision, self.chroma,
+                          self.colour_power)
 
     def noise_model(self) -> NoiseModel | None:
         return NoiseModel(self.gradient_tolerance, self.noise_reference) \
