@@ -21,6 +21,7 @@ from gradleak.attacks.frame_solve import (
     normal_equations,
     smoothness_normal,
     solve_frames,
+    solve_inputs,
     uniform_edges,
     with_violated,
 )
@@ -88,8 +89,6 @@ def test_inequality_rounds_enforce_the_off_units_and_the_range(
     """The quadratic solve turns some off-units of the first conv on and leaves the input range
     (by up to 0.04-0.05 when written); the rounds that add what is violated as equalities at
     its bound cut both by more than 20x (a penalty, so not to 0: measured 66x)."""
-    from gradleak.attacks.frame_solve import solve_inputs
-
     equations, transform, x = equations_of_blocky_frames
     bounds = Bounds.of(transform)
     ceiling = -equations.block.conv.bias.double()[:, None, None]
@@ -235,6 +234,28 @@ def test_the_colour_axes_prior_is_symmetric_and_its_preconditioner_its_diagonal(
     assert torch.allclose(degree(edges, axes, 3).flatten(), diagonal, atol=1e-13)
     shared = uniform_edges(x)  # the quadratic prior on the axes: one weight for all of them
     assert degree(shared, axes, 3).shape == (1, 3, 6, 7)
+
+
+@torch.no_grad()
+def test_a_frame_whose_equations_are_not_trusted_keeps_the_chroma_weighting(
+        equations_of_blocky_frames) -> None:
+    """Trust 0 (noisy equations) solves the frame as with the colour axes off, trust 1 as with
+    them alone; a blend of frames solves each as alone."""
+    equations, transform, x = equations_of_blocky_frames
+    bounds = Bounds.of(transform)
+    start = ((bounds.low + bounds.high) / 2).expand_as(x).clone()
+    axes, off = FrameSolve(rounds=2), FrameSolve(rounds=2, colour_power=0.0)
+    trust = torch.tensor([0.0, 1.0, 0.0, 1.0, 0.0, 1.0], dtype=torch.float64)
+
+    def solved(solve: FrameSolve, weight: torch.Tensor | None) -> torch.Tensor:
+        return solve_inputs(equations, start, solve, weight, bounds=bounds)
+
+    blended = solved(axes, trust)
+    untrusted, trusted = trust == 0, trust == 1
+    assert torch.allclose(blended[untrusted], solved(off, trust)[untrusted], rtol=0, atol=1e-12)
+    alone = solve_inputs(equations, start, axes, None, bounds=bounds)
+    assert torch.allclose(blended[trusted], alone[trusted], rtol=0, atol=1e-12)
+    assert not torch.allclose(alone[untrusted], solved(off, trust)[untrusted], atol=1e-6)
 
 
 @pytest.mark.parametrize("field, value, message", [

@@ -30,6 +30,8 @@ the normal equations, then `rounds` reweighting rounds:
   victim 39.30 → 39.99 dB, SSIM 0.946 → 0.952; A2C 37.93 → 38.57, 0.938 → 0.945 (power 0.4 /
   0.6 / 0.75: PPO 40.04 / 39.73 / 39.79; `exact_solve_sweep.py` makes the choice on training
   scenes). A non-convex edge penalty on the axes (|Δ|^0.8, |Δ|^0.6) was 0.07–0.17 dB worse.
+  A frame solved from noisy equations has axes fitted to its noise: there the prior blends the
+  axes with the chroma weighting by how far the frame's equations are trusted (`round_prior`).
 - *Inequalities.* The off-units of the first conv (conv₁(x) + b ≤ 0) and the input range are
   constraints the equations do not state. Each round adds, as equalities at their bound, the
   ones the current frame violates (an active set, the semi-smooth Newton step for their
@@ -185,25 +187,60 @@ def solve_inputs(equations: FirstConvEquations, start: torch.Tensor, solve: Fram
     inequalities need `bounds`, the edges the input range."""
     weight = solve.smoothness if smoothness is None else smoothness
     fit = normal_equations(equations, start.shape, gradient_weight)
-    edges = uniform_edges(start)
-    x = conjugate_gradients(prior_added(fit, weight, edges, solve.chroma), fit.rhs, start,
-                            solve.iterations,
-                            fit.diagonal + weight * degree(edges, solve.chroma, len(start[0])))
-    colour: Colour = solve.chroma
+    prior = Prior(((1.0, uniform_edges(start), solve.chroma),))
+    x = conjugate_gradients(prior_added(fit, weight, prior), fit.rhs, start, solve.iterations,
+                            fit.diagonal + weight * prior.diagonal(len(start[0])))
     for _ in range(solve.rounds):
         frame = x if bounds is None else bounds.clip(x)
-        if solve.colour_power > 0:
-            colour = ColourAxes.of(frame, solve.colour_power)
-        if solve.edge_scale > 0:  # an edge is at most the range: the weights stay bounded
-            edges = edge_weights(frame, solve.edge_scale
-                                 * (1.0 if bounds is None else bounds.scale), colour)
+        prior = round_prior(frame, solve, 1.0 if bounds is None else bounds.scale,
+                            gradient_weight)
         system = fit
         if solve.inequalities and bounds is not None:
             system = with_violated(fit, x, bounds, gradient_weight)
-        x = conjugate_gradients(prior_added(system, weight, edges, colour), system.rhs, x,
+        x = conjugate_gradients(prior_added(system, weight, prior), system.rhs, x,
                                 solve.round_iterations,
-                                system.diagonal + weight * degree(edges, colour, len(x[0])))
+                                system.diagonal + weight * prior.diagonal(len(x[0])))
     return x
+
+
+@dataclass(frozen=True)
+class Prior:
+    """The smoothness operator Σ_i share_i · DᵀW_iD K_i: a blend, per frame, of terms (share:
+    a float or (N, 1, 1, 1); edge weights; colour), each symmetric, so the blend is too."""
+
+    terms: tuple[tuple[float | torch.Tensor, EdgeWeights, Colour], ...]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return sum(share * smoothness_normal(x, edges, colour)
+                   for share, edges, colour in self.terms)
+
+    def diagonal(self, channels: int) -> torch.Tensor:
+        return sum(share * degree(edges, colour, channels)
+                   for share, edges, colour in self.terms)
+
+
+def round_prior(frame: torch.Tensor, solve: FrameSolve, scale: float,
+                trust: torch.Tensor | None = None) -> Prior:
+    """A round's prior from the frame before it: its edges weighed as total variation (ε =
+    `edge_scale` × `scale`, the input range), its colour along its own axes as far as its
+    equations are trusted, by the chroma weight for the rest. `trust` (N,) is the
+    weight-gradient equations' weight (None: fully): a frame solved from noisy equations has
+    axes fitted to the noise (on bfloat16, float16 and quant:12 captures the axes alone lost up
+    to 0.6 dB, blended by this weight they lose nothing), and an exact one keeps them whole."""
+    def edges(colour: Colour) -> EdgeWeights:
+        if solve.edge_scale == 0:
+            return uniform_edges(frame)
+        return edge_weights(frame, solve.edge_scale * scale, colour)
+
+    shared = (edges(solve.chroma), solve.chroma)
+    if solve.colour_power == 0:
+        return Prior(((1.0, *shared),))
+    axes = ColourAxes.of(frame, solve.colour_power)
+    own = (edges(axes), axes)
+    if trust is None:
+        return Prior(((1.0, *own),))
+    share = per_frame(trust.to(frame.dtype))
+    return Prior(((share, *own), (1 - share, *shared)))
 
 
 @dataclass(frozen=True)
@@ -330,8 +367,8 @@ def with_violated(system: NormalSystem, x: torch.Tensor, bounds: Bounds,
                         diagonal, below + above)
 
 
-def prior_added(fit, weight: float | torch.Tensor, edges: EdgeWeights, colour: Colour = 1.0):
-    return lambda x: fit(x) + weight * smoothness_normal(x, edges, colour)
+def prior_added(fit, weight: float | torch.Tensor, prior: Prior):
+    return lambda x: fit(x) + weight * prior(x)
 
 
 def uniform_edges(x: torch.Tensor) -> EdgeWeights:
