@@ -40,6 +40,7 @@ from gradleak.report.tables import markdown_table
 from gradleak.training.refiner_fit import RefinerFitConfig, exact_attack, fit_refiner
 
 import exact_frames  # the sibling benchmark: its victims and held-out captures
+from readme_results import solve_label  # the README's label of the same rows
 from exact_frames import Case
 
 RESULTS = Path(__file__).parent / "results" / "exact_refiner.json"
@@ -90,6 +91,7 @@ def measure(case: Case, args: argparse.Namespace) -> dict[str, Any]:
         rows = np.linspace(0, len(capture) - 1, args.frames).astype(int)
         truth = to_unit_tensor(capture.target(rows).images)
     row: dict[str, Any] = {"victim": case.name, "chroma": ExactConfig().chroma,
+                           "colour_power": ExactConfig().colour_power,
                            "attacker_frames": fit["train_frames"],
                            "fit_minutes": fit["minutes"], "parameters": fit["parameters"],
                            "validation": fit["last"]}
@@ -108,8 +110,7 @@ def measure(case: Case, args: argparse.Namespace) -> dict[str, Any]:
 
 def markdown(result: dict[str, Any]) -> str:
     methods = ("exact", "exact + prior", "exact + prior, unprojected", "mean image")
-    # a row kept from a run before the colour-weighted frame prior has no "chroma": 1 then
-    table = [{"victim": row["victim"], "solve": f"chroma {row.get('chroma', 1.0):g}",
+    table = [{"victim": row["victim"], "solve": solve_label(row),
               "frames": method,
               **{key: (f"{value:.2f}" if key in ("psnr", "ms_per_frame") else f"{value:.3f}")
                  for key, value in row[method].items()}}
@@ -126,9 +127,10 @@ def markdown(result: dict[str, Any]) -> str:
             f"own {result['train_steps']} training-scene steps at the same θ0 ({fits}); "
             "`exact + prior` projects the prior's guess back onto the equations (30 CG "
             "iterations), `unprojected` takes it as it is; ms per frame include the attack; "
-            "`solve` is the frame solve's colour weight (`FrameSolve.chroma`) the attack and "
-            "the prior's training frames used (chroma 1: a row kept from a run before the "
-            "colour-weighted prior). "
+            "`solve` is the frame solve's colour weighting the attack and the prior's training "
+            "frames used: `FrameSolve.chroma`, and the power of the rounds' colour axes "
+            "(`colour_power`; none: a row kept from a run before them, chroma 1: one from "
+            "before the colour weight). "
             f"{result['machine']}.\n\n"
             + markdown_table(table, ["victim", "solve", "frames", "psnr", "ssim", "lpips",
                                      "ms_per_frame"]) + "\n")

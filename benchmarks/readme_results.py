@@ -288,6 +288,13 @@ def exact_frames() -> tuple[str, str]:
             f"zero-shot, over the victims: {', '.join(spans)} dB")
 
 
+def solve_label(row: dict) -> str:
+    """The colour weighting an exact_refiner row's solve used; rows kept from earlier runs lack
+    the fields that came later (no "chroma": 1, no "colour_power": off)."""
+    power = row.get("colour_power", 0.0)
+    return f"chroma {row.get('chroma', 1.0):g}" + (f", axes {power:g}" if power else "")
+
+
 def exact_refiner() -> tuple[str, str]:
     data = load("exact_refiner.json")
 
@@ -295,7 +302,7 @@ def exact_refiner() -> tuple[str, str]:
         r = row[method]
         return f"{db(r['psnr'])} / {r['ssim']:.3f} / {r['lpips']:.3f}"
 
-    parts = [f"{row['victim']} (solve chroma {row.get('chroma', 1.0):g}): exact "
+    parts = [f"{row['victim']} (solve {solve_label(row)}): exact "
              f"{scores(row, 'exact')}, with the prior "
              f"{scores(row, 'exact + prior')} (unprojected "
              f"{db(row['exact + prior, unprojected']['psnr'])}, mean image "
