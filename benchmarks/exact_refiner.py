@@ -129,8 +129,8 @@ def markdown(result: dict[str, Any]) -> str:
             "iterations), `unprojected` takes it as it is; ms per frame include the attack; "
             "`solve` is the frame solve's colour weighting the attack and the prior's training "
             "frames used: `FrameSolve.chroma`, and the power of the rounds' colour axes "
-            "(`colour_power`; none: a row kept from a run before them, chroma 1: one from "
-            "before the colour weight). "
+            "(`colour_power`; no `axes`: a row kept from a run before them, chroma 1: one "
+            "from before the colour weight). "
             f"{result['machine']}.\n\n"
             + markdown_table(table, ["victim", "solve", "frames", "psnr", "ssim", "lpips",
                                      "ms_per_frame"]) + "\n")
