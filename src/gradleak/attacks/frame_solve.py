@@ -233,15 +233,14 @@ def round_prior(frame: torch.Tensor, solve: FrameSolve, scale: float,
             return uniform_edges(frame)
         return edge_weights(frame, solve.edge_scale * scale, colour)
 
-    shared = (edges(solve.chroma), solve.chroma)
     if solve.colour_power == 0:
-        return Prior(((1.0, *shared),))
+        return Prior(((1.0, edges(solve.chroma), solve.chroma),))
     axes = ColourAxes.of(frame, solve.colour_power)
     own = (edges(axes), axes)
     if trust is None:
         return Prior(((1.0, *own),))
     share = per_frame(trust.to(frame.dtype))
-    return Prior(((share, *own), (1 - share, *shared)))
+    return Prior(((share, *own), (1 - share, edges(solve.chroma), solve.chroma)))
 
 
 @dataclass(frozen=True)
