@@ -8,7 +8,8 @@ equations (outputs and weight gradient, weighed by how exact they are, with the 
 rounds and the inequalities: the default), the same with the quadratic prior alone (the solve
 before the rounds), the same without the weight-gradient equations, the same fitted as if exact, the same from the true
 first-block output (the prior's ceiling), the earlier penalty solve, and the frames' own mean
-image. The float32 captures are also scored zero-shot under --defenses, a grid from weak to
+image. A scored step whose neighbouring step saw the same frame (the agent stood still) is
+solved together with it, as the attack solves a stream; each step alone is scored beside. The float32 captures are also scored zero-shot under --defenses, a grid from weak to
 strong so the table shows where the attack gives way. One held-out episode's frames go into a
 picture, truth above each method.
 Writes benchmarks/results/exact_frames.{json,md,png}.
@@ -102,6 +103,9 @@ def row(case: Case, dtype: str, defense: str, result: dict[str, Any]) -> dict[st
             "equations_per_unknown": result["equations_per_unknown"],
             "rank_fraction": result.get("rank_fraction"),
             "psnr": result["psnr"], "ssim": result["ssim"], "lpips": result.get("lpips"),
+            "same_frame_steps": result.get("same_frame_steps", 0),
+            "psnr_each_step_alone": solves["each_step_alone"]["psnr"],
+            "ssim_each_step_alone": solves["each_step_alone"]["ssim"],
             "psnr_quadratic_prior": solves["quadratic_prior"]["psnr"],
             "ssim_quadratic_prior": solves["quadratic_prior"]["ssim"],
             "psnr_without_weight_gradient": solves["without_weight_gradient"]["psnr"],
@@ -221,7 +225,8 @@ def leverage_picture(path: Path, out: Path, frames: int = 2) -> dict[str, Any]:
 
 
 COLUMNS = ["victim", "storage", "defense", "map_error", "equations_per_unknown", "rank_fraction",
-           "psnr", "ssim", "lpips", "psnr_quadratic_prior", "ssim_quadratic_prior",
+           "psnr", "ssim", "lpips", "same_frame_steps", "psnr_each_step_alone",
+           "ssim_each_step_alone", "psnr_quadratic_prior", "ssim_quadratic_prior",
            "psnr_without_weight_gradient", "psnr_as_if_exact",
            "psnr_from_true_map",
            "psnr_penalty", "psnr_mean_image", "lpips_mean_image", "ms_per_frame",
@@ -238,14 +243,17 @@ def markdown(result: dict[str, Any]) -> str:
             return f"{value:.1e}" if abs(value) < 1e-2 else f"{value:.2f}"
         return "-" if value is None else value
 
-    table = markdown_table([{k: cell(k, r[k]) for k in COLUMNS} for r in result["rows"]],
+    table = markdown_table([{k: cell(k, r.get(k)) for k in COLUMNS} for r in result["rows"]],
                            COLUMNS)
     return (f"# Training-free frames (`benchmarks/exact_frames.py`)\n\n{result['frames']} evenly "
             f"spaced steps of a {result['steps']}-step held-out capture per row; "
             f"{result['machine']}. `psnr`/`ssim`: the first conv's equations (outputs and "
             "weight gradient, the default), weighed by how exact they are (the ∇b₁ check "
             "and the on-units' estimated noise), solved with total variation (reweighted "
-            "rounds) and the off-units and input range enforced; `*_quadratic_prior`: the same "
+            "rounds) and the off-units and input range enforced, each scored step solved "
+            "together with the neighbouring steps whose recovered first-block maps show the "
+            "same frame (`same_frame_steps` of them had one; `*_each_step_alone`: every step "
+            "from its own gradient); `*_quadratic_prior`: the same "
             "with the quadratic smoothness alone (the solve before the rounds, the default "
             "until this change); `psnr_as_if_exact`: the same equations all "
             "fitted as exact; `psnr_from_true_map`: the default solve from the true "

@@ -269,7 +269,10 @@ def exact_frames() -> tuple[str, str]:
             if r.get("lpips") is not None else ""
         rank = f", rank {r['rank_fraction']:.2f} of the pixels" \
             if r.get("rank_fraction") is not None else ""
-        return f"{lpips}{rank}"
+        tied = f", {r['same_frame_steps']} steps solved with a neighbour that saw the same " \
+            f"frame; each step alone {db(r['psnr_each_step_alone'])} / " \
+            f"{r['ssim_each_step_alone']:.3f}" if r.get("same_frame_steps") else ""
+        return f"{lpips}{rank}{tied}"
 
     exact = [f"{r['victim']}: {db(r['psnr'])} / {r['ssim']:.3f} (quadratic prior "
              f"{db(r['psnr_quadratic_prior'])}, penalty solve {db(r['psnr_penalty'])}, mean "

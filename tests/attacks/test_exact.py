@@ -30,12 +30,38 @@ def test_frames_and_actions_from_one_gradient_each(float32_capture: Path) -> Non
 
 
 def test_chunks_change_nothing(float32_capture: Path) -> None:
-    """Steps are independent problems: solving them 3 or 12 at a time gives the same frames."""
+    """Each step from its own gradient alone: solving them 3 or 12 at a time gives the same
+    frames."""
     with CaptureFile(float32_capture) as capture:
         observation = capture.observation()
-    small = ExactAttack(observation, ExactConfig(chunk=3)).reconstruct().images
-    whole = ExactAttack(observation, ExactConfig(chunk=12)).reconstruct().images
+    alone = {"same_frame_tolerance": 0.0}
+    small = ExactAttack(observation, ExactConfig(chunk=3, **alone)).reconstruct().images
+    whole = ExactAttack(observation, ExactConfig(chunk=12, **alone)).reconstruct().images
     assert np.abs(small.astype(int) - whole.astype(int)).max() <= 1
+
+
+def test_steps_that_saw_one_frame_are_solved_as_one() -> None:
+    """An agent standing still sends several gradients of one frame, each with its own action
+    and advantage: together they fix the frame that each leaves partly free (measured when
+    written: mean error 0.53-0.98 grey levels a pixel alone, 0 together), and a frame seen
+    once, even one seen before in the episode, is solved alone."""
+    import torch
+    from helpers import observe, smooth_frame, victim_with_statistics
+
+    first, second = smooth_frame(32, 1), smooth_frame(32, 2)
+    images = torch.stack([first, first, second, second, second, first])
+    observation, _ = observe(victim_with_statistics(), images, torch.tensor([0, 1, 2, 3, 4, 0]),
+                             torch.tensor([1.2, -0.7, 0.5, -1.1, 0.9, 0.3]),
+                             torch.tensor([0.4, -0.3, 0.2, 0.1, -0.2, 0.3]))
+
+    def errors(tolerance: float) -> np.ndarray:
+        frames = ExactAttack(observation, ExactConfig(same_frame_tolerance=tolerance)
+                             ).reconstruct().images
+        return np.abs(frames.astype(float) - images.numpy()).mean(axis=(1, 2, 3))
+
+    alone, together = errors(0.0), errors(ExactConfig().same_frame_tolerance)
+    assert float(alone[:5].min()) > 0.3 and float(together[:5].max()) <= 0.05
+    assert together[5] == alone[5]
 
 
 def test_a_victim_the_recursion_cannot_descend_is_refused() -> None:
@@ -53,4 +79,6 @@ def test_settings_are_checked() -> None:
         ExactConfig(smoothness=-1.0).check()
     with pytest.raises(ConfigError, match="must be positive"):
         ExactConfig(gradient_tolerance=0.0).check()
+    with pytest.raises(ConfigError, match="same_frame_tolerance -1"):
+        ExactConfig(same_frame_tolerance=-1.0).check()
     assert ExactConfig(noise_aware=False).noise_model() is None

@@ -1,9 +1,12 @@
-"""The training-free attack: every step's frame and action from its own gradient and θ0 alone.
+"""The training-free attack: every step's frame and action from its gradient and θ0 alone.
 
 The action, A and R come from the closed form on the heads (`attacks.analytic`); the frame from
 the recursion down the conv stack (`attacks.conv_recovery`) and then the first conv's own
 equations (`attacks.first_conv`). Nothing is learned and nothing but the observation is read,
 so it is a method like DLG or IG: `gradleak attack exact`, `evaluate --baselines exact`.
+Neighbouring steps of a chunk that saw the same frame are solved together (an attacker keeps
+the stream, so a frame may use the next step's gradient); `same_frame_tolerance=0` solves each
+step from its own gradient alone.
 """
 
 from __future__ import annotations
@@ -25,7 +28,13 @@ from gradleak.attacks.first_conv import (
     first_conv_equations,
 )
 from gradleak.attacks.frame_refiner import FrameRefiner
-from gradleak.attacks.frame_solve import FrameSolve, project_frames, solve_frames
+from gradleak.attacks.frame_solve import (
+    SAME_FRAME_TOLERANCE,
+    FrameSolve,
+    project_frames,
+    same_frames,
+    solve_frames,
+)
 from gradleak.errors import ConfigError
 from gradleak.threat import Observation, Reconstruction
 from gradleak.victims.base import Victim, VictimConfig, create_victim, victim_at_theta0
@@ -50,6 +59,10 @@ class ExactConfig:
     # the rounds' smoothness along each frame's own colour axes (FrameSolve.colour_power; 0: off)
     colour_power: float = FrameSolve.colour_power
     weight_gradient: bool = True  # use the first conv's weight-gradient equations
+    # neighbouring steps of an episode whose recovered first-block maps differ by at most this
+    # (relative) saw one frame and are solved as one (frame_solve.same_frames); 0: every step
+    # from its own gradient alone
+    same_frame_tolerance: float = SAME_FRAME_TOLERANCE
     chunk: int = 16  # steps solved together
     # weigh the equations by how exact they are (first_conv.NoiseModel); off: as if exact
     noise_aware: bool = True
@@ -69,6 +82,9 @@ class ExactConfig:
             raise ConfigError("threshold must be non-negative")
         if not (self.gradient_tolerance > 0 and self.noise_reference > 0):
             raise ConfigError("gradient_tolerance and noise_reference must be positive")
+        if not self.same_frame_tolerance >= 0:
+            raise ConfigError(f"same_frame_tolerance {self.same_frame_tolerance}: expected >= 0 "
+                              "(0: off)")
         if self.prior_projection < 0:
             raise ConfigError(f"prior_projection {self.prior_projection}: expected >= 0")
 
@@ -137,14 +153,17 @@ class ExactAttack:
         if not self.config.weight_gradient:  # its mean colour still starts the solve
             equations = replace(equations, weight_gradient=None)
         transform, noise = self.victim.roles().transform, self.config.noise_model()
-        frames, residuals = solve_frames(equations, transform, self.config.frame_solve(), noise)
+        tie = same_frames(found.inputs[deepest], part.episode_ids, part.step_in_episode,
+                          self.config.same_frame_tolerance)
+        frames, residuals = solve_frames(equations, transform, self.config.frame_solve(), noise,
+                                         tie)
         if self.prior is None:
             return frames, residuals
         with torch.no_grad():  # the refiner saw the attack's stored (rounded) frames
             stored = frames.clamp(0, 255).round().permute(0, 3, 1, 2).float() / 255
             refined = self.prior(stored).permute(0, 2, 3, 1).double() * 255
         return project_frames(equations, transform, refined, self.config.prior_projection,
-                              self.config.frame_solve(), noise)
+                              self.config.frame_solve(), noise, tie)
 
 
 def first_block(victim: Victim) -> ConvBlock:

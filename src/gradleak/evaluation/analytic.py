@@ -12,6 +12,7 @@ import torch
 
 from gradleak.attacks.analytic import invert_features, module_input, recover_analytically
 from gradleak.attacks.conv_blocks import conv_blocks
+from gradleak.attacks.frame_solve import SAME_FRAME_TOLERANCE
 from gradleak.capture.reader import CaptureFile
 from gradleak.errors import ConfigError
 from gradleak.threat import Observation, Target
@@ -130,40 +131,57 @@ def score_inversion(observation: Observation, target: Target, count: int) -> dic
 
 
 def score_conv_stack(observation: Observation, target: Target, count: int,
-                     frame_threshold: float = 3.0, rank_frames: int = 0) -> dict[str, Any]:
-    """Recovery through the conv stack on `count` evenly spaced steps: each determined conv
-    input against the truth, then frames from the first conv's own equations (its outputs and
-    its weight gradient), against the same solve from the true first-block output, the solve
-    without the weight-gradient equations, and the earlier penalty solve. With `rank_frames`,
-    the rank of the equations of that many frames as a fraction of the unknowns (minutes per
-    84×84 frame)."""
+                     frame_threshold: float = 3.0, rank_frames: int = 0,
+                     rows: np.ndarray | None = None,
+                     same_frame_tolerance: float = SAME_FRAME_TOLERANCE) -> dict[str, Any]:
+    """Recovery through the conv stack on `count` evenly spaced steps (or the given `rows` of
+    the observation): each determined conv input against the truth, then frames from the
+    first conv's own equations (its outputs and its weight gradient), against the same solve
+    from the true first-block output, the solve without the weight-gradient equations, and the
+    earlier penalty solve. A scored step whose neighbour in the observation saw the same frame
+    (`frame_solve.same_frames` at `same_frame_tolerance`; 0: none) is solved together with it,
+    as the attack solves a stream. With `rank_frames`, the rank of the equations of that many
+    frames as a fraction of the unknowns (minutes per 84×84 frame)."""
     from dataclasses import replace
 
     from gradleak.attacks.conv_recovery import observed_conv_inputs
     from gradleak.attacks.exact import bias_gradient
+    from gradleak.attacks.frame_solve import Tie, same_frames
 
-    rows = np.linspace(0, len(observation) - 1, count).astype(int)
-    subset = replace(observation, gradients=observation.gradients[rows],
-                     episode_ids=observation.episode_ids[rows],
-                     step_in_episode=observation.step_in_episode[rows])
+    scored = np.linspace(0, len(observation) - 1, count).astype(int) if rows is None \
+        else np.asarray(rows)
+    solved = beside(scored, len(observation)) if same_frame_tolerance else scored
+    subset = replace(observation, gradients=observation.gradients[solved],
+                     episode_ids=observation.episode_ids[solved],
+                     step_in_episode=observation.step_in_episode[solved])
     start = time.perf_counter()
     found = observed_conv_inputs(subset)
-    recovery_seconds = (time.perf_counter() - start) / count
-    images = target.images[rows]
+    recovery_seconds = (time.perf_counter() - start) / len(solved)
+    deepest = list(found.inputs)[-1]
+    tie = same_frames(found.inputs[deepest], subset.episode_ids, subset.step_in_episode,
+                      same_frame_tolerance)
+    # the scored steps and the neighbours that saw their frames
+    kept = torch.isin(tie.group, tie.group[np.searchsorted(solved, scored)])
+    found, solved, tie = found.steps(kept), solved[kept.numpy()], Tie.of(tie.group[kept])
+    within = np.searchsorted(solved, scored)  # where each scored step is among those solved
+    images = target.images[solved]
     victim = victim_at_theta0(observation)
     with torch.no_grad():
         truth = {name: module_input(victim, name, torch.from_numpy(images)).double()
                  for name in found.inputs}
-    layers = {name: layer_errors(estimate, truth[name], found.noise[name])
+    layers = {name: layer_errors(estimate[within], truth[name][within], found.noise[name][within])
               for name, estimate in found.inputs.items()}
-    deepest = list(found.inputs)[-1]
     double = victim_at_theta0(observation).double()
     first = conv_blocks(double)[0]
-    gradient = torch.from_numpy(subset.block(f"{first.name}.weight").astype(np.float64))
+    part = replace(observation, gradients=observation.gradients[solved])
+    gradient = torch.from_numpy(part.block(f"{first.name}.weight").astype(np.float64))
     solves = frame_solves(double, found, deepest, truth[deepest], gradient,
-                          bias_gradient(subset, first), frame_threshold, images, rank_frames)
+                          bias_gradient(part, first), frame_threshold, images, rank_frames,
+                          tie, within)
     main = solves.pop("equations")
-    return {"frames": count, "layers": layers, "recovery_seconds_per_frame": recovery_seconds,
+    return {"frames": len(scored), "layers": layers,
+            "recovery_seconds_per_frame": recovery_seconds,
+            "same_frame_steps": int((tie.size[within] > 1).sum()), "steps_solved": len(solved),
             "frames_from": deepest, "psnr": main["psnr"], "ssim": main["ssim"],
             **({"lpips": main["lpips"]} if "lpips" in main else {}),
             "frame_seconds_per_frame": main["seconds_per_frame"],
@@ -172,7 +190,12 @@ def score_conv_stack(observation: Observation, target: Target, count: int,
             **{key: main[key] for key in ("rank_fraction", "rank_frames") if key in main},
             "psnr_from_true_map": solves["from_true_map"]["psnr"],
             "ssim_from_true_map": solves["from_true_map"]["ssim"], "solves": solves,
-            **mean_image_scores(images)}
+            **mean_image_scores(images[within])}
+
+
+def beside(rows: np.ndarray, count: int) -> np.ndarray:
+    """The rows and each one's neighbours, within 0 .. count − 1, sorted."""
+    return np.unique(np.clip(np.concatenate([rows - 1, rows, rows + 1]), 0, count - 1))
 
 
 def layer_errors(estimate: torch.Tensor, truth: torch.Tensor, noise: torch.Tensor
@@ -187,8 +210,10 @@ def layer_errors(estimate: torch.Tensor, truth: torch.Tensor, noise: torch.Tenso
 
 def frame_solves(victim: Any, found: Any, deepest: str, true_map: torch.Tensor,
                  gradient: torch.Tensor, bias: torch.Tensor | None, threshold: float,
-                 images: np.ndarray, rank_frames: int = 0) -> dict[str, dict[str, float]]:
-    """Each way of getting the frame under the first conv, scored against the real frames."""
+                 images: np.ndarray, rank_frames: int = 0, tie: Any = None,
+                 scored: np.ndarray | None = None) -> dict[str, dict[str, float]]:
+    """Each way of getting the frame under the first conv, scored against the real frames of
+    the `scored` steps (all by default; `tie`: the steps that saw one frame)."""
     from dataclasses import replace
 
     from gradleak.attacks.first_conv import first_conv_equations, frames_from_first_block
@@ -199,34 +224,39 @@ def frame_solves(victim: Any, found: Any, deepest: str, true_map: torch.Tensor,
     exact = torch.where(torch.isfinite(noise), torch.zeros_like(noise), noise)
     equations = first_conv_equations(victim, output, noise, upstream, gradient,
                                      bias_gradient=bias)
-    runs = {"equations": lambda: solve_frames(equations, transform),
+    scored = np.arange(len(images)) if scored is None else scored
+    runs = {"equations": lambda: solve_frames(equations, transform, tie=tie),
+            "each_step_alone": lambda: solve_frames(equations, transform),
             "quadratic_prior": lambda: solve_frames(equations, transform,
-                                                    FrameSolve(rounds=0)),
+                                                    FrameSolve(rounds=0), tie=tie),
             "without_weight_gradient": lambda: solve_frames(
-                replace(equations, weight_gradient=None), transform),
-            "as_if_exact": lambda: solve_frames(equations, transform, noise=None),
+                replace(equations, weight_gradient=None), transform, tie=tie),
+            "as_if_exact": lambda: solve_frames(equations, transform, noise=None, tie=tie),
             "from_true_map": lambda: solve_frames(first_conv_equations(
-                victim, true_map, exact, upstream, gradient, bias_gradient=bias), transform),
+                victim, true_map, exact, upstream, gradient, bias_gradient=bias), transform,
+                tie=tie),
             "penalty": lambda: (frames_from_first_block(victim, output, noise, threshold), None)}
     scores = {}
     for name, run in runs.items():
         start = time.perf_counter()
         frames, residuals = run()
         seconds = (time.perf_counter() - start) / len(images)
-        scores[name] = {**frame_scores(frames, images), "seconds_per_frame": seconds}
+        scores[name] = {**frame_scores(frames[scored], images[scored]),
+                        "seconds_per_frame": seconds}
         if residuals is not None:
             scores[name]["residual_median"] = {key: float(value.median())
                                                for key, value in residuals.items()}
     unknowns = int(np.prod(transform.frame_shape))
     scores["equations"]["equations_per_unknown"] = float(
-        (equations.on.flatten(1).sum(1).double().mean() + gradient[0].numel()) / unknowns)
+        (equations.on[scored].flatten(1).sum(1).double().mean() + gradient[0].numel())
+        / unknowns)
     if rank_frames:
         from gradleak.attacks.equation_rank import equation_rank
 
         height, width, channels = transform.frame_shape
         shape = torch.Size((1, channels, height, width))
-        fractions = [equation_rank(equations, frame, shape) / unknowns
-                     for frame in range(min(rank_frames, len(images)))]
+        fractions = [equation_rank(equations, int(frame), shape) / unknowns
+                     for frame in scored[:rank_frames]]
         scores["equations"].update(rank_fraction=float(np.mean(fractions)),
                                    rank_frames=len(fractions))
     return scores
@@ -296,8 +326,13 @@ def evaluate_analytic(paths: Sequence[str | os.PathLike[str]], max_rows: int | N
             for count, name, scorer in ((invert, "feature_inversion", score_inversion),
                                         (conv, "conv_stack", score_conv_stack)):
                 if count:
-                    spread = chosen[np.linspace(0, len(chosen) - 1, count).astype(int)]
-                    result[name] = scorer(*read_rows(capture, spread), count)
+                    spread = np.linspace(0, len(chosen) - 1, count).astype(int)
+                    if scorer is score_conv_stack:  # with each step's neighbours (same frames)
+                        around = beside(spread, len(chosen))
+                        result[name] = scorer(*read_rows(capture, chosen[around]), count,
+                                              rows=np.searchsorted(around, spread))
+                    else:
+                        result[name] = scorer(*read_rows(capture, chosen[spread]), count)
         results[str(path)] = result
     return results
 
