@@ -8,7 +8,9 @@ memory of `gradleak analytic` as rows grow, and a learned attacker's inference a
 - `gradleak analytic` on --analytic-rows counts of a capture, each in a fresh process: peak
   resident memory (getrusage) and seconds;
 - with --attacker DIR (a TRACE run) and --data CAPTURE: inference ms per frame at batch 1 and
-  16 windows, and the share of each epoch its fit spent waiting for data (from its history).
+  16 windows, and the share of each epoch its fit spent waiting for data (from its history);
+  without, the inference of the cpu-bench TRACE untrained (the same arithmetic) on the
+  cnn-small capture, beside the earlier fit's data wait.
 
 Prints JSON and writes benchmarks/results/recovery_speed.{json,md}.
 
@@ -24,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -76,26 +79,61 @@ def learned(attacker: Path, data: Path, repeats: int) -> dict[str, Any]:
 
     model, meta = load_attacker(attacker)
     window = int(meta["model"]["window"])
+    waits = [h["data_wait_fraction"] for h in meta.get("history", [])
+             if "data_wait_fraction" in h]
+    return {"attacker": str(attacker), **inference(model, data, window, repeats),
+            "data_wait_fraction_by_epoch": waits, "workers": meta["fit"].get("workers")}
+
+
+def untrained_inference(data: Path, repeats: int) -> dict[str, Any]:
+    """The cpu-bench TRACE's inference, untrained: its weights change none of the arithmetic,
+    and a fitted one takes an hour to make."""
+    from gradleak.attacks.encoders import ImageDecoder
+    from gradleak.attacks.trace import Trace
+    from gradleak.presets import load_preset
+
     with CaptureFile(data) as capture:
+        dimension = int(capture.attrs["gradient_dim"])
+    config = replace(load_preset("cpu-bench").attack.trace, gradient_dim=dimension)
+    torch.manual_seed(0)
+    model = Trace(config).eval()
+    result = {"attacker": "cpu-bench TRACE, untrained"}
+    # the decoder's two memory layouts side by side, alternating, in this one process
+    times: dict[str, list[dict[str, Any]]] = {"channels_last": [], "contiguous": []}
+    for _ in range(repeats):
+        for name, layout in (("channels_last", torch.channels_last),
+                             ("contiguous", torch.contiguous_format)):
+            ImageDecoder.memory_format = layout
+            times[name].append(inference(model, data, config.window, 1))
+    ImageDecoder.memory_format = torch.channels_last
+    for batch in (1, 16):
+        key = f"inference_ms_per_frame_batch_{batch}"
+        for name, runs in times.items():
+            median = statistics.median(run[key] for run in runs)
+            result[key if name == "channels_last" else f"{key}_contiguous_decoder"] = median
+    return {**times["channels_last"][0], **result}
+
+
+def inference(model: torch.nn.Module, data: Path, window: int, repeats: int
+              ) -> dict[str, Any]:
+    """ms per frame of `model.attack` on 1 and 16 windows of `data`, medians of `repeats`."""
+    with CaptureFile(data) as capture:
+        rows = min(len(capture) // window, 16) * window
         gradients = torch.from_numpy(capture.observation(
-            rows=slice(0, 16 * window)).gradients).float().view(16, window, -1)
-    result: dict[str, Any] = {"attacker": str(attacker),
-                              "parameters": sum(p.numel() for p in model.parameters()),
+            rows=slice(0, rows)).gradients).float().view(-1, window, capture.attrs["gradient_dim"])
+    result: dict[str, Any] = {"parameters": sum(p.numel() for p in model.parameters()),
                               "window": window}
     with torch.no_grad():
         for batch in (1, 16):
-            model.attack(gradients[:batch])  # warm-up
+            windows = gradients[torch.arange(batch) % len(gradients)]
+            model.attack(windows)  # warm-up
             times = []
             for _ in range(repeats):
                 start = time.perf_counter()
-                model.attack(gradients[:batch])
+                model.attack(windows)
                 times.append(time.perf_counter() - start)
             result[f"inference_ms_per_frame_batch_{batch}"] = \
                 1e3 * statistics.median(times) / (batch * window)
-    waits = [h["data_wait_fraction"] for h in meta.get("history", [])
-             if "data_wait_fraction" in h]
-    result["data_wait_fraction_by_epoch"] = waits
-    result["workers"] = meta["fit"].get("workers")
     return result
 
 
@@ -132,10 +170,15 @@ def main() -> None:
     result["analytic"] = analytic_memory(used, args.analytic_rows)
     if args.attacker is not None:
         result["learned"] = learned(args.attacker, args.data, args.repeats)
-    elif RESULTS.exists() and "learned" in json.loads(RESULTS.read_text()):
-        # no attacker this run: the earlier run's figures stay, marked as such
-        result["learned"] = {**json.loads(RESULTS.read_text())["learned"],
-                             "from_an_earlier_run": True}
+    else:  # the same architecture untrained; the data wait is the earlier fit's, so marked
+        small = exact_frames.capture(Case("cnn-small 64×64, random init", "cnn-small",
+                                          "cpu-bench", True), "float32", args.steps, args.work)
+        result["learned"] = untrained_inference(small, args.repeats)
+        earlier = json.loads(RESULTS.read_text()).get("learned", {}) if RESULTS.exists() else {}
+        if earlier.get("data_wait_fraction_by_epoch"):
+            result["learned"].update(
+                data_wait_fraction_by_epoch=earlier["data_wait_fraction_by_epoch"],
+                workers=earlier.get("workers"), data_wait_from_an_earlier_run=True)
     print(json.dumps(result, indent=2))
     write(result)
 
@@ -160,7 +203,7 @@ def write(result: dict[str, Any]) -> None:
             "process):", "", markdown_table(memory, list(memory[0]))]
     if "learned" in result:
         learned_row = result["learned"]
-        waits = learned_row["data_wait_fraction_by_epoch"]
+        waits = learned_row.get("data_wait_fraction_by_epoch", [])
         text += ["", f"TRACE ({learned_row['parameters']:,} parameters, T = "
                  f"{learned_row['window']}): inference "
                  f"{learned_row['inference_ms_per_frame_batch_16']:.2f} ms per frame at 16 "
@@ -169,7 +212,16 @@ def write(result: dict[str, Any]) -> None:
                  + (f"{100 * max(waits):.1f}% of an epoch at most ({learned_row['workers']} "
                     "loader worker(s))" if waits else "(not recorded by that fit)") + "."
                  + (" Measured by an earlier run (no attacker given to this one)."
-                    if learned_row.get("from_an_earlier_run") else "")]
+                    if learned_row.get("from_an_earlier_run") else "")
+                 + (f" Inference timed on the {learned_row['attacker']} (the same arithmetic "
+                    "as a fitted one); the data wait is an earlier fit's."
+                    if learned_row.get("data_wait_from_an_earlier_run") else "")
+                 + (" With the decoder's convs on contiguous (not channels-last) memory, "
+                    "alternating with it in the same run: "
+                    f"{learned_row['inference_ms_per_frame_batch_16_contiguous_decoder']:.2f} "
+                    f"and {learned_row['inference_ms_per_frame_batch_1_contiguous_decoder']:.2f}."
+                    if "inference_ms_per_frame_batch_16_contiguous_decoder" in learned_row
+                    else "")]
     with atomic_path(RESULTS.with_suffix(".md")) as tmp:
         tmp.write_text("\n".join(text) + "\n")
 

@@ -231,6 +231,11 @@ class ImageDecoder(nn.Module):
             nn.Conv2d(c, max(c // 2, 4), 3, 1, 1), nn.GELU(),
             nn.Conv2d(max(c // 2, 4), 3, 3, 1, 1), nn.Sigmoid())
 
+    # channels-last lets oneDNN skip its layout reorders around every conv: the net ran 4.4 →
+    # 2.6 ms on one latent and 59 → 30 ms on 16 (training 160 → 132), 2 cores
+    # (`benchmarks/recovery_speed.py` times TRACE's inference in both)
+    memory_format = torch.channels_last
+
     def forward(self, latent: torch.Tensor) -> torch.Tensor:  # (B, latent) → (B, 3, H, W)
         x = self.fc(latent).view(len(latent), -1, self.base, self.base)
-        return self.net(x)
+        return self.net(x.contiguous(memory_format=self.memory_format)).contiguous()
