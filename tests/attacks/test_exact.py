@@ -40,11 +40,9 @@ def test_chunks_change_nothing(float32_capture: Path) -> None:
     assert np.abs(small.astype(int) - whole.astype(int)).max() <= 1
 
 
-def test_steps_that_saw_one_frame_are_solved_as_one() -> None:
-    """An agent standing still sends several gradients of one frame, each with its own action
-    and advantage: together they fix the frame that each leaves partly free (measured when
-    written: mean error 0.53-0.98 grey levels a pixel alone, 0 together), and a frame seen
-    once, even one seen before in the episode, is solved alone."""
+def standing_still():  # noqa: ANN201
+    """Six steps of an agent that saw frame A twice, B three times, then A again, each step
+    with its own action and advantage: the observation and the frames."""
     import torch
     from helpers import observe, smooth_frame, victim_with_statistics
 
@@ -53,15 +51,34 @@ def test_steps_that_saw_one_frame_are_solved_as_one() -> None:
     observation, _ = observe(victim_with_statistics(), images, torch.tensor([0, 1, 2, 3, 4, 0]),
                              torch.tensor([1.2, -0.7, 0.5, -1.1, 0.9, 0.3]),
                              torch.tensor([0.4, -0.3, 0.2, 0.1, -0.2, 0.3]))
+    return observation, images.numpy()
+
+
+def test_steps_that_saw_one_frame_are_solved_as_one() -> None:
+    """An agent standing still sends several gradients of one frame, each with its own action
+    and advantage: together they fix the frame that each leaves partly free (measured when
+    written: mean error 0.53-0.98 grey levels a pixel alone, 0 together), and a frame seen
+    once, even one seen before in the episode, is solved alone."""
+    observation, images = standing_still()
 
     def errors(tolerance: float) -> np.ndarray:
         frames = ExactAttack(observation, ExactConfig(same_frame_tolerance=tolerance)
                              ).reconstruct().images
-        return np.abs(frames.astype(float) - images.numpy()).mean(axis=(1, 2, 3))
+        return np.abs(frames.astype(float) - images).mean(axis=(1, 2, 3))
 
     alone, together = errors(0.0), errors(ExactConfig().same_frame_tolerance)
     assert float(alone[:5].min()) > 0.3 and float(together[:5].max()) <= 0.05
     assert together[5] == alone[5]
+
+
+def test_a_run_of_one_frame_across_chunks_is_solved_whole() -> None:
+    """A chunk's last run of one frame waits for the next chunk, so chunks of 2 or 4 steps
+    (which cut both runs) give the frames of one chunk of 6."""
+    observation, _ = standing_still()
+    whole = ExactAttack(observation, ExactConfig(chunk=6)).reconstruct().images
+    for chunk in (2, 4):
+        cut = ExactAttack(observation, ExactConfig(chunk=chunk)).reconstruct().images
+        assert np.abs(cut.astype(int) - whole.astype(int)).max() <= 1, chunk
 
 
 def test_a_victim_the_recursion_cannot_descend_is_refused() -> None:

@@ -4,9 +4,10 @@ The action, A and R come from the closed form on the heads (`attacks.analytic`);
 the recursion down the conv stack (`attacks.conv_recovery`) and then the first conv's own
 equations (`attacks.first_conv`). Nothing is learned and nothing but the observation is read,
 so it is a method like DLG or IG: `gradleak attack exact`, `evaluate --baselines exact`.
-Neighbouring steps of a chunk that saw the same frame are solved together (an attacker keeps
-the stream, so a frame may use the next step's gradient); `same_frame_tolerance=0` solves each
-step from its own gradient alone.
+Neighbouring steps that saw the same frame are solved together (an attacker keeps the stream,
+so a frame may use the next step's gradient): a chunk's last such run waits for the next chunk,
+so only a run longer than a chunk is split. `same_frame_tolerance=0` solves each step from its
+own gradient alone.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 
 from gradleak.attacks.analytic import recover_analytically
 from gradleak.attacks.conv_blocks import ConvBlock, conv_blocks, deepest_inputs
-from gradleak.attacks.conv_recovery import observed_conv_inputs
+from gradleak.attacks.conv_recovery import ConvInputs, observed_conv_inputs
 from gradleak.attacks.first_conv import (
     FIRST_BLOCK_MARGIN,
     GRADIENT_TOLERANCE,
@@ -31,6 +32,7 @@ from gradleak.attacks.frame_refiner import FrameRefiner
 from gradleak.attacks.frame_solve import (
     SAME_FRAME_TOLERANCE,
     FrameSolve,
+    Tie,
     project_frames,
     same_frames,
     solve_frames,
@@ -125,11 +127,17 @@ class ExactAttack:
         start = time.perf_counter()
         closed = recover_analytically(self.observation)
         frames, residuals = [], []
-        for begin in range(0, len(self.observation), self.config.chunk):
-            rows = np.arange(begin, min(begin + self.config.chunk, len(self.observation)))
-            images, fit = self._frames(rows)
-            frames.append(images)
-            residuals.append(fit)
+        count, held = len(self.observation), np.empty(0, dtype=np.int64)
+        for begin in range(0, count, self.config.chunk):
+            rows = np.concatenate([held, np.arange(begin, min(begin + self.config.chunk, count))])
+            found, tie = self._recover(rows)
+            solved = len(rows) if begin + self.config.chunk >= count else self._ready(tie)
+            held = rows[solved:]
+            if solved:
+                images, fit = self._frames(rows[:solved], found.steps(torch.arange(solved)),
+                                           Tie.of(tie.group[:solved]))
+                frames.append(images)
+                residuals.append(fit)
         images = torch.cat(frames).clamp(0, 255).round().to(torch.uint8).numpy()
         return Reconstruction(actions=closed.actions, images=images, extras={
             "advantages": closed.extras["advantages"], "returns": closed.extras["returns"],
@@ -138,12 +146,22 @@ class ExactAttack:
             "seconds": time.perf_counter() - start,
             "seconds_per_frame": (time.perf_counter() - start) / max(1, len(self.observation))})
 
-    def _frames(self, rows: np.ndarray) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        observation = self.observation
-        part = replace(observation, gradients=observation.gradients[rows],
-                       episode_ids=observation.episode_ids[rows],
-                       step_in_episode=observation.step_in_episode[rows])
+    def _recover(self, rows: np.ndarray) -> tuple[ConvInputs, Tie]:
+        """The recursion on these steps, and which of them saw one frame."""
+        part = self._steps(rows)
         found = observed_conv_inputs(part)
+        return found, same_frames(list(found.inputs.values())[-1], part.episode_ids,
+                                  part.step_in_episode, self.config.same_frame_tolerance)
+
+    def _ready(self, tie: Tie) -> int:
+        """How many of a chunk's steps to solve now: all but its last run of one frame, which
+        the next chunk may continue, unless that run is already longer than a chunk."""
+        last = int((tie.group == tie.group[-1]).nonzero()[0])
+        return len(tie.group) if len(tie.group) - last > self.config.chunk else last
+
+    def _frames(self, rows: np.ndarray, found: ConvInputs, tie: Tie
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        part = self._steps(rows)
         deepest = list(found.inputs)[-1]
         gradient = torch.from_numpy(part.block(f"{self.first.name}.weight").astype(np.float64))
         equations = first_conv_equations(self.victim, found.inputs[deepest],
@@ -153,8 +171,6 @@ class ExactAttack:
         if not self.config.weight_gradient:  # its mean colour still starts the solve
             equations = replace(equations, weight_gradient=None)
         transform, noise = self.victim.roles().transform, self.config.noise_model()
-        tie = same_frames(found.inputs[deepest], part.episode_ids, part.step_in_episode,
-                          self.config.same_frame_tolerance)
         frames, residuals = solve_frames(equations, transform, self.config.frame_solve(), noise,
                                          tie)
         if self.prior is None:
@@ -164,6 +180,12 @@ class ExactAttack:
             refined = self.prior(stored).permute(0, 2, 3, 1).double() * 255
         return project_frames(equations, transform, refined, self.config.prior_projection,
                               self.config.frame_solve(), noise, tie)
+
+    def _steps(self, rows: np.ndarray) -> Observation:
+        observation = self.observation
+        return replace(observation, gradients=observation.gradients[rows],
+                       episode_ids=observation.episode_ids[rows],
+                       step_in_episode=observation.step_in_episode[rows])
 
 
 def first_block(victim: Victim) -> ConvBlock:
