@@ -2,7 +2,8 @@
 
 In the order a newcomer should read it: a short PPO training of the victim and its captures
 (training scenes, held-out scenes); the actions read off single held-out gradients; frames from
-the training-free attack (one gradient and θ0 per frame, no attacker training), printed within
+the training-free attack (a step's gradient and θ0, with its neighbours' gradients where they saw
+the same frame; no attacker training), printed within
 the demo's first two minutes; then TRACE and LtI fitted on the training capture; and last
 `gradleak audit` of the held-out capture with those attackers, IG and a small defense grid,
 whose report.html opens with the verdict.
@@ -175,7 +176,7 @@ def exact_text(exact: dict[str, Any]) -> str:
     row, mean = methods[ExactAttack.name], methods["mean training image"]
     lpips = (f" / LPIPS {row['lpips']:.3f} (mean image {mean['lpips']:.3f})"
              if "lpips" in row else "")
-    return (f"frames from single held-out gradients, training-free ({row['frames']} frames, "
+    return (f"frames from the held-out gradients, training-free ({row['frames']} frames, "
             f"{row['ms_per_frame']:.0f} ms each): PSNR {row['psnr']:.2f} dB "
             f"({row['psnr_gain_over_mean_image']:+.2f} over the mean training image) / SSIM "
             f"{row['ssim']:.3f}{lpips}")
