@@ -122,7 +122,9 @@ def markdown(result: dict[str, Any]) -> str:
                      for row in result["rows"])
     return ("# The training-free attack's learned prior (`benchmarks/exact_refiner.py`)\n\n"
             f"{result['frames']} evenly spaced held-out steps of `exact_frames.py`'s float32 "
-            f"captures; the prior ({result['rows'][0]['parameters']:,} parameters) fitted "
+            "captures, each solved from its own gradient (no two are neighbours, so none is "
+            "solved with another that saw its frame); the prior "
+            f"({result['rows'][0]['parameters']:,} parameters) fitted "
             f"{result['epochs']} epochs on the training-free attack's frames of the attacker's "
             f"own {result['train_steps']} training-scene steps at the same θ0 ({fits}); "
             "`exact + prior` projects the prior's guess back onto the equations (30 CG "
