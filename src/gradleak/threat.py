@@ -9,7 +9,7 @@ Attack code imports this module, never the capture reader's target path.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -41,6 +41,11 @@ class Observation:
 
     def __len__(self) -> int:
         return len(self.gradients)
+
+    def steps(self, rows: Any) -> Observation:
+        """These steps only (an index or a bool mask), with their episode and position."""
+        return replace(self, gradients=self.gradients[rows], episode_ids=self.episode_ids[rows],
+                       step_in_episode=self.step_in_episode[rows])
 
     def block(self, layer_name: str) -> np.ndarray:
         """(N, *shape) gradient of one parameter tensor."""

@@ -148,7 +148,7 @@ class ExactAttack:
 
     def _recover(self, rows: np.ndarray) -> tuple[ConvInputs, Tie]:
         """The recursion on these steps, and which of them saw one frame."""
-        part = self._steps(rows)
+        part = self.observation.steps(rows)
         found = observed_conv_inputs(part)
         return found, same_frames(list(found.inputs.values())[-1], part.episode_ids,
                                   part.step_in_episode, self.config.same_frame_tolerance)
@@ -161,7 +161,7 @@ class ExactAttack:
 
     def _frames(self, rows: np.ndarray, found: ConvInputs, tie: Tie
                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        part = self._steps(rows)
+        part = self.observation.steps(rows)
         deepest = list(found.inputs)[-1]
         gradient = torch.from_numpy(part.block(f"{self.first.name}.weight").astype(np.float64))
         equations = first_conv_equations(self.victim, found.inputs[deepest],
@@ -180,12 +180,6 @@ class ExactAttack:
             refined = self.prior(stored).permute(0, 2, 3, 1).double() * 255
         return project_frames(equations, transform, refined, self.config.prior_projection,
                               self.config.frame_solve(), noise, tie)
-
-    def _steps(self, rows: np.ndarray) -> Observation:
-        observation = self.observation
-        return replace(observation, gradients=observation.gradients[rows],
-                       episode_ids=observation.episode_ids[rows],
-                       step_in_episode=observation.step_in_episode[rows])
 
 
 def first_block(victim: Victim) -> ConvBlock:

@@ -142,8 +142,6 @@ def score_conv_stack(observation: Observation, target: Target, count: int,
     (`frame_solve.same_frames` at `same_frame_tolerance`; 0: none) is solved together with it,
     as the attack solves a stream. With `rank_frames`, the rank of the equations of that many
     frames as a fraction of the unknowns (minutes per 84×84 frame)."""
-    from dataclasses import replace
-
     from gradleak.attacks.conv_recovery import observed_conv_inputs
     from gradleak.attacks.exact import bias_gradient
     from gradleak.attacks.frame_solve import Tie, same_frames
@@ -151,9 +149,7 @@ def score_conv_stack(observation: Observation, target: Target, count: int,
     scored = np.linspace(0, len(observation) - 1, count).astype(int) if rows is None \
         else np.asarray(rows)
     solved = beside(scored, len(observation)) if same_frame_tolerance else scored
-    subset = replace(observation, gradients=observation.gradients[solved],
-                     episode_ids=observation.episode_ids[solved],
-                     step_in_episode=observation.step_in_episode[solved])
+    subset = observation.steps(solved)
     start = time.perf_counter()
     found = observed_conv_inputs(subset)
     recovery_seconds = (time.perf_counter() - start) / len(solved)
@@ -173,7 +169,7 @@ def score_conv_stack(observation: Observation, target: Target, count: int,
               for name, estimate in found.inputs.items()}
     double = victim_at_theta0(observation).double()
     first = conv_blocks(double)[0]
-    part = replace(observation, gradients=observation.gradients[solved])
+    part = observation.steps(solved)
     gradient = torch.from_numpy(part.block(f"{first.name}.weight").astype(np.float64))
     solves = frame_solves(double, found, deepest, truth[deepest], gradient,
                           bias_gradient(part, first), frame_threshold, images, rank_frames,
@@ -225,8 +221,10 @@ def frame_solves(victim: Any, found: Any, deepest: str, true_map: torch.Tensor,
     equations = first_conv_equations(victim, output, noise, upstream, gradient,
                                      bias_gradient=bias)
     scored = np.arange(len(images)) if scored is None else scored
+    tied = tie is not None and not tie.trivial
     runs = {"equations": lambda: solve_frames(equations, transform, tie=tie),
-            "each_step_alone": lambda: solve_frames(equations, transform),
+            # with no step tied it is the solve above: its scores are copied, not solved again
+            **({"each_step_alone": lambda: solve_frames(equations, transform)} if tied else {}),
             "quadratic_prior": lambda: solve_frames(equations, transform,
                                                     FrameSolve(rounds=0), tie=tie),
             "without_weight_gradient": lambda: solve_frames(
@@ -246,6 +244,8 @@ def frame_solves(victim: Any, found: Any, deepest: str, true_map: torch.Tensor,
         if residuals is not None:
             scores[name]["residual_median"] = {key: float(value.median())
                                                for key, value in residuals.items()}
+    if not tied:
+        scores["each_step_alone"] = {**scores["equations"]}
     unknowns = int(np.prod(transform.frame_shape))
     scores["equations"]["equations_per_unknown"] = float(
         (equations.on[scored].flatten(1).sum(1).double().mean() + gradient[0].numel())
