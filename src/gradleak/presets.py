@@ -154,8 +154,10 @@ def paper() -> Preset:
     attack = AttackConfig(
         trace=TraceConfig(window=8, projection="dense", encoder_width=2048, encoder_blocks=4,
                           latent=1024, layers=6, heads=8, image_channels=64, dropout=0.1),
-        trace_fit=FitConfig(),  # 50 epochs, batch 8 x 2, AdamW 1e-4, τ = 5, β 0.1 → 0.8, R = 3,
-        # LPIPS-VGG at weight 0.2
+        # 50 epochs, batch 8 x 2, AdamW 1e-4, τ = 5, β 0.1 → 0.8, R = 3, LPIPS-VGG at weight
+        # 0.2. One loader process kept an H200 waiting for data half of every epoch
+        # (benchmarks/results/gpu_check.json): a window is 19 MB of compressed float32 rows.
+        trace_fit=FitConfig(workers=6),
         lti=LtiConfig(hidden=3000, layers=2, subsample_fraction=0.1),
         decoder=DecoderConfig(channels=256, global_channels=64),
         decoder_fit=DecoderFitConfig(epochs=40, extra_frames=200_000))

@@ -41,8 +41,18 @@ def test_a_batch_separates_what_was_observed_from_the_targets(train_capture: Pat
 
 
 def test_a_window_longer_than_every_episode(train_capture: Path) -> None:
-    with pytest.raises(ConfigError, match="no 'all' window of T=50.*longest episode has 20"):
+    with pytest.raises(ConfigError, match="no 'all' window of T=50.*longest 'all' episode "
+                       "has 20 steps.*needs 50"):
         WindowDataset([train_capture], window=50)
+
+
+def test_the_error_names_the_parts_own_longest_episode(train_capture: Path) -> None:
+    """A split's validation episodes may all be shorter than the file's longest: the message
+    says which length kept the part empty (the fit's own error on a short capture)."""
+    assert len(WindowDataset([train_capture], window=1, part="val")) > 0
+    with pytest.raises(ConfigError, match=r"no 'val' window of T=21.*longest 'val' episode has "
+                                          r"\d+ steps, the longest of all 20"):
+        WindowDataset([train_capture], window=21, part="val")
 
 
 def test_heldout_scenes_are_refused_as_training_data(random_capture: Path) -> None:

@@ -16,7 +16,7 @@ from gradleak.attacks.frame_refiner import FrameRefiner, RefinerConfig
 from gradleak.attacks.lti import LearningToInvert, LtiConfig
 from gradleak.attacks.trace import Trace, TraceConfig
 from gradleak.errors import CheckpointError, ConfigError, TrainingError
-from gradleak.io import load_tensors, read_json, save_tensors, write_json
+from gradleak.io import duplicate_file, load_tensors, read_json, save_tensors, write_json
 from gradleak.registry import Registry
 from gradleak.training.data import CaptureFingerprint
 from gradleak.victims.base import VictimConfig
@@ -62,7 +62,7 @@ def save_attacker(out: Path, model: nn.Module, meta: dict[str, Any], best: bool)
                                 "checkpoint")
     save_tensors(out / WEIGHTS, state)
     if best:
-        save_tensors(out / BEST, state)
+        duplicate_file(out / WEIGHTS, out / BEST)
     write_json(out / META, {"format": FORMAT, **meta})
 
 

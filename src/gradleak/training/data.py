@@ -156,7 +156,8 @@ class WindowDataset(Dataset):
                         f"{capture.path} holds {capture.attrs['split']!r} scenes, expected "
                         f"{expect_split!r} (held-out scenes are for testing only)")
             usable = [capture.usable_rows(skip_nonfinite) for capture in files]
-            rows, longest = self._windows(files, usable, stride, part, val_fraction, seed)
+            rows, longest, longest_chosen = self._windows(files, usable, stride, part,
+                                                          val_fraction, seed)
             # what --skip-nonfinite left out, for the run's record
             self.skipped_rows = int(sum((~mask).sum() for mask in usable))
         finally:
@@ -165,15 +166,18 @@ class WindowDataset(Dataset):
         if not rows:
             raise ConfigError(f"no {part!r} window of T={window} in "
                               f"{', '.join(self.paths[i] for i in self.file_indices)}: "
-                              f"the longest episode has {longest} steps")
+                              f"the longest {part!r} episode has {longest_chosen} steps, the "
+                              f"longest of all {longest} (a {part!r} window needs "
+                              f"{window * self.span})")
         self.rows = np.array(rows, dtype=np.int64)  # (N, 3): file, start row, episode
         self._handles: dict[int, dict[int, h5py.File]] = {}
 
     def _windows(self, files: list[Any], usable: list[np.ndarray], stride: int, part: str,
-                 fraction: float, seed: int) -> tuple[list[tuple[int, int, int]], int]:
+                 fraction: float, seed: int) -> tuple[list[tuple[int, int, int]], int, int]:
         """(file, start row, episode) of every window inside an episode whose rows are all
-        usable; and the longest episode's length, for the error when there is none."""
-        rows, longest = [], 0
+        usable; and the longest episode's length, of all and of the part's, for the error when
+        there is none."""
+        rows, longest, longest_chosen = [], 0, 0
         for position, (file_index, capture) in enumerate(zip(self.file_indices, files,
                                                              strict=True)):
             # bad[i] = unusable rows before i: a window [s, s + n) is clean iff bad[s + n] = bad[s]
@@ -185,11 +189,12 @@ class WindowDataset(Dataset):
             for start, end, episode in zip(starts, ends, episodes[starts], strict=True):
                 longest = max(longest, int(end - start))
                 if int(episode) in chosen:
+                    longest_chosen = max(longest_chosen, int(end - start))
                     steps = self.window * self.span
                     rows += [(file_index, int(s), int(episode))
                              for s in range(start, end - steps + 1, stride * self.span)
                              if bad[s + steps] == bad[s]]
-        return rows, longest
+        return rows, longest, longest_chosen
 
     @staticmethod
     def _split_episodes(episodes: np.ndarray, file_index: int, part: str, fraction: float,

@@ -210,7 +210,9 @@ class AttackerFit(FitLoop):
         self.loader = DataLoader(self.train_data, batch_size=config.batch_size,
                                  sampler=self.sampler, collate_fn=collate,
                                  num_workers=config.workers,
-                                 persistent_workers=config.workers > 0)
+                                 persistent_workers=config.workers > 0,
+                                 # page-locked batches copy to the GPU while it computes
+                                 pin_memory=self.device.type == "cuda")
         steps = max(1, math.ceil(len(self.loader) / config.accumulation))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimiser, warmup_cosine(config, steps, self.time_progress))
@@ -273,8 +275,8 @@ class AttackerFit(FitLoop):
             return self.engine(*self._tensors(batch), settings["beta"])
 
     def _tensors(self, batch: WindowBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return (batch.observed.gradients.to(self.device), batch.images.to(self.device),
-                batch.actions.to(self.device))
+        return tuple(tensor.to(self.device, non_blocking=True) for tensor in
+                     (batch.observed.gradients, batch.images, batch.actions))
 
     @torch.no_grad()
     def validate(self, writer: Any) -> dict[str, float]:
