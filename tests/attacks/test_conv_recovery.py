@@ -505,19 +505,31 @@ def test_a_polytope_with_room_inside_is_left_to_the_linear_programme() -> None:
     assert z is not None and float((rows @ z - bounds).max()) <= 1e-9
 
 
-def test_a_programme_met_again_within_one_recovery_is_solved_once(monkeypatch) -> None:
+def test_a_completion_met_again_within_one_recovery_is_solved_once(dead_top_channels,
+                                                                    monkeypatch) -> None:
+    """The mask rules' walks meet the same completions on the steps where their masks agree:
+    inside one recovery each is solved once and answered alike after; outside, a benchmark's
+    repeats pay for every solve."""
     import gradleak.attacks.conv_blocks as blocks
 
-    rows, bounds, _ = vertex_programme(seed=1)
+    top, below, _, pre, delta, gradient = dead_top_channels
+    outputs = KnownOutputs(pre.relu(), pre > 0, below)
     calls = []
-    solve = blocks.newton_vertex
-    monkeypatch.setattr(blocks, "newton_vertex", lambda *a: calls.append(1) or solve(*a))
-    with blocks.programmes_shared():
-        first = blocks.least_violation(rows, bounds)
-        assert blocks.least_violation(rows.copy(), bounds.copy()) is first
-        assert len(calls) == 1
-    blocks.least_violation(rows, bounds)  # outside, nothing is kept: a benchmark's repeats
-    assert len(calls) == 2  # pay for every solve
+    complete = blocks.complete_step
+    monkeypatch.setattr(blocks, "complete_step", lambda *a: calls.append(1) or complete(*a))
+    with blocks.completions_shared():
+        first = least_squares(top, delta, gradient, outputs)
+        again = least_squares(top, delta.clone(), gradient.clone(), outputs)
+        assert len(calls) == 3  # one a step
+        # a step whose masks differ is a new completion
+        changed = outputs.on.clone()
+        changed[1].view(-1)[changed[1].flatten().nonzero()[0]] = False
+        least_squares(top, delta * changed, gradient, KnownOutputs(outputs.relu, changed, below))
+        assert len(calls) == 4
+    assert torch.equal(first.solution, again.solution)
+    assert torch.equal(first.undetermined, again.undetermined)
+    least_squares(top, delta, gradient, outputs)
+    assert len(calls) == 7
 
 
 @pytest.mark.parametrize("geometry", [(21, 4, 2, 0), (8, 3, 1, 1), (15, 4, 2, 0)])
@@ -560,3 +572,25 @@ def test_the_fc_fit_a_few_steps_at_a_time_equals_all_at_once(monkeypatch) -> Non
     assert float(chunked[0][3].abs().max()) == 0.0
     empty = linear_input_with_noise(weight[:0], bias[:0])
     assert [part.shape for part in empty] == [(0, 7), (0, 7)]
+
+
+def test_the_active_rows_least_squares_matches_gelsd_and_refuses_rank_deficiency() -> None:
+    """The Newton checks' least squares: the normal equations where they are well conditioned,
+    gelsd where they are not, None where the rows do not fix every coefficient (exactly, or
+    to machine precision), as gelsd's rank says."""
+    from gradleak.attacks.conv_blocks import full_rank_least_squares
+
+    rng = np.random.default_rng(0)
+    matrix, target = rng.standard_normal((300, 100)), rng.standard_normal(300)
+    reference = np.linalg.lstsq(matrix, target, rcond=None)[0]
+    assert np.abs(full_rank_least_squares(matrix, target) - reference).max() <= 1e-12
+    # conditioned past the normal equations (cond 1e7): gelsd's answer
+    left, _, right = np.linalg.svd(matrix, full_matrices=False)
+    stretched = left @ np.diag(np.logspace(0, -7, 100)) @ right
+    assert np.array_equal(full_rank_least_squares(stretched, target),
+                          np.linalg.lstsq(stretched, target, rcond=None)[0])
+    deficient = matrix.copy()
+    deficient[:, -1] = deficient[:, :3] @ np.array([1.0, -2.0, 0.5])
+    assert full_rank_least_squares(deficient, target) is None
+    assert full_rank_least_squares(left @ np.diag(np.logspace(0, -16, 100)) @ right,
+                                   target) is None

@@ -7,12 +7,14 @@ walks the blocks down).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any, TypeVar
 
 import numpy as np
+import scipy.linalg
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -20,6 +22,8 @@ from torch import nn
 from gradleak.errors import ConfigError
 from gradleak.threads import one_thread
 from gradleak.victims.base import Victim
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -331,8 +335,8 @@ MAX_COEFFICIENTS = 512
 # Newton steps on the squared violation before the linear programme decides: 1 to 13 certified
 # the vertex on cnn-small's random-init steps; a polytope with room inside never certifies
 NEWTON_STEPS = 16
-# the solved programmes inside `programmes_shared`, else None
-_SOLVED: dict[bytes, np.ndarray | None] | None = None
+# inside `completions_shared`: the steps completed, by the bytes they read; else None
+_SHARED: dict[bytes, Any] | None = None
 # the Newton system's ridge, times its mean diagonal: the violated rows may not fix every
 # coefficient
 NEWTON_DAMPING = 1e-10
@@ -397,6 +401,9 @@ class Gram:
         """(N,) the steps solved by the normal equations, and taken to have no null space."""
         return self.spread > NORMAL_EQUATIONS
 
+    def take(self, rows: torch.Tensor) -> Gram:
+        return Gram(self.matrix[rows], self.factor[rows], self.spread[rows])
+
 
 def solve_least_squares(operator: Operator, rhs: torch.Tensor,
                         weights: torch.Tensor | None = None, gram: Gram | None = None
@@ -443,20 +450,34 @@ def least_squares(block: ConvBlock, delta: torch.Tensor, weight_gradient: torch.
     rhs = weight_gradient.permute(0, 1, 3, 4, 2).reshape(count, -1, channels_in)
     solution = torch.zeros(count, len(read), channels_in, dtype=delta.dtype)
     gram = Gram.of(operator)
-    solution[:, read] = solve_least_squares(operator, rhs, gram=gram)
+    completing = torch.zeros(count, dtype=torch.bool)
+    if outputs is not None and operator.shape[-1] <= NULL_CHECK_PIXELS:
+        completing = completable(gram, channels_in)
+    # the completion solves its steps from D's own SVD, minimum norm and null part alike
+    rest = (~completing).nonzero().flatten()
+    if len(rest) == count:
+        solution[:, read] = solve_least_squares(operator, rhs, gram=gram)
+    elif len(rest):
+        columns = solution[:, read]
+        columns[rest] = solve_least_squares(operator.take(rest), rhs[rest], gram=gram.take(rest))
+        solution[:, read] = columns
     fit = InputFit(operator, rhs, solution, gram)
-    if outputs is None or operator.shape[-1] > NULL_CHECK_PIXELS:
+    if not bool(completing.any()):
         return fit
-    nullity = torch.zeros(count, dtype=torch.long)
+    assert outputs is not None
+    return complete_from_outputs(block, fit, outputs, completing)
+
+
+def completable(gram: Gram, channels_in: int) -> torch.Tensor:
+    """(N,) the steps whose D(δ) has a null space the outputs can fix. A δ this sparse, with
+    more null coefficients than MAX_COEFFICIENTS, means the masks above collapsed (a defense's
+    noise): the outputs cannot fix so many directions, and those steps keep the minimum-norm
+    solve."""
+    nullity = torch.zeros(len(gram.spread), dtype=torch.long)
     unsure = ~gram.well_posed
     if bool(unsure.any()):
         nullity[unsure] = null_space_size(gram.matrix[unsure])
-    # a δ this sparse means the masks above collapsed (a defense's noise): the outputs cannot
-    # fix so many directions; those steps keep the minimum-norm solve
-    fixable = (nullity > 0) & (nullity * channels_in <= MAX_COEFFICIENTS)
-    if not bool(fixable.any()):
-        return fit
-    return complete_from_outputs(block, fit, outputs, fixable)
+    return (nullity > 0) & (nullity * channels_in <= MAX_COEFFICIENTS)
 
 
 def null_space_size(gram: torch.Tensor) -> torch.Tensor:
@@ -466,6 +487,16 @@ def null_space_size(gram: torch.Tensor) -> torch.Tensor:
     return (eigenvalues < NULL_TOLERANCE ** 1.5 * eigenvalues[:, -1:]).sum(1)
 
 
+@dataclass(frozen=True)
+class StepCompletion:
+    """One step's input from `complete_step`: (Q, C_in) columns, (Q, C_in) bool where no
+    equation fixes them, and whether D(δ) had a null space there."""
+
+    solution: torch.Tensor
+    undetermined: torch.Tensor
+    completed: bool
+
+
 @torch.no_grad()
 def complete_from_outputs(block: ConvBlock, fit: InputFit, outputs: KnownOutputs,
                           steps: torch.Tensor) -> InputFit:
@@ -473,54 +504,79 @@ def complete_from_outputs(block: ConvBlock, fit: InputFit, outputs: KnownOutputs
     channel: a_i = a_i* + Σ_j c_ij n_j. The on-units' pre-activations are linear in the c_ij,
     so one small least squares per step fixes those the live output channels reach; the rest
     are marked undetermined. Only `steps` (where D's Gram matrix has a null space) are looked
-    at; there a* is the minimum-norm solution with the singular values under NULL_TOLERANCE
-    dropped (gelsd's own cut-off is machine precision), so that it has no part along the
-    null directions it is completed with."""
+    at, and solved here whole: a* is the minimum-norm solution with the singular values under
+    NULL_TOLERANCE dropped (gelsd's own cut-off is machine precision), so that it has no part
+    along the null directions it is completed with."""
     solution = fit.solution.clone()
     undetermined = torch.zeros_like(solution, dtype=torch.bool)
     completed = torch.zeros(len(solution), dtype=torch.bool)
     read = covered_pixels(block)
-    with one_thread():  # small solves a step: 81 → 59 ms a frame on cnn-small, 2 cores
+    below = b"" if outputs.below is None else outputs.below.name.encode()
+
+    def complete(step: int) -> StepCompletion:
+        return shared(lambda: complete_step(block, fit, outputs, step, read),
+                      b"completion", block.name.encode(), below, fit.operator.delta[step],
+                      fit.rhs[step], outputs.relu[step], outputs.on[step])
+
+    # Small solves a step, on one thread: 81 → 59 ms a frame on cnn-small, 2 cores. Two steps
+    # at a time in threads was no faster there (27.3 against 31.2 ms a frame, medians of 7
+    # side by side): the many small operations between the solves hold the GIL.
+    with one_thread():
         for step in steps.nonzero().flatten().tolist():
-            complete_step(block, fit, outputs, step, read, solution, undetermined, completed)
+            done = complete(step)
+            solution[step], undetermined[step] = done.solution, done.undetermined
+            completed[step] = done.completed
     return InputFit(fit.operator, fit.rhs, solution, fit.gram, undetermined, completed)
 
 
 def complete_step(block: ConvBlock, fit: InputFit, outputs: KnownOutputs, step: int,
-                  read: torch.Tensor, solution: torch.Tensor, undetermined: torch.Tensor,
-                  completed: torch.Tensor) -> None:
-    """`complete_from_outputs` on one step, in place (`read`: the block's covered pixels)."""
-    left, singular, right = torch.linalg.svd(fit.operator.take(step).dense()[0],
-                                             full_matrices=False)
+                  read: torch.Tensor) -> StepCompletion:
+    """`complete_from_outputs` on one step (`read`: the block's covered pixels)."""
+    matrix = fit.operator.take(step).dense()[0]
+    left, singular, right = torch.linalg.svd(matrix, full_matrices=False)
     null = singular < NULL_TOLERANCE * singular[0]
+    # where the eigenvalues saw a null space the SVD does not, gelsd's own cut-off
+    kept = ~null if bool(null.any()) else \
+        singular > torch.finfo(singular.dtype).eps * max(matrix.shape) * singular[0]
+    solution = torch.zeros_like(fit.solution[step])
+    solution[read] = right[kept].T @ (left[:, kept].T @ fit.rhs[step] / singular[kept][:, None])
+    undetermined = torch.zeros_like(solution, dtype=torch.bool)
     if not bool(null.any()):
-        return
-    completed[step] = True
-    solution[step, read] = right[~null].T @ (
-        left[:, ~null].T @ fit.rhs[step] / singular[~null][:, None])
+        return StepCompletion(solution, undetermined, False)
     directions = torch.zeros(int(null.sum()), len(read), dtype=solution.dtype)
     directions[:, read] = right[null]  # (J, Q)
-    part, free = null_space_part(block, directions, solution[step], outputs, step)
-    if not plausible(part, solution[step]):  # wrong masks above: nothing to trust here
-        undetermined[step] = in_every_channel(reaches(directions), block)
-        return
-    solution[step] += part
+    part, free = null_space_part(block, directions, solution, outputs, step)
+    if not plausible(part, solution):  # wrong masks above: nothing to trust here
+        return StepCompletion(solution, in_every_channel(reaches(directions), block), True)
+    solution = solution + part
     if not len(free):
-        return
+        return StepCompletion(solution, undetermined, True)
     resolved = None if outputs.below is None else resolve_free_part(
-        block, outputs.below, solution[step], free, outputs, step)
-    if resolved is None or not plausible(resolved - solution[step], solution[step]):
-        undetermined[step] = reaches(free)
-    else:
-        solution[step] = resolved
+        block, outputs.below, solution, free, outputs, step)
+    if resolved is None or not plausible(resolved - solution, solution):
+        return StepCompletion(solution, reaches(free.maps), True)
+    return StepCompletion(resolved, undetermined, True)
+
+
+@dataclass(frozen=True)
+class FreeDirections:
+    """The null-space maps the on-units leave free: (F, Q, C_in) maps, and the conv's output
+    (no bias) on each, (F, C_out, h, w), from the per-direction outputs already at hand (a
+    conv of the F maps themselves was half of the inequalities' cost)."""
+
+    maps: torch.Tensor
+    outputs: torch.Tensor
+
+    def __len__(self) -> int:
+        return len(self.maps)
 
 
 def null_space_part(block: ConvBlock, directions: torch.Tensor, solution: torch.Tensor,
-                    outputs: KnownOutputs, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+                    outputs: KnownOutputs, step: int) -> tuple[torch.Tensor, FreeDirections]:
     """(Q, C_in) Σ_j c_ij n_j with c fitted to the on-units' pre-activations, and the c that
-    stay free as (F, Q, C_in) maps: a trained victim's top conv has output channels that are
-    off everywhere on a frame (40 of 64 on the paper's CNN after 6 PPO updates), and those say
-    nothing of the input channels they would read."""
+    stay free: a trained victim's top conv has output channels that are off everywhere on a
+    frame (40 of 64 on the paper's CNN after 6 PPO updates), and those say nothing of the
+    input channels they would read."""
     channels_in = block.conv.in_channels
     columns = direction_outputs(block, directions)  # (C_out, P, C_in, J)
     on = outputs.on[step].flatten(1)  # (C_out, P)
@@ -535,9 +591,15 @@ def null_space_part(block: ConvBlock, directions: torch.Tensor, solution: torch.
     coefficients = right[:rank].T @ (left[:, :rank].T @ missing / singular[:rank])
 
     def as_maps(c: torch.Tensor) -> torch.Tensor:  # (F, C_in·J) → (F, Q, C_in)
-        return (c.reshape(-1, channels_in, len(directions)) @ directions).transpose(1, 2)
+        # contiguous: the inequalities reduce and gather over F (a strided amax took 1.3 ms,
+        # a tenth of that after one copy)
+        maps = c.reshape(-1, channels_in, len(directions)) @ directions
+        return maps.transpose(1, 2).contiguous()
 
-    return as_maps(coefficients)[0], as_maps(right[rank:])
+    free = right[rank:]
+    changes = (columns.flatten(2) @ free.T).permute(2, 0, 1)  # (F, C_out, P)
+    return as_maps(coefficients)[0], FreeDirections(
+        as_maps(free), changes.reshape(len(free), *outputs.on.shape[1:]))
 
 
 def direction_outputs(block: ConvBlock, directions: torch.Tensor) -> torch.Tensor:
@@ -570,7 +632,7 @@ def block_outputs(block: ConvBlock, columns: torch.Tensor, bias: bool = True) ->
 
 
 def resolve_free_part(block: ConvBlock, below: ConvBlock, solution: torch.Tensor,
-                      free: torch.Tensor, outputs: KnownOutputs, step: int
+                      free: FreeDirections, outputs: KnownOutputs, step: int
                       ) -> torch.Tensor | None:
     """(Q, C_in) the input within `solution` + span(free) that best satisfies the inequalities
     left: the input is a ReLU → BatchNorm output of the block `below` (BN⁻¹ of it is ≥ 0, and
@@ -585,7 +647,7 @@ def resolve_free_part(block: ConvBlock, below: ConvBlock, solution: torch.Tensor
     z = least_violation(rows, bounds)
     if z is None:
         return None
-    return solution + torch.einsum("f,fqc->qc", torch.from_numpy(z), free)
+    return solution + torch.einsum("f,fqc->qc", torch.from_numpy(z), free.maps)
 
 
 def least_violation(rows: np.ndarray, bounds: np.ndarray) -> np.ndarray | None:
@@ -596,30 +658,38 @@ def least_violation(rows: np.ndarray, bounds: np.ndarray) -> np.ndarray | None:
     stops at (21 of one cnn-small recovery's 24 programmes: HiGHS's vertex to 1e-5, in 2–16
     ms against 60–70). Otherwise (a polytope with room inside, or no convergence) the linear
     programme (HiGHS) decides. None when it fails."""
-    if _SOLVED is None:
-        return solved_vertex(rows, bounds)
-    key = hashlib.blake2b(rows.tobytes() + bounds.tobytes(), digest_size=16).digest()
-    if key not in _SOLVED:
-        _SOLVED[key] = solved_vertex(rows, bounds)
-    return _SOLVED[key]
-
-
-def solved_vertex(rows: np.ndarray, bounds: np.ndarray) -> np.ndarray | None:
     found = newton_vertex(rows, bounds)
     return linear_programme(rows, bounds) if found is None else found
 
 
+def shared(compute: Callable[[], T], *parts: bytes | np.ndarray | torch.Tensor) -> T:
+    """`compute()`, answered from the first call with the same `parts` (bytes of what it
+    reads) inside `completions_shared`; computed afresh outside."""
+    if _SHARED is None:
+        return compute()
+    digest = hashlib.blake2b(digest_size=16)
+    for part in parts:
+        digest.update(part if isinstance(part, bytes) else
+                      (part.numpy() if isinstance(part, torch.Tensor) else part).tobytes())
+    key = digest.digest()
+    if key not in _SHARED:
+        _SHARED[key] = compute()
+    return _SHARED[key]
+
+
 @contextmanager
-def programmes_shared() -> Iterator[None]:
-    """Within: a programme met again is answered from the first solve. The walks of the other
-    mask rules meet the same programmes on the steps they share with the first (their masks
-    agree there); one recovery's worth of them is kept, keyed by the programme's bytes."""
-    global _SOLVED
-    outer, _SOLVED = _SOLVED, {} if _SOLVED is None else _SOLVED
+def completions_shared() -> Iterator[None]:
+    """Within: a step's completion met again is answered from the first solve. The walks of
+    the other mask rules meet the same ones on the steps they share with the first (their
+    masks agree there: one cnn-small step at random init was completed nine times, as often as
+    the rest together, and one of the paper cnn's linear programmes, 70 ms, recurred); one
+    recovery's worth is kept, keyed by the bytes a completion reads."""
+    global _SHARED
+    outer, _SHARED = _SHARED, {} if _SHARED is None else _SHARED
     try:
         yield
     finally:
-        _SOLVED = outer
+        _SHARED = outer
 
 
 def linear_programme(rows: np.ndarray, bounds: np.ndarray) -> np.ndarray | None:
@@ -646,20 +716,22 @@ def newton_vertex(rows: np.ndarray, bounds: np.ndarray) -> np.ndarray | None:
     """The least-violation vertex by semismooth Newton steps on ½ Σ max(0, rows z − bounds)²,
     certified by `active_least_squares` on its near-active rows; None after NEWTON_STEPS."""
     z = np.zeros(rows.shape[1])
+    tolerance = active_tolerance(bounds)
+    residual = -bounds
     for step in range(NEWTON_STEPS):
-        residual = rows @ z - bounds
         violated = residual > 0
         if not violated.any():
             return None  # strictly inside: a polytope with room, the programme picks a vertex
         part = rows[violated]
         slope = part.T @ residual[violated]
         curvature = part.T @ part
-        curvature[np.diag_indices_from(curvature)] += NEWTON_DAMPING * np.trace(curvature) \
+        curvature.flat[::len(curvature) + 1] += NEWTON_DAMPING * np.trace(curvature) \
             / len(curvature)
         direction = -np.linalg.solve(curvature, slope)
         z = z + backtrack(rows, bounds, z, direction, slope, residual[violated])
+        residual = rows @ z - bounds
         if step:
-            certified = active_least_squares(rows, bounds, z, strict=True)
+            certified = vertex_of_active_rows(rows, bounds, residual, tolerance, strict=True)
             if certified is not None:
                 return certified
     return None
@@ -681,14 +753,51 @@ def active_least_squares(rows: np.ndarray, bounds: np.ndarray, z: np.ndarray,
                          strict: bool = False) -> np.ndarray | None:
     """Least squares on the rows within ACTIVE_TOLERANCE of active at z, when they fix every
     coefficient; with `strict`, only if that point violates no row beyond the tolerance."""
-    tolerance = ACTIVE_TOLERANCE * np.median(np.abs(bounds))
-    active = np.abs(bounds - rows @ z) <= tolerance
+    return vertex_of_active_rows(rows, bounds, rows @ z - bounds, active_tolerance(bounds),
+                                 strict)
+
+
+def active_tolerance(bounds: np.ndarray) -> float:
+    return ACTIVE_TOLERANCE * float(np.median(np.abs(bounds)))
+
+
+def vertex_of_active_rows(rows: np.ndarray, bounds: np.ndarray, residual: np.ndarray,
+                          tolerance: float, strict: bool) -> np.ndarray | None:
+    """`active_least_squares` given z's residual (rows z − bounds) and the tolerance."""
+    active = np.abs(residual) <= tolerance
     if active.sum() < rows.shape[1]:
         return None
-    point, _, rank, _ = np.linalg.lstsq(rows[active], bounds[active], rcond=None)
-    if rank < rows.shape[1] or (strict and (rows @ point - bounds).max() > tolerance):
+    point = full_rank_least_squares(rows[active], bounds[active])
+    if point is None or (strict and (rows @ point - bounds).max() > tolerance):
         return None
     return point
+
+
+def full_rank_least_squares(matrix: np.ndarray, target: np.ndarray) -> np.ndarray | None:
+    """argmin ‖matrix x − target‖ where the matrix has full column rank, else None. By the
+    normal equations' Cholesky factor and one refinement step where it is well conditioned (a
+    tenth of gelsd's time: the Newton vertex asks up to 13 times a programme); otherwise a
+    pivoted QR tells rank deficiency (most of those: active rows that do not yet fix every
+    coefficient) at a third of gelsd's cost, and gelsd's SVD solves the rest."""
+    normal = matrix.T @ matrix
+    try:
+        factor = scipy.linalg.cho_factor(normal, check_finite=False)
+    except np.linalg.LinAlgError:
+        factor = None
+    if factor is not None:
+        pivots = np.abs(np.diag(factor[0]))
+        if pivots.min() > NORMAL_EQUATIONS ** 0.5 * pivots.max():
+            point = scipy.linalg.cho_solve(factor, matrix.T @ target, check_finite=False)
+            return point + scipy.linalg.cho_solve(
+                factor, matrix.T @ (target - matrix @ point), check_finite=False)
+    # gelsd's rank: singular values above machine precision times the larger dimension
+    cutoff = np.finfo(matrix.dtype).eps * max(matrix.shape)
+    triangle = scipy.linalg.qr(matrix, mode="r", pivoting=True, check_finite=False)[0]
+    diagonal = np.abs(np.diag(triangle))
+    if diagonal.min() <= cutoff * diagonal.max():
+        return None
+    point, _, rank, _ = np.linalg.lstsq(matrix, target, rcond=None)
+    return point if rank == matrix.shape[1] else None
 
 
 def in_every_channel(pixels: torch.Tensor, block: ConvBlock) -> torch.Tensor:
@@ -704,18 +813,19 @@ def plausible(change: torch.Tensor, solution: torch.Tensor) -> bool:
 
 def reaches(maps: torch.Tensor) -> torch.Tensor:
     """Where some of (F, ...) maps is not zero; the SVD leaves 1e-17 where it is."""
-    return maps.abs().amax(0) > 1e-12 * maps.abs().max()
+    peaks = maps.abs().amax(0)
+    return peaks > 1e-12 * peaks.max()
 
 
 def inequalities(block: ConvBlock, below: ConvBlock, solution: torch.Tensor,
-                 free: torch.Tensor, off: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+                 free: FreeDirections, off: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
     """rows z ≤ bounds, each row of unit norm, over the units span(free) reaches: the floor of
     the ReLU below (−BN⁻¹ change ≤ BN⁻¹ of `solution`) and the off-units above."""
     gain, shift, mean = (value.flatten()[None, :] for value in bn_affine(below))
-    reached = reaches(free)  # (Q, C_in)
-    floor_rows = (-free[:, reached] / gain.expand_as(solution)[reached]).T  # (units, F)
+    reached = reaches(free.maps)  # (Q, C_in)
+    floor_rows = (-free.maps[:, reached] / gain.expand_as(solution)[reached]).T  # (units, F)
     floor_bounds = (solution / gain - shift + mean)[reached]
-    changes = block_outputs(block, free, bias=False)
+    changes = free.outputs
     off = off & reaches(changes)
     rows = torch.cat([floor_rows, changes[:, off].T])
     bounds = torch.cat([floor_bounds, -block_output(block, solution)[off]])

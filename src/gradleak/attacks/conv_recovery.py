@@ -50,7 +50,7 @@ from gradleak.attacks.conv_blocks import (
     deepest_inputs,
     fitted_output_gradient,
     posterior_on,
-    programmes_shared,
+    completions_shared,
     robust_input,
     solve_input,
     solve_input_with_noise,
@@ -232,7 +232,7 @@ def recover_conv_inputs(gradient_of: GradientOf, victim: Victim, down_to: str | 
 
     if not rules:
         raise ConfigError("recovery through the conv stack needs at least one mask rule")
-    with programmes_shared():
+    with completions_shared():
         return walk_every_rule(once, victim, down_to, rules)
 
 
