@@ -773,8 +773,8 @@ def vertex_of_active_rows(rows: np.ndarray, bounds: np.ndarray, residual: np.nda
     return point
 
 
-def full_rank_least_squares(matrix: np.ndarray, target: np.ndarray) -> np.ndarray | None:
-    """argmin ‖matrix x − target‖ where the matrix has full column rank, else None. By the
+def full_rank_least_squares(matrix: np.ndarray, rhs: np.ndarray) -> np.ndarray | None:
+    """argmin ‖matrix x − rhs‖ where the matrix has full column rank, else None. By the
     normal equations' Cholesky factor and one refinement step where it is well conditioned (a
     tenth of gelsd's time: the Newton vertex asks up to 13 times a programme); otherwise a
     pivoted QR tells rank deficiency (most of those: active rows that do not yet fix every
@@ -787,16 +787,16 @@ def full_rank_least_squares(matrix: np.ndarray, target: np.ndarray) -> np.ndarra
     if factor is not None:
         pivots = np.abs(np.diag(factor[0]))
         if pivots.min() > NORMAL_EQUATIONS ** 0.5 * pivots.max():
-            point = scipy.linalg.cho_solve(factor, matrix.T @ target, check_finite=False)
+            point = scipy.linalg.cho_solve(factor, matrix.T @ rhs, check_finite=False)
             return point + scipy.linalg.cho_solve(
-                factor, matrix.T @ (target - matrix @ point), check_finite=False)
+                factor, matrix.T @ (rhs - matrix @ point), check_finite=False)
     # gelsd's rank: singular values above machine precision times the larger dimension
     cutoff = np.finfo(matrix.dtype).eps * max(matrix.shape)
     triangle = scipy.linalg.qr(matrix, mode="r", pivoting=True, check_finite=False)[0]
     diagonal = np.abs(np.diag(triangle))
     if diagonal.min() <= cutoff * diagonal.max():
         return None
-    point, _, rank, _ = np.linalg.lstsq(matrix, target, rcond=None)
+    point, _, rank, _ = np.linalg.lstsq(matrix, rhs, rcond=None)
     return point if rank == matrix.shape[1] else None
 
 
