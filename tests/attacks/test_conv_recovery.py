@@ -496,13 +496,40 @@ def test_the_newton_vertex_is_the_linear_programmes_and_the_truth() -> None:
     assert np.array_equal(least_violation(rows, bounds), newton)
 
 
-def test_a_polytope_with_room_inside_is_left_to_the_linear_programme() -> None:
-    from gradleak.attacks.conv_blocks import least_violation, newton_vertex
+def test_a_polytope_with_room_inside_keeps_the_feasible_point_without_a_programme(
+        monkeypatch) -> None:
+    """Where the rows leave room (strictly inside at the start, or the Newton steps ending at a
+    point that violates nothing while the active rows leave coefficients free), no vertex is
+    singled out: that point is kept and HiGHS is not asked. Where noise leaves no point that
+    violates nothing, the linear programme still decides."""
+    import gradleak.attacks.conv_blocks as blocks
 
+    programmes = []
+    solve = blocks.linear_programme
+    monkeypatch.setattr(blocks, "linear_programme",
+                        lambda *a: programmes.append(1) or solve(*a))
     rows, bounds, _ = vertex_programme(slack_everywhere=True)
-    assert newton_vertex(rows, bounds) is None  # nothing certifies a vertex there
-    z = least_violation(rows, bounds)
-    assert z is not None and float((rows @ z - bounds).max()) <= 1e-9
+    assert blocks.newton_vertex(rows, bounds) is None  # nothing certifies a vertex there
+    z = blocks.least_violation(rows, bounds)
+    assert z is not None and float((rows @ z - bounds).max()) <= 1e-9 and not programmes
+    # room after some steps: the truth violates nothing, only 20 rows are active there
+    rng = np.random.default_rng(2)
+    truth = rng.standard_normal(30)
+    roomy = rng.standard_normal((400, 30))
+    roomy /= np.linalg.norm(roomy, axis=1, keepdims=True)
+    slack = rng.uniform(0.1, 1.0, 400)
+    slack[:20] = 0.0
+    shifted = roomy @ truth + slack - roomy @ (truth + 0.5)  # bounds of z around −0.5 off
+    end = blocks.newton_steps(roomy, shifted)
+    assert not end.certified and end.feasible
+    assert np.array_equal(blocks.least_violation(roomy, shifted), end.point) and not programmes
+    # contradictory rows (z₀ ≤ −1 and −z₀ ≤ −1): nothing is feasible, HiGHS decides
+    clash = np.zeros((2, 30))
+    clash[0, 0], clash[1, 0] = 1.0, -1.0
+    contradictory = np.vstack([rows, clash])
+    assert blocks.least_violation(contradictory, np.concatenate([bounds, [-1.0, -1.0]])) \
+        is not None
+    assert programmes == [1]
 
 
 def test_a_completion_met_again_within_one_recovery_is_solved_once(dead_top_channels,
