@@ -661,7 +661,7 @@ def least_violation(rows: np.ndarray, bounds: np.ndarray) -> np.ndarray | None:
     is kept: the inequalities single out no vertex there, and the one HiGHS stopped at was no
     nearer the truth on the held-out captures (the paper cnn's three such programmes, PPO,
     gave the same inputs either way; cnn-small's one was on a step no rule recovers, relative
-    error 1.5 with HiGHS's vertex, 0.92 with this point), at 60–70 ms a programme. Otherwise (no
+    error 1.5 against the truth either way), at 60–70 ms a programme. Otherwise (no
     convergence: noise leaves no point that violates nothing) the linear programme (HiGHS)
     decides. None when it fails."""
     end = newton_steps(rows, bounds)
