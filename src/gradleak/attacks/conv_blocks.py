@@ -332,8 +332,9 @@ ACTIVE_TOLERANCE = 1e-4
 MAX_FREE = 160
 # nor is the completion for more null-space coefficients (C_in · nullity) than this
 MAX_COEFFICIENTS = 512
-# Newton steps on the squared violation before the linear programme decides: 1 to 13 certified
-# the vertex on cnn-small's random-init steps; a polytope with room inside never certifies
+# Newton steps on the squared violation: 1 to 13 certified the vertex on cnn-small's
+# random-init steps; a polytope with room inside never certifies (its last point is kept), and
+# only a programme still violated after them goes to the linear programme
 NEWTON_STEPS = 16
 # inside `completions_shared`: the steps completed, by the bytes they read; else None
 _SHARED: dict[bytes, Any] | None = None
