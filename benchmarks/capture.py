@@ -60,10 +60,12 @@ def median_seconds(run, repeats: int) -> float:
     return statistics.median(times)
 
 
-def round_robin_seconds(runs: dict[str, Any], repeats: int) -> dict[str, list[float]]:
+def round_robin_seconds(runs: dict[str, Any], repeats: int,
+                        untimed: dict[str, Callable[[], None]] | None = None
+                        ) -> dict[str, list[float]]:
     """Each run's seconds over `repeats` rounds, every run once a round (after a warm-up
     round): the host's drift over minutes falls on all of them alike, so a ratio is taken
-    round by round."""
+    round by round. `untimed[name]`, if any, runs after that run, outside its time."""
     seconds: dict[str, list[float]] = {name: [] for name in runs}
     for round_ in range(repeats + 1):
         for name, run in runs.items():
@@ -71,6 +73,7 @@ def round_robin_seconds(runs: dict[str, Any], repeats: int) -> dict[str, list[fl
             run()
             if round_:
                 seconds[name].append(time.perf_counter() - start)
+            (untimed or {}).get(name, lambda: None)()
     return seconds
 
 
@@ -310,37 +313,47 @@ def capture_rates(victim: str, frame_size: int, steps: int, repeats: int,
                                               *overrides])
                for key, overrides in CAPTURE_VARIANTS.items()}
     timings: dict[str, list[dict[str, float]]] = {key: [] for key in presets}
+    sizes: dict[str, int] = {}
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory() as tmp, engine(frame_size) as env:
         def capture(key: str, length: int, name: str) -> Callable[[], None]:
             def run() -> None:
                 result = run_capture(CaptureJob(victim=victim, random_init=True, split="train",
                                                 steps=length, out=Path(tmp) / f"{name}.h5",
-                                                preset=presets[key], progress=False,
-                                                overwrite=True))
+                                                preset=presets[key], progress=False))
                 timings.setdefault(name, []).append(
                     {k: v for k, v in result.items() if k.endswith("_s")})
+            return run
+
+        episodes: list[Callable[[Any], None]] = []  # the long capture's, to replay
+
+        # Each capture writes a new file, as a user's does: replacing the last round's (an
+        # --overwrite) would free its blocks inside the timing, 0.06-0.08 s for 150 MB.
+        def discard(name: str) -> Callable[[], None]:
+            def run() -> None:
+                path = Path(tmp) / f"{name}.h5"
+                if name == "long" and not episodes:  # the replay's episodes, read once
+                    episodes.append(replay(path))
+                sizes[name] = path.stat().st_size
+                path.unlink()
             return run
 
         def alone() -> None:
             with single_threaded_torch():  # as capture runs it
                 random_steps(env, engine_steps, rng)
 
-        episodes: list[Callable[[Any], None]] = []
-
-        def replayed() -> None:  # the long capture's episodes (the same every round), read
-            if not episodes:  # in the untimed warm-up round
-                episodes.append(replay(Path(tmp) / "long.h5"))
+        def replayed() -> None:  # the long capture's episodes, the same every round
             with single_threaded_torch():
                 episodes[0](env)
 
         runs = {"engine": alone, **{key: capture(key, steps, key) for key in presets},
                 "long": capture("overlapped", steps * LONG, "long"), "replay": replayed}
-        seconds = round_robin_seconds(runs, repeats)
+        seconds = round_robin_seconds(runs, repeats,
+                                      {name: discard(name) for name in [*presets, "long"]})
         for key in presets:
             parts = timings[key][1:]  # the warm-up round's apart
             rates[f"steps_per_s_{key}"] = steps / statistics.median(seconds[key])
-            rates[f"bytes_per_step_{key}"] = (Path(tmp) / f"{key}.h5").stat().st_size / steps
+            rates[f"bytes_per_step_{key}"] = sizes[key] / steps
             rates[f"ms_per_step_{key}"] = {
                 part: 1e3 * statistics.median(t[part] for t in parts) / steps
                 for part in parts[0]}
@@ -370,6 +383,9 @@ def steady_rates(seconds: dict[str, list[float]], steps: int, engine_steps: int
                 for rate, took in zip(steady, seconds["engine"], strict=True)),
             "steady_vs_replay": statistics.median(
                 rate / engine for rate, engine in zip(steady, replayed, strict=True)),
+            "long_vs_engine": statistics.median(
+                steps * LONG / long / (engine_steps / took)
+                for long, took in zip(seconds["long"], seconds["engine"], strict=True)),
             "long_vs_replay": statistics.median(
                 steps * LONG / long / engine
                 for long, engine in zip(seconds["long"], replayed, strict=True))}

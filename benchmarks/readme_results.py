@@ -129,6 +129,9 @@ def capture() -> tuple[str, str]:
                          f"random actions, {c['steady_vs_replay']:.2f}× the engine replaying "
                          "the capture's own episodes)" if "steady_steps_per_s" in c
                          else "")
+                      + (f", whole at {c['long_steps']} steps {c['long_vs_engine']:.2f}× the "
+                         f"engine ({c['long_vs_replay']:.2f}× the replay)"
+                         if "long_vs_engine" in c else "")
                       for c in data["captures"])
     lz4 = next(f for f in data["filters"] if f["filter"] == "lz4" and f["dtype"] == "float32")
     return (f"environment and capture speed ({data['statistic']}s of {data['repeats']})",

@@ -239,6 +239,28 @@ def test_overlapped_rollouts_write_the_same_file_and_report_their_errors(
     assert not out.exists() and not (tmp_path / "broken.h5.partial").exists()
 
 
+def test_the_engine_reads_the_maps_the_plan_read(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The WAD and its maps' geometry are read once, by the plan: the engine's environment (in
+    the forked child by default; here, with the rollout in this process, to count) is handed
+    the plan's catalog rather than reading them again (0.1 s of the child's start)."""
+    from gradleak.envs.scenes import SceneCatalog
+
+    built = []
+    original = SceneCatalog.__init__
+
+    def counted(self, *args, **kwargs):
+        built.append(self)
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(SceneCatalog, "__init__", counted)
+    preset = tiny_preset()
+    preset.capture.overlap = False
+    run_capture(CaptureJob(victim="cnn-small", random_init=True, split="train", steps=4,
+                           out=tmp_path / "once.h5", preset=preset, progress=False))
+    assert len(built) == 1
+
+
 def test_background_writes_give_the_same_file_and_raise_the_writers_error(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Episodes written in a thread (the default) while the next one's gradients are formed:

@@ -20,7 +20,8 @@ from gradleak.capture.layout import mark_layout
 from gradleak.capture.storage import check_compression
 from gradleak.capture.schema import FORMAT, FORMAT_VERSION, layers_to_json
 from gradleak.capture.writer import partial_path
-from gradleak.envs.factory import num_actions, scene_names
+from gradleak.envs.factory import num_actions, scene_catalog, scene_names
+from gradleak.envs.scenes import SceneCatalog
 from gradleak.errors import CheckpointError, ConfigError
 from gradleak.io import check_output, load_victim, theta_sha256, victim_directory
 from gradleak.rl.losses import LOSS_KEYS, LossCoefficients, advantage_text, parse_advantage_norm
@@ -187,6 +188,7 @@ class CapturePlan:
     out: Path
     attrs: dict[str, Any]
     factored: list[str] = dataclasses.field(default_factory=list)  # stored as their factors
+    catalog: SceneCatalog | None = None  # the maps the scenes came from (None: a gym backend)
 
 
 
@@ -231,7 +233,8 @@ def plan_capture(job: CaptureJob) -> CapturePlan:
     preset, (shard_index, shard_count) = job.preset, job.shard
     victim, algorithm, coefficients, gamma, lam = _victim_and_rule(job)
     layers = layer_table(victim, tuple(preset.capture.components))
-    all_scenes = scene_names(preset.env, job.split)
+    catalog = scene_catalog(preset.env)
+    all_scenes = scene_names(preset.env, job.split, catalog)
     scenes = _shard_scenes(all_scenes, job.shard)
     seed = job.seed if job.seed is not None else preset.capture.seed
     settings = {"theta0_sha256": theta_sha256(victim), "victim_config": victim.config.to_dict(),
@@ -252,7 +255,7 @@ def plan_capture(job: CaptureJob) -> CapturePlan:
     steps = shard_steps(job.steps, job.shard)
     return CapturePlan(victim, algorithm, coefficients, gamma, lam, layers, scenes, all_scenes,
                        steps, seed, shard_index, shard_output(job.out, job.shard), attrs,
-                       factored)
+                       factored, catalog)
 
 
 def _factored(victim: Victim, layers: list[Any], config: Any) -> list[str]:

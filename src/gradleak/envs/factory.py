@@ -24,6 +24,13 @@ def _check_backend(config: EnvConfig) -> None:
         raise ConfigError("environment backend 'gym' needs gym_id (e.g. MiniWorld-OneRoom-v0)")
 
 
+def scene_catalog(config: EnvConfig) -> SceneCatalog | None:
+    """The DoomNav maps and their geometry, to share between `scene_names` and `make_env`;
+    None for a generic environment."""
+    _check_backend(config)
+    return SceneCatalog(config.doomnav.wad) if config.backend == "doomnav" else None
+
+
 def scene_names(config: EnvConfig, split: str, catalog: SceneCatalog | None = None) -> list[str]:
     """The scenes of one split: DoomNav regions, or the generic environment as one scene."""
     _check_backend(config)
