@@ -85,3 +85,30 @@ def test_configuration_errors() -> None:
     model = tiny()
     with pytest.raises(ConfigError, match="gradient width 299"):
         model.decode(torch.zeros(1, 2, D - 1))
+
+
+def test_the_decoders_wide_linear_is_a_linear_that_follows_its_weight() -> None:
+    """Without autograd the wide Linear reads a cached transpose of its weight: the same
+    numbers as nn.Linear to rounding, and after the weight changes (an optimiser step, a load)
+    the new weight's, never the stale copy's. With autograd, and in its checkpoint, it is
+    nn.Linear exactly."""
+    from gradleak.attacks.encoders import WideLinear
+
+    torch.manual_seed(0)
+    wide, plain = WideLinear(16, 512), torch.nn.Linear(16, 512)
+    plain.load_state_dict(wide.state_dict())  # the same keys and shapes
+    x = torch.randn(3, 2, 16)
+    with torch.no_grad():
+        assert torch.allclose(wide(x), plain(x), rtol=1e-5, atol=1e-6)
+    assert torch.equal(wide(x), plain(x))  # autograd on: nn.Linear's own path
+
+    optimiser = torch.optim.SGD(wide.parameters(), lr=0.5)
+    wide(x).square().sum().backward()
+    optimiser.step()  # in place: the cached transpose is now stale
+    plain.load_state_dict(wide.state_dict())
+    with torch.no_grad():
+        assert torch.allclose(wide(x), plain(x), rtol=1e-5, atol=1e-6)
+        wide.load_state_dict(torch.nn.Linear(16, 512).state_dict())
+        assert not torch.allclose(wide(x), plain(x), rtol=1e-3)
+        plain.load_state_dict(wide.state_dict())
+        assert torch.allclose(wide(x), plain(x), rtol=1e-5, atol=1e-6)

@@ -17,6 +17,7 @@ from gradleak.attacks.attacker import WindowAttacker
 from gradleak.attacks.encoders import (
     GradientInput,
     StructuredInput,
+    WideLinear,
     subsample_index,
 )
 from gradleak.errors import ConfigError
@@ -63,7 +64,7 @@ class LearningToInvert(WindowAttacker):
             width = config.hidden
         self.body = nn.Sequential(*layers)
         size = config.frame_size
-        self.image_head = nn.Sequential(nn.Linear(width, 3 * size * size), nn.Sigmoid())
+        self.image_head = nn.Sequential(WideLinear(width, 3 * size * size), nn.Sigmoid())
         self.action_head = nn.Linear(width, config.num_actions)
 
     def forward(self, gradients: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

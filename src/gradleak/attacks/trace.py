@@ -58,11 +58,13 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-b, a], dim=-1)
 
 
-def rope(x: torch.Tensor) -> torch.Tensor:
-    """Rotary position embedding over the token axis of (B, heads, L, head_dim)."""
+def rope(x: torch.Tensor, first: int = 0) -> torch.Tensor:
+    """Rotary position embedding over the token axis of (B, heads, L, head_dim), whose tokens
+    sit at positions first, first + 1, ..."""
     length, dim = x.shape[-2], x.shape[-1]
     inverse = 1.0 / (10000 ** (torch.arange(0, dim, 2, device=x.device, dtype=x.dtype) / dim))
-    angles = torch.arange(length, device=x.device, dtype=x.dtype)[:, None] * inverse[None]
+    angles = torch.arange(first, first + length, device=x.device,
+                          dtype=x.dtype)[:, None] * inverse[None]
     cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
     return x * cos + rotate_half(x) * sin
 
@@ -77,14 +79,27 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(config.latent, config.latent)
         self.dropout = config.dropout
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: list[torch.Tensor] | None = None
+                ) -> torch.Tensor:
+        """`cache`: the keys and values of the tokens before x, extended here by x's (a decoder
+        adding a token at a time attends to them rather than running its prefix again)."""
         b, length, width = x.shape  # (B, L, D)
         q, k, v = self.qkv(x).view(b, length, 3, self.heads, width // self.heads).unbind(2)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, L, head_dim)
+        before = cache[0].shape[2] if cache else 0
         if self.use_rope:
-            q, k = rope(q), rope(k)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
+            q, k = rope(q, before), rope(k, before)
+        if cache is not None:
+            if cache:
+                k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)
+            cache[:] = [k, v]
+        dropout = self.dropout if self.training else 0.0
+        if before:  # query i sits at position before + i: it sees keys up to there
+            mask = torch.ones(length, before + length, dtype=torch.bool,
+                              device=x.device).tril(before)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
         return self.proj(y.transpose(1, 2).reshape(b, length, width))
 
 
@@ -101,8 +116,9 @@ class GatedBlock(nn.Module):
         self.alpha_attn = nn.Parameter(torch.zeros(()))
         self.alpha_ffn = nn.Parameter(torch.zeros(()))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + torch.sigmoid(self.alpha_attn) * self.attn(self.norm_attn(x))
+    def forward(self, x: torch.Tensor, cache: list[torch.Tensor] | None = None
+                ) -> torch.Tensor:
+        x = x + torch.sigmoid(self.alpha_attn) * self.attn(self.norm_attn(x), cache)
         return x + torch.sigmoid(self.alpha_ffn) * self.ffn(self.norm_ffn(x))
 
 
@@ -165,19 +181,30 @@ class Trace(WindowAttacker):
              ) -> tuple[torch.Tensor, torch.Tensor]:
         """Transformer over [z_1, e_0, ..., z_n, e_{n-1}]; read out at every e token (or only
         the last: autoregressive steps need one new frame, and decoding is the costly part)."""
+        return self._read_out(self._through_blocks(z, e, 0), last_only)
+
+    def _through_blocks(self, z: torch.Tensor, e: torch.Tensor, first: int,
+                        caches: list[list[torch.Tensor]] | None = None) -> torch.Tensor:
+        """The blocks' output at the tokens of steps first + 1 .. first + n, given (`caches`,
+        which they extend) the keys and values of the steps before."""
         b, n, d = z.shape
-        if n > self.config.window and self.position is not None:
-            raise ConfigError(f"{n} steps exceed the attacker's window T={self.config.window}")
+        if first + n > self.config.window and self.position is not None:
+            raise ConfigError(f"{first + n} steps exceed the attacker's window "
+                              f"T={self.config.window}")
         tokens = torch.stack([z + self.token_type[0], e + self.token_type[1]], dim=2)
         x = tokens.reshape(b, 2 * n, d)  # interleaved: z_1, e_0, z_2, e_1, ...
         if self.position is not None:
-            x = x + self.position[: 2 * n]
-        for block in self.blocks:
-            x = block(x)
-        h = self.norm(x)[:, 1::2]  # (B, n, D) at e_0..e_{n-1}
+            x = x + self.position[2 * first: 2 * (first + n)]
+        for index, block in enumerate(self.blocks):
+            x = block(x, None if caches is None else caches[index])
+        return x
+
+    def _read_out(self, x: torch.Tensor, last_only: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.norm(x)[:, 1::2]  # (B, n, D) at the e tokens
         if last_only:
             h = h[:, -1:]
-        frames = self.decoder(h.flatten(0, 1)).view(b, h.shape[1], 3, *self.decoder_shape)
+        frames = self.decoder(h.flatten(0, 1)).view(len(h), h.shape[1], 3, *self.decoder_shape)
         return frames, self.action_head(h)
 
     @property
@@ -200,15 +227,18 @@ class Trace(WindowAttacker):
         `teacher` frames (B, T, 3, H, W) the context is those instead (a test of equivalence)."""
         b, steps = gradients.shape[:2]
         z = self.encode_gradients(gradients)
-        contexts = [self.start.expand(b, -1)]
+        context = self.start.expand(b, -1)
+        # each step's keys and values are kept: a step runs its own two tokens, not the prefix
+        # (the causal mask leaves the earlier tokens' outputs as they were)
+        caches: list[list[torch.Tensor]] = [[] for _ in self.blocks]
         frames, logits = [], []
         for t in range(steps):
-            out_frames, out_logits = self._run(z[:, : t + 1], torch.stack(contexts, dim=1),
-                                               last_only=True)
+            x = self._through_blocks(z[:, t:t + 1], context[:, None], t, caches)
+            out_frames, out_logits = self._read_out(x)
             frames.append(out_frames[:, -1])
             logits.append(out_logits[:, -1])
             source = teacher[:, t] if teacher is not None else out_frames[:, -1]
-            contexts.append(self.image_encoder(source))
+            context = self.image_encoder(source)
         return torch.stack(frames, dim=1), torch.stack(logits, dim=1)
 
     def attack(self, gradients: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
