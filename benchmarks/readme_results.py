@@ -149,7 +149,19 @@ def recovery_speed() -> tuple[str, str]:
             f"for {data['analytic'][0]['rows']} to {data['analytic'][-1]['rows']} rows")
     if "learned" in data:
         text += (f"; TRACE (cpu-bench) inference "
-                 f"{data['learned']['inference_ms_per_frame_batch_16']:.1f} ms per frame")
+                 f"{data['learned']['inference_ms_per_frame_batch_16']:.1f} ms per frame "
+                 f"(16 windows a batch; "
+                 f"{data['learned']['inference_ms_per_frame_batch_1']:.1f} one window at a "
+                 "time)")
+    if "loader" in data:
+        loader = data["loader"]
+        text += ("; training windows a second from the paper cnn's capture (30 MB a window), "
+                 "0/1/2 loader workers: "
+                 + "/".join(f"{loader[f'windows_per_s_batch_read_{w}_workers']:.0f}"
+                            for w in (0, 1, 2))
+                 + " (window by window: "
+                 + "/".join(f"{loader[f'windows_per_s_window_by_window_{w}_workers']:.0f}"
+                            for w in (0, 1, 2)) + ")")
     return "recovery speed (2 cores)", text
 
 

@@ -7,6 +7,9 @@ memory of `gradleak analytic` as rows grow, and a learned attacker's inference a
   makes them);
 - `gradleak analytic` on --analytic-rows counts of a capture, each in a fresh process: peak
   resident memory (getrusage) and seconds;
+- training windows a second from the paper cnn's attacker-training capture (factored float32, 30
+  MB a window) through a DataLoader with 0, 1 and 2 workers, batches read into one tensor
+  against window by window (`loader_rates`);
 - with --attacker DIR (a TRACE run) and --data CAPTURE: inference ms per frame at batch 1 and
   16 windows, and the share of each epoch its fit spent waiting for data (from its history);
   without, the inference of the cpu-bench TRACE untrained (the same arithmetic) on the
@@ -137,6 +140,56 @@ def inference(model: torch.nn.Module, data: Path, window: int, repeats: int
     return result
 
 
+class _WindowByWindow:
+    """`WindowDataset` as a DataLoader read it before batches were read into one tensor: each
+    window its own arrays, then stacked (the DataLoader asks per window without __getitems__)."""
+
+    __getitems__ = None
+
+    def __init__(self, data: Any) -> None:
+        self.data = data
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.data[index]
+
+
+def loader_rates(capture: Path, repeats: int, batches: int = 10) -> dict[str, Any]:
+    """Training windows a second a DataLoader delivers (16 a batch, `batches` shuffled batches
+    an epoch) from `capture`, with 0, 1 and 2 worker processes: each batch read into one tensor
+    (`WindowDataset.__getitems__`, the default) against window by window and stacked,
+    alternating epoch by epoch; medians of `repeats` epochs after a warm-up one."""
+    from torch.utils.data import DataLoader, SubsetRandomSampler
+
+    from gradleak.training.data import WindowDataset, collate
+
+    data = WindowDataset([capture], window=8)
+    subset = np.random.default_rng(0).permutation(len(data))[:16 * batches].tolist()
+    result: dict[str, Any] = {"capture": capture.name, "window": 8, "batch": 16,
+                              "row_mb": 4e-6 * data.gradient_dim}
+    sources = {"batch_read": data, "window_by_window": _WindowByWindow(data)}
+    for workers in (0, 1, 2):
+        rates: dict[str, list[float]] = {name: [] for name in sources}
+        for epoch in range(repeats + 1):
+            for name, source in sources.items():
+                # workers started afresh each epoch (their start counts) and gone at its end:
+                # with persistent loaders kept alive, what ran after them came out 3-5x slow
+                # (TRACE's inference 40 against 8 ms a frame run alone)
+                loader = DataLoader(source, batch_size=16, collate_fn=collate,
+                                    sampler=SubsetRandomSampler(
+                                        subset, torch.Generator().manual_seed(epoch)),
+                                    num_workers=workers)
+                start = time.perf_counter()
+                windows = sum(len(batch.actions) for batch in loader)
+                if epoch:
+                    rates[name].append(windows / (time.perf_counter() - start))
+        for name, values in rates.items():
+            result[f"windows_per_s_{name}_{workers}_workers"] = statistics.median(values)
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work", type=Path, default=Path("runs/exact-frames"))
@@ -168,6 +221,8 @@ def main() -> None:
     with CaptureFile(used) as capture:
         result["analytic_capture"] = f"{used.name} ({len(capture)} rows)"
     result["analytic"] = analytic_memory(used, args.analytic_rows)
+    if big.exists():  # a factored float32 capture of the paper cnn: 30 MB a window
+        result["loader"] = loader_rates(big, args.repeats)
     if args.attacker is not None:
         result["learned"] = learned(args.attacker, args.data, args.repeats)
     else:  # the same architecture untrained; the data wait is the earlier fit's, so marked
@@ -222,6 +277,17 @@ def write(result: dict[str, Any]) -> None:
                     f"and {learned_row['inference_ms_per_frame_batch_1_contiguous_decoder']:.2f}."
                     if "inference_ms_per_frame_batch_16_contiguous_decoder" in learned_row
                     else "")]
+    if "loader" in result:
+        loader = result["loader"]
+        text += ["", f"Training windows a second from {loader['capture']} ({loader['window']} "
+                 f"rows of {loader['row_mb']:.1f} MB a window, {loader['batch']} a batch), each "
+                 "batch read into one tensor against window by window (each window its own "
+                 "arrays, then stacked), alternating epoch by epoch: "
+                 + "; ".join(f"{workers} worker(s) "
+                             f"{loader[f'windows_per_s_batch_read_{workers}_workers']:.0f} "
+                             f"against "
+                             f"{loader[f'windows_per_s_window_by_window_{workers}_workers']:.0f}"
+                             for workers in (0, 1, 2)) + "."]
     with atomic_path(RESULTS.with_suffix(".md")) as tmp:
         tmp.write_text("\n".join(text) + "\n")
 

@@ -94,6 +94,28 @@ def test_worker_processes_stream_the_same_windows(train_capture: Path) -> None:
         assert torch.equal(inline.images, streamed.images)
 
 
+@pytest.mark.parametrize("fixture", ["train_capture", "float16_capture"])
+def test_a_batch_is_read_into_one_tensor_holding_each_windows_rows(
+        fixture: str, request: pytest.FixtureRequest) -> None:
+    """A DataLoader's batch reads its windows' rows straight into one tensor (factored float32
+    rows expanded in place, float16 rows widened by HDF5): the rows each window alone reads,
+    and collate hands that tensor on without a copy; a buffer of the wrong shape is refused."""
+    from gradleak.capture.layout import read_gradients
+
+    data = WindowDataset([request.getfixturevalue(fixture)], window=4)
+    chosen = [len(data) - 1, 0, 3, 1]
+    windows = data.__getitems__(chosen)
+    batch = collate(windows).observed.gradients
+    assert torch.equal(batch, torch.stack([data[i].gradients for i in chosen]))
+    assert batch.dtype == torch.float32 and batch.is_contiguous()
+    assert batch.untyped_storage().data_ptr() == windows[0].gradients.untyped_storage().data_ptr()
+    with h5py.File(data.paths[0], "r") as handle:
+        with pytest.raises(ValueError, match="out: expected shape"):
+            read_gradients(handle, slice(0, 4), out=np.empty((3, data.gradient_dim), np.float32)) \
+                if "gradient_factors" in handle else \
+                read_gradients(handle, slice(0, 4), out=np.empty((3, 7), np.float32))
+
+
 def test_a_ranks_files_hold_those_files_windows_and_no_other_file_is_opened(
         train_shards: list[Path], tmp_path: Path) -> None:
     """One DDP rank's view of a sharded capture: the windows (and the train/val split) of its

@@ -151,13 +151,13 @@ def test_each_epoch_records_the_share_of_its_time_spent_waiting_for_data(
     model, fit = tiny_attack_settings("lti")
     fit.epochs, fit.batch_size = 1, 4
     fit_attacker("lti", model, fit, [str(train_capture)], tmp_path / "usual", progress=False)
-    slow = WindowDataset.__getitem__
+    slow = WindowDataset._window  # each window's read, alone or in a batch
 
-    def sleepy(self, index):
+    def sleepy(self, index, into=None):
         time.sleep(0.08)
-        return slow(self, index)
+        return slow(self, index, into)
 
-    monkeypatch.setattr(WindowDataset, "__getitem__", sleepy)
+    monkeypatch.setattr(WindowDataset, "_window", sleepy)
     fit_attacker("lti", model, fit, [str(train_capture)], tmp_path / "slow", progress=False)
     usual, starved = (json.loads((tmp_path / name / "attacker.json").read_text())["history"][0]
                       ["data_wait_fraction"] for name in ("usual", "slow"))

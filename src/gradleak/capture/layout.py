@@ -92,15 +92,24 @@ def mark_layout(attrs: Any, factored: list[str]) -> None:
         attrs["format_version"] = FORMAT_VERSION
 
 
-def read_gradients(h5: h5py.File, rows: Any = slice(None), columns: slice = slice(None)
-                   ) -> np.ndarray:
+def read_gradients(h5: h5py.File, rows: Any = slice(None), columns: slice = slice(None),
+                   out: np.ndarray | None = None) -> np.ndarray:
     """Rows (a slice, an index, increasing indices) of the full gradient matrix, columns
-    `columns` (a slice without step), in the stored dtype, whatever the layout. Raises OSError
-    on a chunk that does not decode, as h5py does."""
+    `columns` (a slice without step), in the stored dtype, whatever the layout; or written into
+    `out` (a C-contiguous array of their shape, any float dtype) and returned. Raises OSError on
+    a chunk that does not decode, as h5py does."""
     if FACTORS not in h5:
+        if out is not None:
+            count, width = h5[GRADIENTS].shape
+            expected = (*np.arange(count)[rows].shape, len(range(width)[columns]))
+            if out.shape != expected:
+                raise ValueError(f"out: expected shape {expected}, got {out.shape}")
+            h5[GRADIENTS].read_direct(out, np.s_[rows, columns])
+            return out
         return h5[GRADIENTS][rows, columns] if columns != slice(None) else h5[GRADIENTS][rows]
     if isinstance(rows, (int, np.integer)):
-        return read_gradients(h5, slice(int(rows), int(rows) + 1), columns)[0]
+        row = slice(int(rows), int(rows) + 1)
+        return read_gradients(h5, row, columns, None if out is None else out[None])[0]
     layout = layout_of(h5)
     first, last, step = columns.indices(layout.width)
     if step != 1:
@@ -117,15 +126,26 @@ def read_gradients(h5: h5py.File, rows: Any = slice(None), columns: slice = slic
     factors = h5[FACTORS][rows] if len(kept) < len(pieces) else None
     count = len(np.arange(h5[GRADIENTS].shape[0])[rows]) if dense is None and factors is None \
         else len(dense if dense is not None else factors)
-    out = np.empty((count, max(0, last - first)), h5[GRADIENTS].dtype)
+    if out is None:
+        out = np.empty((count, max(0, last - first)), h5[GRADIENTS].dtype)
+    elif out.shape != (count, max(0, last - first)):
+        raise ValueError(f"out: expected shape {(count, max(0, last - first))}, got "
+                         f"{out.shape}")
     for start, lo, hi in kept:
         out[:, lo - first:hi - first] = dense[:, start - kept[0][0]:start - kept[0][0] + hi - lo]
     spans = layout.factor_columns()
     for layer, lo, hi in pieces:
         if layer.name in layout.factored:
             output_grad, inputs = (factors[:, span] for span in spans[layer.name])
-            full = (output_grad[:, :, None] * inputs[:, None, :]).reshape(count, layer.size)
-            out[:, lo - first:hi - first] = full[:, lo - layer.offset:hi - layer.offset]
+            target = out[:, lo - first:hi - first]
+            if (lo, hi) == (layer.offset, layer.offset + layer.size):
+                # formed in place: a dense window of the paper cnn is 30 MB, and a temporary
+                # for its FC weight alone 26 MB more to fill, copy and free
+                np.multiply(output_grad[:, :, None], inputs[:, None, :],
+                            out=target.reshape(count, output_grad.shape[1], inputs.shape[1]))
+            else:
+                full = (output_grad[:, :, None] * inputs[:, None, :]).reshape(count, layer.size)
+                target[:] = full[:, lo - layer.offset:hi - layer.offset]
     return out
 
 

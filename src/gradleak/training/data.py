@@ -8,6 +8,7 @@ handles), so no file is ever loaded whole.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ import h5py
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, get_worker_info
 
 from gradleak.capture.reader import CaptureFile
 from gradleak.capture.layout import read_gradients
@@ -232,11 +233,30 @@ class WindowDataset(Dataset):
         return handles[index]
 
     def __getitem__(self, index: int) -> Window:
+        return self._window(index)
+
+    def __getitems__(self, indices: list[int]) -> list[Window]:
+        """A batch's windows (what a DataLoader asks for), their gradient rows read straight
+        into one (B, T, d) float32 tensor, of which each window's are a view (`collate` then
+        hands that tensor on as it is). In a DataLoader worker it lies in shared memory, where
+        the batch crosses to the training process: a batch of the paper cnn's windows is 480
+        MB, which per-window arrays and their stack wrote twice (`benchmarks/recovery_speed.py`
+        times both ways side by side)."""
+        if self.defense is not None:  # the defense forms each window's rows anew
+            return [self._window(index) for index in indices]
+        rows = _empty_batch((len(indices), self.window, self.gradient_dim))
+        return [self._window(index, rows[slot]) for slot, index in enumerate(indices)]
+
+    def _window(self, index: int, into: torch.Tensor | None = None) -> Window:
         file_index, start, _ = (int(v) for v in self.rows[index])
         stop = start + self.window * self.span
         keys = row_keys(self.file_attrs[file_index], start, stop)
-        gradients = torch.from_numpy(self._read(file_index, GRADIENTS, start, stop)
-                                     .astype(np.float32))
+        if into is None:
+            gradients = torch.from_numpy(self._read(file_index, GRADIENTS, start, stop)
+                                         .astype(np.float32, copy=False))
+        else:
+            self._read(file_index, GRADIENTS, start, stop, into.numpy())
+            gradients = into
         actions = torch.from_numpy(self._read(file_index, "actions", start, stop))
         images = torch.from_numpy(self._read(file_index, "images", start, stop))
         if self.defense is None:
@@ -249,10 +269,11 @@ class WindowDataset(Dataset):
             return Window(stream.gradients, stream.keys, images[last], counts.float().mean(1))
         return Window(stream.gradients, stream.keys, images[last], actions[last])
 
-    def _read(self, file_index: int, name: str, start: int, stop: int) -> np.ndarray:
+    def _read(self, file_index: int, name: str, start: int, stop: int,
+              out: np.ndarray | None = None) -> np.ndarray:
         try:
             handle = self._file(file_index)
-            return read_gradients(handle, slice(start, stop)) if name == GRADIENTS \
+            return read_gradients(handle, slice(start, stop), out=out) if name == GRADIENTS \
                 else handle[name][start:stop]
         except OSError:
             raise CaptureFileError(f"{self.paths[file_index]}: dataset '{name}' rows "
@@ -283,7 +304,31 @@ class WindowDataset(Dataset):
 
 def collate(items: list[Window]) -> WindowBatch:
     images = torch.stack([item.images for item in items])  # (B, T, H, W, 3) uint8
-    return WindowBatch(observed=ObservedWindows(torch.stack([i.gradients for i in items])),
+    return WindowBatch(observed=ObservedWindows(_stack([i.gradients for i in items])),
                        images=images.permute(0, 1, 4, 2, 3).to(torch.float32) / 255.0,
                        actions=torch.stack([item.actions for item in items]),
                        rows=torch.stack([item.rows for item in items]))
+
+
+def _empty_batch(shape: tuple[int, ...]) -> torch.Tensor:
+    """An uninitialised float32 tensor, in shared memory in a DataLoader worker (as torch's
+    default collate puts a batch there), so that it reaches the training process uncopied."""
+    if get_worker_info() is None:
+        return torch.empty(shape)
+    storage = torch.UntypedStorage._new_shared(4 * math.prod(shape))
+    return torch.empty(0).set_(storage, 0, shape)
+
+
+def _stack(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """torch.stack; where the tensors already lie one after the other in one storage (the rows
+    `WindowDataset.__getitems__` read), that storage seen as the stack, uncopied."""
+    first = tensors[0]
+    step = first.numel()
+    if all(t.is_contiguous() and t.shape == first.shape
+           and t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+           and t.storage_offset() == first.storage_offset() + i * step
+           for i, t in enumerate(tensors)):
+        return first.as_strided((len(tensors), *first.shape), (step, *first.stride()),
+                                first.storage_offset())
+    out = _empty_batch((len(tensors), *first.shape)) if first.dtype == torch.float32 else None
+    return torch.stack(tensors, out=out)
