@@ -101,7 +101,9 @@ def read_gradients(h5: h5py.File, rows: Any = slice(None), columns: slice = slic
     if FACTORS not in h5:
         if out is not None:
             count, width = h5[GRADIENTS].shape
-            expected = (*np.arange(count)[rows].shape, len(range(width)[columns]))
+            picked = (len(range(count)[rows]),) if isinstance(rows, slice) \
+                else np.arange(count)[rows].shape
+            expected = (*picked, len(range(width)[columns]))
             if out.shape != expected:
                 raise ValueError(f"out: expected shape {expected}, got {out.shape}")
             h5[GRADIENTS].read_direct(out, np.s_[rows, columns])
