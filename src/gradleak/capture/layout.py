@@ -103,9 +103,7 @@ def read_gradients(h5: h5py.File, rows: Any = slice(None), columns: slice = slic
             count, width = h5[GRADIENTS].shape
             picked = (len(range(count)[rows]),) if isinstance(rows, slice) \
                 else np.arange(count)[rows].shape
-            expected = (*picked, len(range(width)[columns]))
-            if out.shape != expected:
-                raise ValueError(f"out: expected shape {expected}, got {out.shape}")
+            _check_out(out, (*picked, len(range(width)[columns])))
             h5[GRADIENTS].read_direct(out, np.s_[rows, columns])
             return out
         return h5[GRADIENTS][rows, columns] if columns != slice(None) else h5[GRADIENTS][rows]
@@ -130,9 +128,8 @@ def read_gradients(h5: h5py.File, rows: Any = slice(None), columns: slice = slic
         else len(dense if dense is not None else factors)
     if out is None:
         out = np.empty((count, max(0, last - first)), h5[GRADIENTS].dtype)
-    elif out.shape != (count, max(0, last - first)):
-        raise ValueError(f"out: expected shape {(count, max(0, last - first))}, got "
-                         f"{out.shape}")
+    else:
+        _check_out(out, (count, max(0, last - first)))
     for start, lo, hi in kept:
         out[:, lo - first:hi - first] = dense[:, start - kept[0][0]:start - kept[0][0] + hi - lo]
     spans = layout.factor_columns()
@@ -149,6 +146,12 @@ def read_gradients(h5: h5py.File, rows: Any = slice(None), columns: slice = slic
                 full = (output_grad[:, :, None] * inputs[:, None, :]).reshape(count, layer.size)
                 target[:] = full[:, lo - layer.offset:hi - layer.offset]
     return out
+
+
+def _check_out(out: np.ndarray, shape: tuple[int, ...]) -> None:
+    """Before any read: h5py's own refusal of a mismatched buffer is a broadcast TypeError."""
+    if out.shape != shape:
+        raise ValueError(f"out: expected shape {shape}, got {out.shape}")
 
 
 def factor_datasets(h5: h5py.File) -> list[str]:
