@@ -162,6 +162,14 @@ def recovery_speed() -> tuple[str, str]:
                  + " (window by window: "
                  + "/".join(f"{loader[f'windows_per_s_window_by_window_{w}_workers']:.0f}"
                             for w in (0, 1, 2)) + ")")
+        if "windows_per_s_compact_0_workers" in loader:
+            text += ("; compact, as a fit on a GPU reads them "
+                     f"({loader['compact_mb_per_window']:.1f} MB a window, the full rows formed "
+                     "on the GPU): "
+                     + "/".join(f"{loader[f'windows_per_s_compact_{w}_workers']:.0f}"
+                                for w in (0, 1, 2))
+                     + f" (forming them on this CPU instead: "
+                     f"{loader['forming_full_rows_ms_per_window_cpu']:.1f} ms a window)")
     return "recovery speed (2 cores)", text
 
 

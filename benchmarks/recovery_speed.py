@@ -159,17 +159,23 @@ class _WindowByWindow:
 def loader_rates(capture: Path, repeats: int, batches: int = 10) -> dict[str, Any]:
     """Training windows a second a DataLoader delivers (16 a batch, `batches` shuffled batches
     an epoch) from `capture`, with 0, 1 and 2 worker processes: each batch read into one tensor
-    (`WindowDataset.__getitems__`, the default) against window by window and stacked,
-    alternating epoch by epoch; medians of `repeats` epochs after a warm-up one."""
+    (`WindowDataset.__getitems__`, the default) against window by window and stacked, and
+    compact (the rows as stored, as a fit on a GPU reads them, the full rows formed there),
+    alternating epoch by epoch; medians of `repeats` epochs after a warm-up one. Beside them,
+    the bytes a window takes each way and what forming a compact batch's full rows costs
+    here, on the CPU (on a GPU it is one write of the full rows in its memory)."""
     from torch.utils.data import DataLoader, SubsetRandomSampler
 
     from gradleak.training.data import WindowDataset, collate
 
     data = WindowDataset([capture], window=8)
+    compact = WindowDataset([capture], window=8, compact=True)
     subset = np.random.default_rng(0).permutation(len(data))[:16 * batches].tolist()
     result: dict[str, Any] = {"capture": capture.name, "window": 8, "batch": 16,
-                              "row_mb": 4e-6 * data.gradient_dim}
-    sources = {"batch_read": data, "window_by_window": _WindowByWindow(data)}
+                              "row_mb": 4e-6 * data.gradient_dim,
+                              **compact_costs(compact, subset[:16], repeats)}
+    sources = {"batch_read": data, "window_by_window": _WindowByWindow(data),
+               "compact": compact}
     for workers in (0, 1, 2):
         rates: dict[str, list[float]] = {name: [] for name in sources}
         for epoch in range(repeats + 1):
@@ -188,6 +194,26 @@ def loader_rates(capture: Path, repeats: int, batches: int = 10) -> dict[str, An
         for name, values in rates.items():
             result[f"windows_per_s_{name}_{workers}_workers"] = statistics.median(values)
     return result
+
+
+def compact_costs(compact: Any, indices: list[int], repeats: int) -> dict[str, Any]:
+    """MB a window as full rows and compact, and ms a window to form the full rows of a batch
+    of compact ones on this CPU (medians of `repeats`)."""
+    from gradleak.training.data import collate
+
+    rows = collate(compact.__getitems__(indices)).observed.gradients
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        full = rows.full()
+        times.append(time.perf_counter() - start)
+    per_window = len(indices)
+    return {"full_mb_per_window": full.numel() * 4e-6 / per_window,
+            "compact_mb_per_window": (rows.stored.numel() * rows.stored.element_size()
+                                      + rows.factors.numel() * rows.factors.element_size())
+            / 1e6 / per_window,
+            "forming_full_rows_ms_per_window_cpu": 1e3 * statistics.median(times[1:])
+            / per_window}
 
 
 def main() -> None:
@@ -288,6 +314,16 @@ def write(result: dict[str, Any]) -> None:
                              f"against "
                              f"{loader[f'windows_per_s_window_by_window_{workers}_workers']:.0f}"
                              for workers in (0, 1, 2)) + "."]
+        if "windows_per_s_compact_0_workers" in loader:
+            text += ["", "Compact, as a fit on a GPU reads them (the rows as stored, "
+                     f"{loader['compact_mb_per_window']:.1f} MB a window against "
+                     f"{loader['full_mb_per_window']:.1f}; the full rows formed where they are "
+                     "used): "
+                     + "; ".join(f"{workers} worker(s) "
+                                 f"{loader[f'windows_per_s_compact_{workers}_workers']:.0f}"
+                                 for workers in (0, 1, 2))
+                     + f" windows a second; forming the full rows here, on the CPU, costs "
+                     f"{loader['forming_full_rows_ms_per_window_cpu']:.1f} ms a window."]
     with atomic_path(RESULTS.with_suffix(".md")) as tmp:
         tmp.write_text("\n".join(text) + "\n")
 

@@ -486,11 +486,12 @@ def vertex_programme(slack_everywhere: bool = False, seed: int = 0
 
 
 def test_the_newton_vertex_is_the_linear_programmes_and_the_truth() -> None:
-    from gradleak.attacks.conv_blocks import least_violation, linear_programme, newton_vertex
+    from gradleak.attacks.conv_blocks import least_violation, linear_programme, newton_steps
 
     rows, bounds, truth = vertex_programme()
-    newton = newton_vertex(rows, bounds)
-    assert newton is not None
+    end = newton_steps(rows, bounds)
+    assert end.certified
+    newton = end.point
     assert np.abs(newton - linear_programme(rows, bounds)).max() <= 1e-9
     assert np.abs(newton - truth).max() <= 1e-6
     assert np.array_equal(least_violation(rows, bounds), newton)
@@ -509,7 +510,7 @@ def test_a_polytope_with_room_inside_keeps_the_feasible_point_without_a_programm
     monkeypatch.setattr(blocks, "linear_programme",
                         lambda *a: programmes.append(1) or solve(*a))
     rows, bounds, _ = vertex_programme(slack_everywhere=True)
-    assert blocks.newton_vertex(rows, bounds) is None  # nothing certifies a vertex there
+    assert not blocks.newton_steps(rows, bounds).certified  # nothing certifies a vertex there
     z = blocks.least_violation(rows, bounds)
     assert z is not None and float((rows @ z - bounds).max()) <= 1e-9 and not programmes
     # room after some steps: the truth violates nothing, only 20 rows are active there

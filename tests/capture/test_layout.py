@@ -191,3 +191,45 @@ def test_a_partial_capture_resumes_only_in_its_own_layout(tmp_path: Path,
     run_capture(job(out, resume=True))
     run_capture(job(tmp_path / "whole.h5"))
     assert np.array_equal(rows(out), rows(tmp_path / "whole.h5"))
+
+
+def test_compact_rows_are_the_stored_bytes_and_form_the_dense_captures_bits(
+        random_capture: Path, dense_capture: Path) -> None:
+    """A loader asked for compact rows hands a factored capture's rows on as stored (the
+    unfactored columns and the factors), and forming them where they are used gives the bits
+    every other reader gets, the dense capture's."""
+    from gradleak.training.data import CompactRows, collate
+
+    compact = WindowDataset([random_capture], window=4, compact=True)
+    full = WindowDataset([random_capture], window=4)
+    assert compact.compact and not full.compact
+    chosen = [len(compact) - 1, 0, 5]
+    windows = compact.__getitems__(chosen)
+    rows = collate(windows).observed.gradients
+    assert isinstance(rows, CompactRows)
+    expected = torch.stack([full[i].gradients for i in chosen])
+    formed = rows.full()
+    assert formed.dtype == torch.float32 and torch.equal(formed, expected)
+    dense = WindowDataset([dense_capture], window=4)
+    assert torch.equal(formed, torch.stack([dense[i].gradients for i in chosen]))
+    assert rows.stored.numel() + rows.factors.numel() < expected.numel() / 2
+    # collate hands on the batch read in one piece, uncopied
+    assert rows.stored.untyped_storage().data_ptr() == \
+        windows[0].gradients.stored.untyped_storage().data_ptr()
+    assert torch.equal(compact[chosen[2]].gradients.full(), expected[2])  # one window alone
+    gradients, images, actions = collate(windows).on("cpu")
+    assert torch.equal(gradients, expected) and images.shape[:2] == actions.shape[:2]
+    with pytest.raises(ValueError, match=r"expected \(\.\.\., \d+\) and \(\.\.\., \d+\)"):
+        compact.layout.expand(rows.stored[..., 1:], rows.factors)
+
+
+def test_compact_rows_are_asked_in_vain_of_dense_captures_and_defended_windows(
+        random_capture: Path, dense_capture: Path, float16_capture: Path) -> None:
+    """Nothing to save: a dense capture's rows (float16 ones are never factored), and rows a
+    defense forms anew, come full."""
+    for data in (WindowDataset([dense_capture], window=4, compact=True),
+                 WindowDataset([float16_capture], window=4, compact=True),
+                 WindowDataset([random_capture], window=4, compact=True,
+                               defense=parse_defense("noise:0.01"))):
+        assert not data.compact
+        assert isinstance(data[0].gradients, torch.Tensor)

@@ -131,3 +131,27 @@ def test_a_ranks_files_hold_those_files_windows_and_no_other_file_is_opened(
         assert torch.equal(mine[index].rows, whole[int(expected[index])].rows)
     with pytest.raises(ConfigError, match="positions among the 2 capture files"):
         WindowDataset(train_shards, window=4, files=[2])
+
+
+def test_a_dataloader_pins_every_tensor_of_a_batch(train_capture: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """pin_memory=True reaches a `WindowBatch` through its own method (torch hands any other
+    dataclass on unpinned), full rows and compact ones alike."""
+    from torch.utils.data._utils.pin_memory import pin_memory
+
+    pinned: list[int] = []
+
+    def pin(self: torch.Tensor, *args: object) -> torch.Tensor:  # no GPU here to pin for
+        copy = self.clone()
+        pinned.append(copy.data_ptr())
+        return copy
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin)
+    for compact in (False, True):
+        data = WindowDataset([train_capture], window=4, compact=compact)
+        batch = pin_memory(collate(data.__getitems__([0, 1])))
+        gradients = batch.observed.gradients
+        tensors = [gradients] if isinstance(gradients, torch.Tensor) else \
+            [gradients.stored, gradients.factors]
+        tensors += [batch.images, batch.actions, batch.rows]
+        assert [t.data_ptr() for t in tensors] == pinned[-len(tensors):]

@@ -731,12 +731,6 @@ class NewtonEnd:
     feasible: bool
 
 
-def newton_vertex(rows: np.ndarray, bounds: np.ndarray) -> np.ndarray | None:
-    """The least-violation vertex the Newton steps certify, else None."""
-    end = newton_steps(rows, bounds)
-    return end.point if end.certified else None
-
-
 def newton_steps(rows: np.ndarray, bounds: np.ndarray) -> NewtonEnd:
     """Semismooth Newton steps on ½ Σ max(0, rows z − bounds)² from z = 0, each checked by
     `active_least_squares` on its near-active rows, for at most NEWTON_STEPS."""

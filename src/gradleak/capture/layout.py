@@ -22,6 +22,7 @@ from typing import Any
 
 import h5py
 import numpy as np
+import torch
 
 from gradleak.capture.schema import FACTORED_FORMAT_VERSION, FORMAT_VERSION, GRADIENTS
 from gradleak.victims.base import LayerInfo, layers_from_json, side_by_side
@@ -69,6 +70,44 @@ class GradientLayout:
         return spans
 
 
+    def dense_runs(self) -> list[tuple[int, int, int]]:
+        """(first column of the full row, first stored column, count) of each run of
+        consecutive unfactored layers: the stored columns go into a full row in these blocks."""
+        runs: list[tuple[int, int, int]] = []
+        stored = 0
+        for layer in self.layers:
+            if layer.name in self.factored:
+                continue
+            if runs and runs[-1][0] + runs[-1][2] == layer.offset:
+                first, source, count = runs[-1]
+                runs[-1] = (first, source, count + layer.size)
+            else:
+                runs.append((layer.offset, stored, layer.size))
+            stored += layer.size
+        return runs
+
+    def expand(self, stored: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
+        """(..., width) full rows from (..., stored_width) stored columns and (..., factor_width)
+        factors, formed on their device: each factored weight's δ aᵀ in place, the one rounded
+        float32 product `read_gradients` forms, so the same bits."""
+        if stored.shape[-1] != self.stored_width or factors.shape[-1] != self.factor_width \
+                or stored.shape[:-1] != factors.shape[:-1]:
+            raise ValueError(f"stored columns {tuple(stored.shape)} and factors "
+                             f"{tuple(factors.shape)}: expected (..., {self.stored_width}) and "
+                             f"(..., {self.factor_width}) over the same rows")
+        out = stored.new_empty((*stored.shape[:-1], self.width), dtype=torch.float32)
+        for first, source, count in self.dense_runs():
+            out[..., first:first + count] = stored[..., source:source + count]
+        spans = self.factor_columns()
+        for layer in self.layers:
+            if layer.name in self.factored:
+                output_grad, inputs = (factors[..., span] for span in spans[layer.name])
+                target = out[..., layer.offset:layer.offset + layer.size].unflatten(-1,
+                                                                                   layer.shape)
+                torch.mul(output_grad[..., :, None], inputs[..., None, :], out=target)
+        return out
+
+
 @lru_cache(maxsize=64)
 def _layout(table: str, factored: str) -> GradientLayout:
     return GradientLayout(tuple(layers_from_json(table)), frozenset(json.loads(factored)))
@@ -76,7 +115,11 @@ def _layout(table: str, factored: str) -> GradientLayout:
 
 def layout_of(h5: h5py.File) -> GradientLayout:
     """The file's layout (its attributes are checked on open: `capture.header`)."""
-    attrs = h5.attrs
+    return layout_from_attrs(h5.attrs)
+
+
+def layout_from_attrs(attrs: Any) -> GradientLayout:
+    """The layout a capture's attributes (a mapping, as `CaptureFile.attrs`) describe."""
     return _layout(attrs["layer_table"], attrs.get(FACTORED_ATTR, "[]"))
 
 
@@ -146,6 +189,16 @@ def read_gradients(h5: h5py.File, rows: Any = slice(None), columns: slice = slic
                 full = (output_grad[:, :, None] * inputs[:, None, :]).reshape(count, layer.size)
                 target[:] = full[:, lo - layer.offset:hi - layer.offset]
     return out
+
+
+def read_stored(h5: h5py.File, rows: slice, stored: np.ndarray, factors: np.ndarray) -> None:
+    """Rows `rows` of a factored capture as stored, into C-contiguous arrays of their shape:
+    the unfactored columns and the factors (`GradientLayout.expand` forms the full rows)."""
+    count = len(range(h5[GRADIENTS].shape[0])[rows])
+    _check_out(stored, (count, h5[GRADIENTS].shape[1]))
+    _check_out(factors, (count, h5[FACTORS].shape[1]))
+    h5[GRADIENTS].read_direct(stored, np.s_[rows])
+    h5[FACTORS].read_direct(factors, np.s_[rows])
 
 
 def _check_out(out: np.ndarray, shape: tuple[int, ...]) -> None:

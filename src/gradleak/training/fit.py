@@ -188,8 +188,12 @@ class AttackerFit(FitLoop):
                       defense=parse_defense(config.defense, config.defense_seed),
                       skip_nonfinite=config.skip_nonfinite)
         self.rank_files = rank_files(config.rank_data, len(train_paths), self.rank, self.world)
+        # on a GPU the loader hands on a factored capture's rows as stored and the full rows
+        # are formed there: 8x fewer bytes to pin and copy (the paper cnn), no outer products
+        # in the loader processes
         self.train_data = WindowDataset(train_paths, part="train", files=self.rank_files,
-                                        train_fraction=config.train_episode_fraction, **common)
+                                        train_fraction=config.train_episode_fraction,
+                                        compact=self.device.type == "cuda", **common)
         self.val_data = WindowDataset(train_paths, part="val", **common)
         self.fingerprint, self.train_files = self.train_data.fingerprint, self.train_data.paths
         victim = self.fingerprint.victim
@@ -275,8 +279,7 @@ class AttackerFit(FitLoop):
             return self.engine(*self._tensors(batch), settings["beta"])
 
     def _tensors(self, batch: WindowBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return tuple(tensor.to(self.device, non_blocking=True) for tensor in
-                     (batch.observed.gradients, batch.images, batch.actions))
+        return batch.on(self.device)
 
     @torch.no_grad()
     def validate(self, writer: Any) -> dict[str, float]:
