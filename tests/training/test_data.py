@@ -82,15 +82,21 @@ def test_mean_image_and_normaliser_rows_come_from_the_dataset(train_capture: Pat
     assert not torch.allclose(mean, everything.permute(2, 0, 1).float())
 
 
-def test_worker_processes_stream_the_same_windows(train_capture: Path) -> None:
+@pytest.mark.parametrize("compact", [False, True])
+def test_worker_processes_stream_the_same_windows(train_capture: Path, compact: bool) -> None:
+    """Full rows, and compact ones (read into shared memory as two tensors), alike."""
     from torch.utils.data import DataLoader
 
-    data = WindowDataset([train_capture], window=4)
+    from gradleak.training.data import full_rows
+
+    data = WindowDataset([train_capture], window=4, compact=compact)
+    assert data.compact == compact
     data[0]  # the parent opens its handles first: workers must open their own
     batches = [list(DataLoader(data, batch_size=5, collate_fn=collate, num_workers=workers))
                for workers in (0, 1)]
     for inline, streamed in zip(*batches, strict=True):
-        assert torch.equal(inline.observed.gradients, streamed.observed.gradients)
+        assert torch.equal(full_rows(inline.observed.gradients),
+                           full_rows(streamed.observed.gradients))
         assert torch.equal(inline.images, streamed.images)
 
 
