@@ -100,6 +100,9 @@ def throughput(meta: dict[str, Any], window: int) -> dict[str, Any]:
             # every step reads its loss back)
             "data_wait_fraction_by_epoch": [h["data_wait_fraction"] for h in history],
             "loader_workers": meta["fit"]["workers"],
+            # a factored capture's rows as stored, the full rows formed on the GPU (pinned
+            # batches too): runs before had full rows, copied from pageable memory
+            "compact_rows": meta.get("compact_rows", False),
             "loss_falls": len(losses) >= 2 and statistics.fmean(losses[-3:]) < losses[0],
             "world_size": meta.get("world_size", 1)}
 

@@ -162,6 +162,8 @@ def test_each_epoch_records_the_share_of_its_time_spent_waiting_for_data(
     usual, starved = (json.loads((tmp_path / name / "attacker.json").read_text())["history"][0]
                       ["data_wait_fraction"] for name in ("usual", "slow"))
     assert starved > 0.8 and starved - usual > 0.25
+    # a fit on the CPU keeps full rows (compact ones would move the outer products here)
+    assert json.loads((tmp_path / "usual" / "attacker.json").read_text())["compact_rows"] is False
 
 
 def test_an_adaptive_fine_tune_starts_from_the_clean_attacker_and_trains_under_the_defense(

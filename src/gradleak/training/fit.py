@@ -305,7 +305,8 @@ class AttackerFit(FitLoop):
                 "perceptual_note": self.perceptual.reason,
                 "train_windows": len(self.train_data), "val_windows": len(self.val_data),
                 "world_size": self.world, "skipped_nonfinite_rows": self.train_data.skipped_rows,
-                **self._rank_record()}
+                # the loader's rows as stored, made full on the device (a GPU's fit)
+                "compact_rows": self.train_data.compact, **self._rank_record()}
 
     def _rank_record(self) -> dict[str, Any]:
         if self.world == 1:
