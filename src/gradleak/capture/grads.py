@@ -438,15 +438,8 @@ class FactoredRows:
 
     def full(self, layers: list[LayerInfo]) -> torch.Tensor:
         """(N, d): the dense rows the factors stand for."""
-        columns, offset = [], 0
-        for layer in layers:
-            if layer.name in self.factors:
-                left, right = self.factors[layer.name]
-                columns.append((left[:, :, None] * right[:, None, :]).flatten(1))
-            else:
-                columns.append(self.dense[:, offset:offset + layer.size])
-                offset += layer.size
-        return torch.cat(columns, 1)
+        return GradientLayout(tuple(layers), frozenset(self.factors)).expand(self.dense,
+                                                                             self.packed)
 
 
 GRADIENT_METHODS = ("auto", "einsum", "vmap", "loop")

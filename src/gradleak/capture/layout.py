@@ -69,7 +69,6 @@ class GradientLayout:
                 offset += out + inputs
         return spans
 
-
     def dense_runs(self) -> list[tuple[int, int, int]]:
         """(first column of the full row, first stored column, count) of each run of
         consecutive unfactored layers: the stored columns go into a full row in these blocks."""

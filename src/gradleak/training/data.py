@@ -331,11 +331,9 @@ class WindowDataset(Dataset):
         if into is None:
             gradients = torch.from_numpy(self._read(file_index, GRADIENTS, start, stop)
                                          .astype(np.float32, copy=False))
-        elif isinstance(into, CompactRows):
-            self._read_compact(file_index, start, stop, into)
-            gradients = into
         else:
-            self._read(file_index, GRADIENTS, start, stop, into.numpy())
+            self._read(file_index, GRADIENTS, start, stop,
+                       into if isinstance(into, CompactRows) else into.numpy())
             gradients = into
         actions = torch.from_numpy(self._read(file_index, "actions", start, stop))
         images = torch.from_numpy(self._read(file_index, "images", start, stop))
@@ -350,23 +348,21 @@ class WindowDataset(Dataset):
         return Window(stream.gradients, stream.keys, images[last], actions[last])
 
     def _read(self, file_index: int, name: str, start: int, stop: int,
-              out: np.ndarray | None = None) -> np.ndarray:
+              out: np.ndarray | CompactRows | None = None) -> np.ndarray | None:
+        """Rows of dataset `name` (the gradients full, into `out` if given, or as stored into
+        compact `out`)."""
         try:
             handle = self._file(file_index)
-            return read_gradients(handle, slice(start, stop), out=out) if name == GRADIENTS \
-                else handle[name][start:stop]
+            if name != GRADIENTS:
+                return handle[name][start:stop]
+            if isinstance(out, CompactRows):
+                read_stored(handle, slice(start, stop), out.stored.numpy(), out.factors.numpy())
+                return None
+            return read_gradients(handle, slice(start, stop), out=out)
         except OSError:
             raise CaptureFileError(f"{self.paths[file_index]}: dataset '{name}' rows "
                                    f"{start}-{stop - 1} cannot be read (a corrupt or truncated "
                                    "chunk)") from None
-
-    def _read_compact(self, file_index: int, start: int, stop: int, into: CompactRows) -> None:
-        try:
-            read_stored(self._file(file_index), slice(start, stop), into.stored.numpy(),
-                        into.factors.numpy())
-        except OSError:
-            raise CaptureFileError(f"{self.paths[file_index]}: gradient rows {start}-{stop - 1} "
-                                   "cannot be read (a corrupt or truncated chunk)") from None
 
     def gradient_rows(self, limit: int, seed: int = 0) -> Iterator[torch.Tensor]:
         """Up to `limit` gradient rows from random windows, in chunks: normaliser statistics."""
