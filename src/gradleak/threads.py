@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from functools import lru_cache
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from threadpoolctl import ThreadpoolController
+
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
 
 
 @contextlib.contextmanager
@@ -34,3 +38,47 @@ def one_thread() -> Iterator[None]:
 def blas_controller() -> Any:
     """The loaded BLAS libraries' thread controls, looked up once (0.7 ms a lookup)."""
     return ThreadpoolController().select(user_api="blas")
+
+
+@contextlib.contextmanager
+def computed_ahead(compute: Callable[[K], V], keys: Sequence[K]
+                   ) -> Iterator[Callable[[K], V]]:
+    """`take(key)` returns compute(key). Taken in the order of `keys`, each is computed in a
+    worker thread while the caller works on the one before: work of a few large operations
+    that release the Python lock while they run (LAPACK, convolutions), ahead of small ones
+    that hold it. A key not in `keys` is computed in the caller's thread. The worker takes the
+    caller's grad mode and torch thread count, which torch, MKL and OpenMP keep per thread: a
+    worker left at their defaults built autograd graphs under the caller's `no_grad` and ran
+    LAPACK on two threads inside `one_thread`, and a completion's inputs came out different
+    in their last bits."""
+    if len(keys) < 2:
+        yield compute
+        return
+    pending = iter(keys)
+    futures: dict[K, Future[V]] = {}
+    grad = torch.is_grad_enabled()
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gradleak-ahead",
+                              initializer=torch.set_num_threads,
+                              initargs=(torch.get_num_threads(),))
+
+    def as_the_caller(key: K) -> V:
+        with torch.set_grad_enabled(grad):
+            return compute(key)
+
+    def submit_next() -> None:
+        for key in pending:
+            futures[key] = pool.submit(as_the_caller, key)
+            return
+
+    def take(key: K) -> V:
+        future = futures.pop(key, None)
+        if future is None:
+            return compute(key)
+        submit_next()
+        return future.result()
+
+    submit_next()
+    try:
+        yield take
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)

@@ -533,6 +533,36 @@ def test_a_polytope_with_room_inside_keeps_the_feasible_point_without_a_programm
     assert programmes == [1]
 
 
+def test_completions_run_ahead_in_a_thread_equal_those_run_one_by_one(dead_top_channels,
+                                                                      monkeypatch) -> None:
+    """The next step's SVDs run in a worker thread while this one's inequalities are solved:
+    the same operations on the same inputs, so the same bits as one step after another."""
+    import contextlib
+    import threading
+
+    import gradleak.attacks.conv_blocks as blocks
+
+    top, below, _, pre, delta, gradient = dead_top_channels
+    outputs = KnownOutputs(pre.relu(), pre > 0, below)
+    threads = []
+    prepare = blocks.prepare_step
+    monkeypatch.setattr(blocks, "prepare_step", lambda *a: threads.append(
+        threading.current_thread().name) or prepare(*a))
+    ahead = least_squares(top, delta, gradient, outputs)
+    assert len(threads) == 3 and all(name.startswith("gradleak-ahead") for name in threads)
+
+    @contextlib.contextmanager
+    def one_by_one(compute, keys):  # noqa: ANN001, ANN202
+        yield compute
+
+    monkeypatch.setattr(blocks, "computed_ahead", one_by_one)
+    alone = least_squares(top, delta, gradient, outputs)
+    assert threads[3:] == [threading.current_thread().name] * 3
+    assert bool(alone.completed.all())
+    for field in ("solution", "undetermined", "completed"):
+        assert torch.equal(getattr(ahead, field), getattr(alone, field)), field
+
+
 def test_a_completion_met_again_within_one_recovery_is_solved_once(dead_top_channels,
                                                                     monkeypatch) -> None:
     """The mask rules' walks meet the same completions on the steps where their masks agree:

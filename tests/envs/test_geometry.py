@@ -63,6 +63,31 @@ def test_catalog_uses_every_fourth_map_rule_for_other_wads(tmp_path: Path) -> No
     assert any((tmp_path / "cache").rglob("MAP01.npz"))
 
 
+def test_listing_scenes_reads_region_labels_and_leaves_geometry_to_the_first_visit(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    wad = write_test_wad(tmp_path / "rooms.wad")
+    SceneCatalog(wad, cache_dir=tmp_path / "cache").scenes("train")  # builds the cache
+    loads = []
+    load = MapGeometry.load
+    monkeypatch.setattr(MapGeometry, "load", lambda path: loads.append(path) or load(path))
+    catalog = SceneCatalog(wad, cache_dir=tmp_path / "cache")
+    assert [s.name for s in catalog.scenes("train")] == ["MAP01/r00", "MAP01/r01"]
+    assert loads == []
+    assert catalog.geometry("MAP01").num_regions == 2 and len(loads) == 1
+
+
+def test_a_stale_or_broken_cache_is_rebuilt_when_the_scenes_are_listed(tmp_path: Path) -> None:
+    wad = write_test_wad(tmp_path / "rooms.wad")
+    catalog = SceneCatalog(wad, cache_dir=tmp_path / "cache")
+    catalog.scenes("train")
+    cached = next((tmp_path / "cache").rglob("MAP01.npz"))
+    cached.write_bytes(b"not an npz")
+    assert MapGeometry.cached_region_count(cached) is None
+    again = SceneCatalog(wad, cache_dir=tmp_path / "cache")
+    assert [s.name for s in again.scenes("train")] == ["MAP01/r00", "MAP01/r01"]
+    assert MapGeometry.cached_region_count(cached) == 2  # rebuilt and saved
+
+
 @pytest.mark.parametrize("content, message", [
     (b"", "too short"),
     (b"JUNKJUNKJUNKJUNK", "not a WAD file"),

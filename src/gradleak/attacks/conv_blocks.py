@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gradleak.errors import ConfigError
-from gradleak.threads import one_thread
+from gradleak.threads import computed_ahead, one_thread
 from gradleak.victims.base import Victim
 
 T = TypeVar("T")
@@ -514,49 +514,26 @@ def complete_from_outputs(block: ConvBlock, fit: InputFit, outputs: KnownOutputs
     read = covered_pixels(block)
     below = b"" if outputs.below is None else outputs.below.name.encode()
 
-    def complete(step: int) -> StepCompletion:
-        return shared(lambda: complete_step(block, fit, outputs, step, read),
-                      b"completion", block.name.encode(), below, fit.operator.delta[step],
-                      fit.rhs[step], outputs.relu[step], outputs.on[step])
+    def parts(step: int) -> tuple[bytes | torch.Tensor, ...]:  # what a completion reads
+        return (b"completion", block.name.encode(), below, fit.operator.delta[step],
+                fit.rhs[step], outputs.relu[step], outputs.on[step])
 
+    order = steps.nonzero().flatten().tolist()
+    keys = {step: shared_key(*parts(step)) for step in order}
     # Small solves a step, on one thread: 81 → 59 ms a frame on cnn-small, 2 cores. Two steps
     # at a time in threads was no faster there (27.3 against 31.2 ms a frame, medians of 7
-    # side by side): the many small operations between the solves hold the GIL.
-    with one_thread():
-        for step in steps.nonzero().flatten().tolist():
-            done = complete(step)
+    # side by side): the many small operations between the solves hold the GIL. The next
+    # step's few large ones (two SVDs and a conv, which release it) run ahead in a thread
+    # instead: 8–16% less time, every input bit for bit the same.
+    with one_thread(), computed_ahead(
+            lambda step: prepare_step(block, fit, outputs, step, read),
+            first_unanswered(order, keys)) as prepared:
+        for step in order:
+            done = answered(keys[step],
+                            lambda step=step: complete_step(block, outputs, prepared(step)))
             solution[step], undetermined[step] = done.solution, done.undetermined
             completed[step] = done.completed
     return InputFit(fit.operator, fit.rhs, solution, fit.gram, undetermined, completed)
-
-
-def complete_step(block: ConvBlock, fit: InputFit, outputs: KnownOutputs, step: int,
-                  read: torch.Tensor) -> StepCompletion:
-    """`complete_from_outputs` on one step (`read`: the block's covered pixels)."""
-    matrix = fit.operator.take(step).dense()[0]
-    left, singular, right = torch.linalg.svd(matrix, full_matrices=False)
-    null = singular < NULL_TOLERANCE * singular[0]
-    # where the eigenvalues saw a null space the SVD does not, gelsd's own cut-off
-    kept = ~null if bool(null.any()) else \
-        singular > torch.finfo(singular.dtype).eps * max(matrix.shape) * singular[0]
-    solution = torch.zeros_like(fit.solution[step])
-    solution[read] = right[kept].T @ (left[:, kept].T @ fit.rhs[step] / singular[kept][:, None])
-    undetermined = torch.zeros_like(solution, dtype=torch.bool)
-    if not bool(null.any()):
-        return StepCompletion(solution, undetermined, False)
-    directions = torch.zeros(int(null.sum()), len(read), dtype=solution.dtype)
-    directions[:, read] = right[null]  # (J, Q)
-    part, free = null_space_part(block, directions, solution, outputs, step)
-    if not plausible(part, solution):  # wrong masks above: nothing to trust here
-        return StepCompletion(solution, in_every_channel(reaches(directions), block), True)
-    solution = solution + part
-    if not len(free):
-        return StepCompletion(solution, undetermined, True)
-    resolved = None if outputs.below is None else resolve_free_part(
-        block, outputs.below, solution, free, outputs, step)
-    if resolved is None or not plausible(resolved - solution, solution):
-        return StepCompletion(solution, reaches(free.maps), True)
-    return StepCompletion(resolved, undetermined, True)
 
 
 @dataclass(frozen=True)
@@ -570,6 +547,61 @@ class FreeDirections:
 
     def __len__(self) -> int:
         return len(self.maps)
+
+
+@dataclass(frozen=True)
+class PreparedStep:
+    """One step's completion up to its inequalities (`prepare_step`): the minimum-norm
+    solution, D(δ)'s null directions there (None: it has none) and the null-space part fitted
+    to the on-units with the coefficients they leave free."""
+
+    step: int
+    solution: torch.Tensor
+    directions: torch.Tensor | None = None
+    part: torch.Tensor | None = None
+    free: FreeDirections | None = None
+
+
+def prepare_step(block: ConvBlock, fit: InputFit, outputs: KnownOutputs, step: int,
+                 read: torch.Tensor) -> PreparedStep:
+    """The first half of `complete_from_outputs` on one step (`read`: the block's covered
+    pixels): a few large operations, free of the Python lock while they run."""
+    matrix = fit.operator.take(step).dense()[0]
+    left, singular, right = torch.linalg.svd(matrix, full_matrices=False)
+    null = singular < NULL_TOLERANCE * singular[0]
+    # where the eigenvalues saw a null space the SVD does not, gelsd's own cut-off
+    kept = ~null if bool(null.any()) else \
+        singular > torch.finfo(singular.dtype).eps * max(matrix.shape) * singular[0]
+    solution = torch.zeros_like(fit.solution[step])
+    solution[read] = right[kept].T @ (left[:, kept].T @ fit.rhs[step] / singular[kept][:, None])
+    if not bool(null.any()):
+        return PreparedStep(step, solution)
+    directions = torch.zeros(int(null.sum()), len(read), dtype=solution.dtype)
+    directions[:, read] = right[null]  # (J, Q)
+    part, free = null_space_part(block, directions, solution, outputs, step)
+    return PreparedStep(step, solution, directions, part, free)
+
+
+def complete_step(block: ConvBlock, outputs: KnownOutputs, prepared: PreparedStep
+                  ) -> StepCompletion:
+    """The second half: the null-space part checked, and the free coefficients set by the
+    inequalities (`resolve_free_part`)."""
+    solution, directions, part, free = (prepared.solution, prepared.directions, prepared.part,
+                                        prepared.free)
+    undetermined = torch.zeros_like(solution, dtype=torch.bool)
+    if directions is None:
+        return StepCompletion(solution, undetermined, False)
+    assert part is not None and free is not None
+    if not plausible(part, solution):  # wrong masks above: nothing to trust here
+        return StepCompletion(solution, in_every_channel(reaches(directions), block), True)
+    solution = solution + part
+    if not len(free):
+        return StepCompletion(solution, undetermined, True)
+    resolved = None if outputs.below is None else resolve_free_part(
+        block, outputs.below, solution, free, outputs, prepared.step)
+    if resolved is None or not plausible(resolved - solution, solution):
+        return StepCompletion(solution, reaches(free.maps), True)
+    return StepCompletion(resolved, undetermined, True)
 
 
 def null_space_part(block: ConvBlock, directions: torch.Tensor, solution: torch.Tensor,
@@ -671,19 +703,39 @@ def least_violation(rows: np.ndarray, bounds: np.ndarray) -> np.ndarray | None:
     return linear_programme(rows, bounds)
 
 
-def shared(compute: Callable[[], T], *parts: bytes | np.ndarray | torch.Tensor) -> T:
-    """`compute()`, answered from the first call with the same `parts` (bytes of what it
-    reads) inside `completions_shared`; computed afresh outside."""
+def shared_key(*parts: bytes | np.ndarray | torch.Tensor) -> bytes | None:
+    """The key of what a completion reads inside `completions_shared`; None outside."""
     if _SHARED is None:
-        return compute()
+        return None
     digest = hashlib.blake2b(digest_size=16)
     for part in parts:
         digest.update(part if isinstance(part, bytes) else
                       (part.numpy() if isinstance(part, torch.Tensor) else part).tobytes())
-    key = digest.digest()
+    return digest.digest()
+
+
+def answered(key: bytes | None, compute: Callable[[], T]) -> T:
+    """`compute()`, answered from the first call with the same key (`shared_key`) inside
+    `completions_shared`; computed afresh outside."""
+    if _SHARED is None or key is None:
+        return compute()
     if key not in _SHARED:
         _SHARED[key] = compute()
     return _SHARED[key]
+
+
+def first_unanswered(order: list[int], keys: dict[int, bytes | None]) -> list[int]:
+    """The steps of `order` `answered` will compute: neither answered already nor the same
+    as an earlier step."""
+    seen: set[bytes] = set()
+    steps = []
+    for step in order:
+        key = keys[step]
+        if key is None or (key not in seen and (_SHARED is None or key not in _SHARED)):
+            steps.append(step)
+        if key is not None:
+            seen.add(key)
+    return steps
 
 
 @contextmanager

@@ -91,7 +91,8 @@ class _EpisodeSource:
             self.env = self._started_env()
 
     def _started_env(self) -> Any:
-        # the plan's catalog: a forked child has the maps' geometry without reading it again
+        # the plan's catalog: a forked child has the WAD read and hashed; it loads a map's
+        # geometry when an episode first goes there
         env = make_env(self.job.preset.env, self.plan.scenes, self.job.preset.env.doomnav.max_steps,
                        catalog=self.plan.catalog)
         # on a fresh capture's first scene, whose episode then only restarts the map (from a
