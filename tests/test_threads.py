@@ -10,35 +10,38 @@ import torch
 from gradleak.threads import computed_ahead
 
 
-def test_each_key_is_computed_once_off_the_callers_thread_and_handed_back_in_order() -> None:
+def test_each_key_is_computed_once_the_first_by_the_caller_the_rest_by_the_worker() -> None:
     computed: list[tuple[int, str]] = []
 
     def square(key: int) -> int:
         computed.append((key, threading.current_thread().name))
         return key * key
 
-    with computed_ahead(square, [3, 1, 4]) as take:
-        assert [take(3), take(1), take(4)] == [9, 1, 16]
+    here = threading.current_thread().name
+    with computed_ahead(square, [3, 1, 4, 5]) as take:
+        assert [take(3), take(1), take(4), take(5)] == [9, 1, 16, 25]
         assert take(7) == 49  # not among the keys: computed here
-    assert [key for key, _ in computed] == [3, 1, 4, 7]
-    assert all(name.startswith("gradleak-ahead") for _, name in computed[:3])
-    assert computed[3][1] == threading.current_thread().name
+    assert sorted(key for key, _ in computed) == [1, 3, 4, 5, 7]
+    threads = dict(computed)
+    assert threads[3] == here and threads[7] == here
+    assert all(threads[key].startswith("gradleak-ahead") for key in (1, 4, 5))
 
 
-def test_the_next_key_runs_while_the_caller_still_works_on_the_one_before() -> None:
-    started = {key: threading.Event() for key in range(3)}
+def test_the_worker_starts_before_the_caller_asks_and_keeps_two_ahead_at_most() -> None:
+    started = {key: threading.Event() for key in range(5)}
 
     def compute(key: int) -> int:
         started[key].set()
         return key
 
-    with computed_ahead(compute, [0, 1, 2]) as take:
-        assert take(0) == 0
-        # nothing has asked for 1 yet: it runs ahead (a worker computing only on demand
-        # would leave this wait to time out)
+    with computed_ahead(compute, [0, 1, 2, 3, 4]) as take:
+        # nothing has been taken: the second key runs already (a worker computing only on
+        # demand would leave this wait to time out)
         assert started[1].wait(timeout=10)
-        assert not started[2].is_set()  # one ahead at a time: memory stays one step's
-        assert take(1) == 1 and take(2) == 2
+        assert not started[0].is_set()  # the first is the caller's
+        assert take(0) == 0 and started[2].wait(timeout=10)
+        assert not started[3].is_set()  # queued only when 1 is taken: memory stays bounded
+        assert [take(1), take(2), take(3), take(4)] == [1, 2, 3, 4]
 
 
 def test_a_failure_in_the_worker_is_raised_where_its_key_is_taken_and_nothing_is_left() -> None:

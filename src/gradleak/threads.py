@@ -43,18 +43,21 @@ def blas_controller() -> Any:
 @contextlib.contextmanager
 def computed_ahead(compute: Callable[[K], V], keys: Sequence[K]
                    ) -> Iterator[Callable[[K], V]]:
-    """`take(key)` returns compute(key). Taken in the order of `keys`, each is computed in a
-    worker thread while the caller works on the one before: work of a few large operations
-    that release the Python lock while they run (LAPACK, convolutions), ahead of small ones
-    that hold it. A key not in `keys` is computed in the caller's thread. The worker takes the
-    caller's grad mode and torch thread count, which torch, MKL and OpenMP keep per thread: a
-    worker left at their defaults built autograd graphs under the caller's `no_grad` and ran
-    LAPACK on two threads inside `one_thread`, and a completion's inputs came out different
-    in their last bits."""
+    """`take(key)` returns compute(key), for `keys` taken in their order: the caller computes
+    the first itself while a worker thread computes the second, and each `take` queues the
+    next key for the worker, which so keeps at most two ahead of the caller. For work made of a
+    few large operations that release the Python lock while they run (LAPACK, convolutions),
+    beside small ones in the caller that hold it: the caller never waits for the first key (a
+    worker computing it would leave the caller idle for it on every call), and a worker slower
+    than the caller is never idle. A key not queued is computed in the caller's thread. The
+    worker takes the caller's grad mode and torch thread count, which torch, MKL and OpenMP
+    keep per thread: a worker left at their defaults built autograd graphs under the caller's
+    `no_grad` and ran LAPACK on two threads inside `one_thread`, and a completion's inputs
+    came out different in their last bits."""
     if len(keys) < 2:
         yield compute
         return
-    pending = iter(keys)
+    pending = iter(keys[1:])
     futures: dict[K, Future[V]] = {}
     grad = torch.is_grad_enabled()
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gradleak-ahead",
@@ -71,11 +74,9 @@ def computed_ahead(compute: Callable[[K], V], keys: Sequence[K]
             return
 
     def take(key: K) -> V:
-        future = futures.pop(key, None)
-        if future is None:
-            return compute(key)
         submit_next()
-        return future.result()
+        future = futures.pop(key, None)
+        return compute(key) if future is None else future.result()
 
     submit_next()
     try:

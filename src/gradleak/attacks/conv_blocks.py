@@ -523,8 +523,8 @@ def complete_from_outputs(block: ConvBlock, fit: InputFit, outputs: KnownOutputs
     # Small solves a step, on one thread: 81 → 59 ms a frame on cnn-small, 2 cores. Two steps
     # at a time in threads was no faster there (27.3 against 31.2 ms a frame, medians of 7
     # side by side): the many small operations between the solves hold the GIL. The next
-    # step's few large ones (two SVDs and a conv, which release it) run ahead in a thread
-    # instead: 0.91× the time on cnn-small, 0.96× on the PPO cnn (medians of per-round ratios,
+    # steps' few large ones (two SVDs and a conv, which release it) run ahead in a thread
+    # instead: 0.87× the time on cnn-small, 0.93× on the PPO cnn (medians of per-round ratios,
     # alternating in one process), every input bit for bit the same (docs/design.md).
     with one_thread(), computed_ahead(
             lambda step: prepare_step(block, fit, outputs, step, read),
