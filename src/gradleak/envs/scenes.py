@@ -73,7 +73,8 @@ class SceneCatalog:
     def region_count(self, map_name: str) -> int:
         """The map's regions, from the cache's labels where the geometry is not loaded yet: a
         capture lists every map's scenes but visits a few maps, whose geometry its rollout
-        loads when it gets there (planning a 23-map capture: 60 → 20 ms)."""
+        loads when it gets there (listing the 25-map train split: 71–81 → 49–52 ms, 27 of
+        them the WAD's hash and directory)."""
         if map_name not in self._geometry:
             count = MapGeometry.cached_region_count(self._cache_path(map_name))
             if count is not None:
