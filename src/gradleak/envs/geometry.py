@@ -12,14 +12,18 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 import numpy as np
 from scipy.sparse import coo_matrix
 from scipy.sparse.csgraph import connected_components
 
 from gradleak.envs.wad import MapData
+
+T = TypeVar("T")
 
 CELL = 16.0  # grid pitch, map units
 UNITS_PER_METRE = 32.0  # the player is 56 units (1.75 m) tall
@@ -78,28 +82,26 @@ class MapGeometry:
     @classmethod
     def load(cls, path: Path) -> MapGeometry | None:
         """The cached geometry, or None when the cache is absent, stale or unreadable."""
-        try:
-            with np.load(path, allow_pickle=False) as data:
-                meta = json.loads(str(data["meta"]))
-                if meta.get("version") != GEOMETRY_VERSION:
-                    return None
-                return cls(map_name=meta["map_name"], origin=tuple(meta["origin"]),
-                           floor=data["floor"], walkable=data["walkable"],
-                           spawnable=data["spawnable"], region=data["region"])
-        except (OSError, KeyError, ValueError):
-            return None
+        return _read_cache(path, lambda meta, data: cls(
+            map_name=meta["map_name"], origin=tuple(meta["origin"]), floor=data["floor"],
+            walkable=data["walkable"], spawnable=data["spawnable"], region=data["region"]))
 
     @staticmethod
     def cached_region_count(path: Path) -> int | None:
         """The cached geometry's region count from its labels alone (a third of the time of
         `load`, which listing a split's scenes paid for every map); None as `load`."""
-        try:
-            with np.load(path, allow_pickle=False) as data:
-                if json.loads(str(data["meta"])).get("version") != GEOMETRY_VERSION:
-                    return None
-                return region_count(data["region"])
-        except (OSError, KeyError, ValueError):
-            return None
+        return _read_cache(path, lambda meta, data: region_count(data["region"]))
+
+
+def _read_cache(path: Path, read: Callable[[dict[str, Any], Any], T]) -> T | None:
+    """read(meta, arrays) on a cached geometry file (arrays decompressed as they are asked
+    for), or None when the file is absent, of another GEOMETRY_VERSION or unreadable."""
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            meta = json.loads(str(data["meta"]))
+            return read(meta, data) if meta.get("version") == GEOMETRY_VERSION else None
+    except (OSError, KeyError, ValueError):
+        return None
 
 
 def region_count(region: np.ndarray) -> int:
