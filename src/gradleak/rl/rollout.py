@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import gymnasium as gym
 import numpy as np
 import torch
+from torch import nn
 
 from gradleak.threads import torch_threads
 from gradleak.victims.base import Victim
@@ -25,6 +26,22 @@ def single_threaded_torch() -> Iterator[None]:
     """
     with torch_threads(1):
         yield
+
+
+def channels_last_convolutions(victim: nn.Module) -> None:
+    """Store the victim's convolution weights channels-last, in place, for batch-1 rollouts.
+
+    Frames reach the first convolution channels-last already (the input transform permutes
+    (N, H, W, C) frames without a copy), so oneDNN copied every contiguous conv weight to that
+    layout on every call: 12 copies a forward pass of the paper cnn against 8. Measured on 300
+    stored frames, one thread: `act` 0.77 → 0.69 ms for the paper cnn and 0.44 → 0.41 for
+    cnn-small, logits and values bit for bit the same for all nine image victims. Only for a
+    copy the rollout owns (the forked rollout process's): the weights' values are unchanged,
+    their strides are not.
+    """
+    for module in victim.modules():
+        if isinstance(module, nn.Conv2d):
+            module.weight.data = module.weight.data.contiguous(memory_format=torch.channels_last)
 
 
 @dataclass
