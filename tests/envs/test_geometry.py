@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 from helpers import write_test_wad
 
+from gradleak.envs import geometry as geometry_module
 from gradleak.envs.geometry import CELL, SPAWN_CLEARANCE, MapGeometry, build_geometry
 from gradleak.envs.scenes import SceneCatalog
 from gradleak.envs.wad import Wad
@@ -74,6 +76,23 @@ def test_listing_scenes_reads_region_labels_and_leaves_geometry_to_the_first_vis
     assert [s.name for s in catalog.scenes("train")] == ["MAP01/r00", "MAP01/r01"]
     assert loads == []
     assert catalog.geometry("MAP01").num_regions == 2 and len(loads) == 1
+
+
+def test_the_region_count_comes_from_the_metadata_or_an_older_cache_s_labels(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    SceneCatalog(write_test_wad(tmp_path / "rooms.wad"),
+                 cache_dir=tmp_path / "cache").scenes("train")
+    cached = next((tmp_path / "cache").rglob("MAP01.npz"))
+    with monkeypatch.context() as patch:  # labels never read: the metadata holds the count
+        patch.setattr(geometry_module, "region_count", None)
+        assert MapGeometry.cached_region_count(cached) == 2
+    with np.load(cached) as data:
+        arrays = dict(data)
+    meta = json.loads(str(arrays.pop("meta")))
+    del meta["num_regions"]  # as caches were written before the count was kept
+    with open(cached, "wb") as handle:
+        np.savez_compressed(handle, meta=np.array(json.dumps(meta)), **arrays)
+    assert MapGeometry.cached_region_count(cached) == 2
 
 
 def test_a_stale_or_broken_cache_is_rebuilt_when_the_scenes_are_listed(tmp_path: Path) -> None:
