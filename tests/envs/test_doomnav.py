@@ -43,6 +43,36 @@ def test_same_seed_and_actions_give_identical_frames() -> None:
     assert not np.array_equal(first, rollout(12, actions))
 
 
+def test_an_episode_is_the_same_whichever_map_the_engine_was_on(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine starts on the first episode's map (one map load fewer); an episode must not
+    depend on that, nor on the map played before it, or a resumed capture would differ."""
+    import gradleak.envs.doomnav as doomnav
+
+    started_on: list[str] = []
+    make_game = doomnav._make_game
+    monkeypatch.setattr(doomnav, "_make_game", lambda catalog, map_name: started_on.append(
+        map_name) or make_game(catalog, map_name))
+    actions = np.random.default_rng(1).integers(0, 5, size=12)
+
+    def episode(before: list[str]) -> np.ndarray:
+        """MAP07/r00's episode of seed 5, after an episode on each scene of `before`."""
+        env = DoomNavEnv(DoomNavConfig(frame_size=32, scenes=[*before, "MAP07/r00"]))
+        try:
+            for scene in before:
+                env.reset(seed=9, options={"scene": scene})
+                env.step(0)
+            observation, _ = env.reset(seed=5, options={"scene": "MAP07/r00"})
+            return np.stack([observation["image"]] + [env.step(int(a))[0]["image"]
+                                                      for a in actions])
+        finally:
+            env.close()
+
+    fresh, after_another_map = episode([]), episode(["MAP01/r01"])
+    assert started_on == ["MAP07", "MAP01"]
+    assert np.array_equal(fresh, after_another_map)
+
+
 def test_rotate_left_then_right_returns_the_heading(env: DoomNavEnv) -> None:
     _, info = env.reset(seed=0)
     start = info["angle"]

@@ -136,11 +136,15 @@ class DoomNavEnv(gym.Env):
     # -- engine ------------------------------------------------------------------------------
     def _engine(self) -> Any:
         if self._game is None:
-            before = child_pids()
-            self._game = _make_game(self.catalog)
-            self._engine_pids = child_pids() - before
-            watch(self._engine_pids)  # killed with this process, however it dies
+            self._start_engine(self.catalog.wad.map_names()[0])
         return self._game
+
+    def _start_engine(self, map_name: str) -> None:
+        before = child_pids()
+        self._game = _make_game(self.catalog, map_name)
+        self._engine_pids = child_pids() - before
+        watch(self._engine_pids)  # killed with this process, however it dies
+        self._map = map_name
 
     def _check_scene(self, scene: Scene) -> None:
         regions = self.catalog.geometry(scene.map_name).num_regions
@@ -148,6 +152,8 @@ class DoomNavEnv(gym.Env):
             raise ConfigError(f"scene {scene.name}: map {scene.map_name} has {regions} regions")
 
     def _start_episode(self, scene: Scene) -> None:
+        if self._game is None:  # on the scene's map, which its start loads: not a second map
+            self._start_engine(scene.map_name)
         game = self._engine()
         geometry = self.catalog.geometry(scene.map_name)
         points = geometry.spawn_points(scene.region)
@@ -258,7 +264,7 @@ class DoomNavEnv(gym.Env):
                 "distance_m": self._goal_distance_m(), "success": success, "engine_ended": False}
 
 
-def _make_game(catalog: SceneCatalog) -> Any:
+def _make_game(catalog: SceneCatalog, map_name: str) -> Any:
     import vizdoom as vzd  # deferred: the engine module is only needed once an env resets
 
     game = vzd.DoomGame()
@@ -267,7 +273,7 @@ def _make_game(catalog: SceneCatalog) -> Any:
     else:  # a PWAD's maps run on top of the shipped IWAD's resources
         game.set_doom_game_path(str(default_wad_path()))
         game.set_doom_scenario_path(str(catalog.wad.path.resolve()))
-    game.set_doom_map(catalog.wad.map_names()[0])
+    game.set_doom_map(map_name)
     # The engine writes its ini file beside its config path: keep it out of the user's cwd.
     config_dir = cache_root() / "vizdoom"
     config_dir.mkdir(parents=True, exist_ok=True)
