@@ -148,10 +148,13 @@ def _linear(module: nn.Linear, a: torch.Tensor, delta: torch.Tensor,
 
 
 # Input area (pixels) from which the correlation form of the conv rule beats unfold + bmm.
-# Measured on 64 steps, 1 and 2 threads (ms, unfold → correlation): the paper's cnn 84×84
-# input 10.6 → 4.1, its 20×20 7.2 → 5.8, its 9×9 5.1 → 7.2; cnn-small's 64×64 4.7 → 1.9, its
-# 15×15 1.2 → 2.1, its 6×6 0.6 → 1.3.
-CORRELATION_MIN_AREA = 256
+# Measured on 32 channels-last steps (as the capture's frames arrive), one thread, ms (unfold →
+# correlation): 3×64×64 k8 s4 3.9 → 2.1; 32×42×42 k3 73 → 54 and k4 s2 26.5 → 25.0; 32×32×32
+# k3 43 → 29 and k4 s2 16.0 → 14.1; 16×31×31 k4 s2 5.2 → 6.3; 32×21×21 k3 11.2 → 12.6 and k4
+# s2 7.0 → 11.9 (the paper cnn's second conv). At 256, that conv took the correlation: the
+# cnn's per-step gradients 1.86 → 1.62 ms a step at 1024 (1.18 → 1.06 on two threads);
+# cnn-small, nature-cnn and impala within 1.5%.
+CORRELATION_MIN_AREA = 1024
 
 
 def _conv2d(module: nn.Conv2d, a: torch.Tensor, delta: torch.Tensor,
