@@ -48,7 +48,10 @@ def test_the_audit_runs_on_flowers_deployment_engine(tmp_path) -> None:
     (home / "config.toml").write_text(
         f'[superlink]\ndefault = "test"\n\n[superlink.test]\naddress = "127.0.0.1:{link}"\n'
         "insecure = true\n")
-    env = {**os.environ, "FLWR_HOME": str(home)}
+    # the SuperLink starts `flower-superexec` by name: this interpreter's scripts come first on
+    # PATH even when its environment is not activated (`.venv/bin/python -m pytest`)
+    env = {**os.environ, "FLWR_HOME": str(home),
+           "PATH": os.pathsep.join([str(BIN), os.environ.get("PATH", "")])}
     started = []
 
     def start(*command: str, log: str) -> None:
