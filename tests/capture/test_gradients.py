@@ -3,16 +3,15 @@ gradient."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 from gradleak.capture.grads import (
-    CORRELATION_MIN_AREA,
     RULES,
     StepBatch,
     StepGradients,
+    _conv2d_by_correlation,
+    _conv2d_by_grouped_gradient,
     batch_gradient,
     einsum_gradients,
     loop_gradients,
@@ -99,23 +98,23 @@ def test_training_mode_is_refused() -> None:
     ((8, 8), 4, 0, 1), ((3, 5), (2, 1), (1, 2), 1), (3, 3, 1, 2), ((4, 2), 2, 0, (1, 3))])
 def test_the_conv_rule_is_each_steps_own_weight_gradient(kernel, stride, padding,
                                                          dilation) -> None:
-    """Both forms of the conv rule (im2col, and the correlation with steps as groups, stride
-    and dilation swapped) on rectangular kernels, padding, dilation and a stride that leaves
-    rows over: each step's weight and bias gradient as autograd gives it for that step alone."""
+    """The conv rule, and each of its forms (the steps as the groups of one convolution's
+    weight gradient; the correlation with the steps as groups, stride and dilation swapped),
+    on rectangular kernels, padding, dilation and a stride that leaves rows over: each step's
+    weight (and the rule's bias) gradient as autograd gives it for that step alone."""
     torch.manual_seed(3)
     conv = torch.nn.Conv2d(3, 5, kernel, stride, padding, dilation)
-    # below and above the input area where the rule switches from im2col to correlation
-    above = math.isqrt(CORRELATION_MIN_AREA) + 3
-    for side in (11, above):
-        assert (side * (side - 2) >= CORRELATION_MIN_AREA) == (side == above)
-        inputs = torch.randn(4, 3, side, side - 2)
-        deltas = torch.randn_like(conv(inputs))
-        out = {"weight": torch.empty(4, *conv.weight.shape), "bias": torch.empty(4, 5)}
-        RULES[torch.nn.Conv2d](conv, inputs, deltas, out)
+    inputs = torch.randn(4, 3, 23, 21)
+    deltas = torch.randn_like(conv(inputs))
+    for form in (RULES[torch.nn.Conv2d], _conv2d_by_grouped_gradient, _conv2d_by_correlation):
+        out = {"weight": torch.empty(4, *conv.weight.shape), "bias": torch.full((4, 5), 7.0)}
+        form(conv, inputs, deltas, out)
         for step in range(4):
             weight, bias = torch.autograd.grad(conv(inputs[step:step + 1]),
                                                [conv.weight, conv.bias], deltas[step:step + 1])
+            checked = [(out["weight"][step], weight)]
+            checked += [(out["bias"][step], bias)] if form is RULES[torch.nn.Conv2d] else []
             # float32 sums over a few hundred positions: rounding relative to the largest entry
-            for ours, reference in ((out["weight"][step], weight), (out["bias"][step], bias)):
+            for ours, reference in checked:
                 assert torch.allclose(ours, reference, rtol=1e-5,
                                       atol=1e-6 * float(reference.abs().max()))

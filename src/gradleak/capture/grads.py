@@ -147,33 +147,39 @@ def _linear(module: nn.Linear, a: torch.Tensor, delta: torch.Tensor,
         torch.sum(delta, 1, out=out["bias"])
 
 
-# Input area (pixels) from which the correlation form of the conv rule beats unfold + bmm.
-# Measured on 32 channels-last steps (as the capture's frames arrive), one thread, ms (unfold →
-# correlation): 3×64×64 k8 s4 3.9 → 2.1; 32×42×42 k3 73 → 54 and k4 s2 26.5 → 25.0; 32×32×32
-# k3 43 → 29 and k4 s2 16.0 → 14.1; 16×31×31 k4 s2 5.2 → 6.3; 32×21×21 k3 11.2 → 12.6 and k4
-# s2 7.0 → 11.9 (the paper cnn's second conv). At 256, that conv took the correlation: the
-# cnn's per-step gradients 1.86 → 1.62 ms a step at 1024 (1.18 → 1.06 on two threads);
-# cnn-small, nature-cnn and impala within 1.5%.
-CORRELATION_MIN_AREA = 1024
+# Kernel area from which the correlation form of the conv rule beats the grouped weight
+# gradient. Per-step ms on 64 channels-last steps (as the capture's frames arrive), one thread
+# (grouped → correlation): 3×84² k8 s4 0.199 → 0.165 and 3×64² k8 s4 0.107 → 0.071 (the cnns'
+# first convs); 32×21² k4 s2 0.156 → 0.316; 16×42² k3 0.185 → 0.808; 3×84² k3 0.41 → 0.49.
+# The im2col + bmm form this replaced was within 13% of the better one on the smallest layers
+# (64×10² k3 s2) and up to 5.8× slower on larger ones (16×42² k3). Per-step gradients against
+# that earlier rule (correlation from an input area of 1024, im2col below), one thread: cnn
+# 0.94×, cnn-small 0.87×, nature-cnn 0.95×, impala 0.73×, impala-small 0.70×, cnn-gru-small
+# 0.84× (two threads: cnn 0.90×, cnn-small 0.74×, impala-small 0.65×).
+CORRELATION_MIN_KERNEL_AREA = 64
 
 
 def _conv2d(module: nn.Conv2d, a: torch.Tensor, delta: torch.Tensor,
             out: dict[str, torch.Tensor]) -> None:
-    if a.shape[2] * a.shape[3] >= CORRELATION_MIN_AREA:
+    kh, kw = module.kernel_size
+    if kh * kw >= CORRELATION_MIN_KERNEL_AREA:
         _conv2d_by_correlation(module, a, delta, out)
     else:
-        _conv2d_by_columns(module, a, delta, out)
+        _conv2d_by_grouped_gradient(module, a, delta, out)
     if "bias" in out:
         torch.sum(delta.flatten(2), 2, out=out["bias"])
 
 
-def _conv2d_by_columns(module: nn.Conv2d, a: torch.Tensor, delta: torch.Tensor,
-                       out: dict[str, torch.Tensor]) -> None:
-    """Each step's input patches (im2col) against its output gradient, one bmm."""
+def _conv2d_by_grouped_gradient(module: nn.Conv2d, a: torch.Tensor, delta: torch.Tensor,
+                                out: dict[str, torch.Tensor]) -> None:
+    """The chunk's steps side by side as the groups of one convolution, whose weight gradient
+    (torch's own kernel) holds each step's own."""
     n = a.shape[0]
-    columns = F.unfold(a, module.kernel_size, module.dilation, module.padding, module.stride)
-    delta = delta.flatten(2)  # (N, C_out, P) against columns (N, C_in·k·k, P)
-    torch.bmm(delta, columns.transpose(1, 2), out=out["weight"].view(n, delta.shape[1], -1))
+    weight = torch.nn.grad.conv2d_weight(
+        a.reshape(1, -1, *a.shape[2:]), (n * module.out_channels, *module.weight.shape[1:]),
+        delta.reshape(1, -1, *delta.shape[2:]), module.stride, module.padding, module.dilation,
+        groups=n)
+    out["weight"].copy_(weight.view_as(out["weight"]))
 
 
 def _conv2d_by_correlation(module: nn.Conv2d, a: torch.Tensor, delta: torch.Tensor,
