@@ -11,7 +11,7 @@ from helpers import write_test_wad
 
 import gradleak.envs  # noqa: F401  (registers gradleak/DoomNav-v0)
 from gradleak.envs.actions import ACTION_SETS
-from gradleak.envs.doomnav import UNITS_PER_METRE, DoomNavConfig, DoomNavEnv
+from gradleak.envs.doomnav import UNITS_PER_METRE, DoomNavConfig, DoomNavEnv, EngineError
 from gradleak.errors import ConfigError
 
 OPEN_SPACE_SCENE = "MAP01/r00"
@@ -158,3 +158,11 @@ def test_unknown_scene_and_setting_are_rejected() -> None:
         DoomNavEnv(fov=90)
     with pytest.raises(ConfigError, match="num_actions=7"):
         DoomNavEnv(DoomNavConfig(num_actions=7))
+
+
+def test_a_step_before_the_first_reset_is_refused_without_an_engine() -> None:
+    env = DoomNavEnv(DoomNavConfig(frame_size=32, scenes=["MAP01/r00"]))
+    with pytest.raises(EngineError, match="call reset"):
+        env.step(0)
+    assert env._game is None
+    env.close()

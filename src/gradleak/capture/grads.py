@@ -3,10 +3,10 @@
 Three ways to the same numbers (tested equal): `einsum`, one batched backward of the summed
 per-step losses with each layer's per-step weight gradient formed from its saved input and
 output gradient (δ_i aᵢᵀ for a Linear, δ_i unfold(a_i)ᵀ for a Conv2d as Opacus' grad-sample
-rules write it, formed here by one grouped convolution), for victims whose every parameter sits in a layer with a rule; `vmap` (torch.func:
-grad of a functional call, vmapped over steps), for any victim; and the loop of
-torch.autograd.grad, the reference. At θ0 in eval mode the steps do not interact (BatchNorm uses
-its running statistics), so the batched backward's δ_i is step i's own.
+rules write it, formed here by grouped convolutions), for victims whose every parameter sits in
+a layer with a rule; `vmap` (torch.func: grad of a functional call, vmapped over steps), for any
+victim; and the loop of torch.autograd.grad, the reference. At θ0 in eval mode the steps do not
+interact (BatchNorm uses its running statistics), so the batched backward's δ_i is step i's own.
 """
 
 from __future__ import annotations

@@ -107,6 +107,8 @@ class DoomNavEnv(gym.Env):
         return self._observation(), self._info(success=False)
 
     def step(self, action: int):
+        if self._game is None:
+            raise EngineError("DoomNav steps only after its first reset(): call reset() first")
         if not 0 <= int(action) < len(self.actions):
             raise ConfigError(f"action {action} is outside 0..{len(self.actions) - 1}")
         self._apply(self.actions[int(action)])
@@ -134,12 +136,8 @@ class DoomNavEnv(gym.Env):
             unwatch(self._engine_pids)
 
     # -- engine ------------------------------------------------------------------------------
-    def _engine(self) -> Any:
-        if self._game is None:
-            self._start_engine(self.catalog.wad.map_names()[0])
-        return self._game
-
     def _start_engine(self, map_name: str) -> None:
+        """On the first episode's map, which the engine's start loads: not a second map."""
         before = child_pids()
         self._game = _make_game(self.catalog, map_name)
         self._engine_pids = child_pids() - before
@@ -152,9 +150,9 @@ class DoomNavEnv(gym.Env):
             raise ConfigError(f"scene {scene.name}: map {scene.map_name} has {regions} regions")
 
     def _start_episode(self, scene: Scene) -> None:
-        if self._game is None:  # on the scene's map, which its start loads: not a second map
+        if self._game is None:
             self._start_engine(scene.map_name)
-        game = self._engine()
+        game = self._game
         geometry = self.catalog.geometry(scene.map_name)
         points = geometry.spawn_points(scene.region)
         if self._map != scene.map_name:
@@ -224,7 +222,7 @@ class DoomNavEnv(gym.Env):
         return buttons
 
     def _apply_tics(self, buttons: list[float], tics: int, update: bool = True) -> None:
-        game = self._engine()
+        game = self._game
         if game.is_episode_finished():
             return
         game.set_action(buttons)
@@ -234,11 +232,11 @@ class DoomNavEnv(gym.Env):
             game.advance_action(tics - 1, update)
 
     def _variables_after(self, tics: int) -> np.ndarray:
-        self._engine().advance_action(tics, True)
-        return np.asarray(self._engine().get_state().game_variables, dtype=np.float64)
+        self._game.advance_action(tics, True)
+        return np.asarray(self._game.get_state().game_variables, dtype=np.float64)
 
     def _read_state(self) -> None:
-        state = self._engine().get_state()
+        state = self._game.get_state()
         if state is None:
             return
         self._vars = np.asarray(state.game_variables, dtype=np.float64)
