@@ -29,6 +29,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -84,7 +85,11 @@ def learned(attacker: Path, data: Path, repeats: int) -> dict[str, Any]:
     window = int(meta["model"]["window"])
     waits = [h["data_wait_fraction"] for h in meta.get("history", [])
              if "data_wait_fraction" in h]
-    return {"attacker": str(attacker), **inference(model, data, window, repeats),
+    from gradleak.attacks.trace import Trace
+
+    anatomy = {"one_window": one_window_anatomy(model, data, window, repeats)} \
+        if isinstance(model, Trace) else {}
+    return {"attacker": str(attacker), **inference(model, data, window, repeats), **anatomy,
             "data_wait_fraction_by_epoch": waits, "workers": meta["fit"].get("workers")}
 
 
@@ -109,6 +114,7 @@ def untrained_inference(data: Path, repeats: int) -> dict[str, Any]:
             ImageDecoder.memory_format = layout
             times[name].append(inference(model, data, config.window, 1))
     ImageDecoder.memory_format = torch.channels_last
+    result["one_window"] = one_window_anatomy(model, data, config.window, repeats)
     for batch in (1, 16):
         key = f"inference_ms_per_frame_batch_{batch}"
         for name, runs in times.items():
@@ -117,13 +123,63 @@ def untrained_inference(data: Path, repeats: int) -> dict[str, Any]:
     return {**times["channels_last"][0], **result}
 
 
+def windows_of(data: Path, window: int, count: int = 16) -> torch.Tensor:
+    """The first `count` windows of `data`'s gradients, (count, window, d) float32."""
+    with CaptureFile(data) as capture:
+        rows = min(len(capture) // window, count) * window
+        return torch.from_numpy(capture.observation(
+            rows=slice(0, rows)).gradients).float().view(-1, window, capture.attrs["gradient_dim"])
+
+
+def median_ms(run: Callable[[], Any], repeats: int) -> float:
+    run()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def one_window_anatomy(model: Any, data: Path, window: int, repeats: int) -> dict[str, Any]:
+    """Why one window costs more a frame than a batch: the decoding chain against the sum of its
+    parts each timed alone (run back to back, a part's weights stay in the caches; in the chain
+    each step reads every block's and the decoder's weights again), and the whole model in
+    bfloat16 (half the bytes; its frames' largest difference from float32's)."""
+    import copy
+
+    gradients = windows_of(data, window, 1)
+    rounds = max(repeats, 5)
+    with torch.no_grad():
+        frames, _ = model.attack(gradients)
+        z = model.encode_gradients(gradients)
+        context = model.start.expand(1, -1)[:, None]
+        x = model._through_blocks(z[:, :1], context, 0, [[] for _ in model.blocks])
+        parts = {  # ms a frame: the encoder runs once a window, the frame encoder T - 1 times
+            "gradient_encoder": median_ms(lambda: model.encode_gradients(gradients), rounds)
+            / window,
+            "blocks": median_ms(lambda: model._through_blocks(
+                z[:, :1], context, 0, [[] for _ in model.blocks]), rounds),
+            "read_out": median_ms(lambda: model._read_out(x), rounds),
+            "frame_encoder": median_ms(lambda: model.image_encoder(frames[:, 0]), rounds)
+            * (window - 1) / window}
+        half = copy.deepcopy(model).to(torch.bfloat16)
+        chain, bf16 = [], []
+        for _ in range(rounds):  # alternating, so the host's drift falls on both
+            chain.append(median_ms(lambda: model.attack(gradients), 1) / window)
+            bf16.append(median_ms(lambda: half.attack(gradients.bfloat16()), 1) / window)
+        difference = (half.attack(gradients.bfloat16())[0].float() - frames).abs().max()
+    return {"chain_ms_per_frame": statistics.median(chain),
+            "parts_alone_ms_per_frame": parts,
+            "parts_alone_sum_ms_per_frame": sum(parts.values()),
+            "bfloat16_ms_per_frame": statistics.median(bf16),
+            "bfloat16_max_frame_difference": float(difference)}
+
+
 def inference(model: torch.nn.Module, data: Path, window: int, repeats: int
               ) -> dict[str, Any]:
     """ms per frame of `model.attack` on 1 and 16 windows of `data`, medians of `repeats`."""
-    with CaptureFile(data) as capture:
-        rows = min(len(capture) // window, 16) * window
-        gradients = torch.from_numpy(capture.observation(
-            rows=slice(0, rows)).gradients).float().view(-1, window, capture.attrs["gradient_dim"])
+    gradients = windows_of(data, window)
     result: dict[str, Any] = {"parameters": sum(p.numel() for p in model.parameters()),
                               "window": window}
     with torch.no_grad():
@@ -303,6 +359,16 @@ def write(result: dict[str, Any]) -> None:
                     f"and {learned_row['inference_ms_per_frame_batch_1_contiguous_decoder']:.2f}."
                     if "inference_ms_per_frame_batch_16_contiguous_decoder" in learned_row
                     else "")]
+        if "one_window" in learned_row:
+            one = learned_row["one_window"]
+            parts = ", ".join(f"{name.replace('_', ' ')} {ms:.2f}"
+                              for name, ms in one["parts_alone_ms_per_frame"].items())
+            text += ["", f"One window at a time: {one['chain_ms_per_frame']:.2f} ms a frame in "
+                     "the decoding chain, against "
+                     f"{one['parts_alone_sum_ms_per_frame']:.2f} for its parts each run alone "
+                     f"({parts}), whose weights then stay in the caches; the whole model in "
+                     f"bfloat16 {one['bfloat16_ms_per_frame']:.2f} (frames within "
+                     f"{one['bfloat16_max_frame_difference']:.4f} of float32's)."]
     if "loader" in result:
         loader = result["loader"]
         text += ["", f"Training windows a second from {loader['capture']} ({loader['window']} "

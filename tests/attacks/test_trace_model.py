@@ -66,6 +66,16 @@ def test_autoregressive_decoding_with_teacher_context_equals_the_parallel_pass(o
     assert torch.allclose(parallel_frames, step_frames, atol=1e-5)
     assert torch.allclose(parallel_logits, step_logits, atol=1e-5)
 
+def test_decoding_encodes_each_frame_a_later_step_reads_and_no_other() -> None:
+    model = tiny()
+    gradients, _ = inputs()
+    encoded: list[int] = []
+    model.image_encoder.register_forward_hook(lambda _m, args, _out: encoded.append(len(args[0])))
+    with torch.no_grad():
+        model.decode(gradients)
+    assert encoded == [2] * (T - 1)  # frames x_1 .. x_{T-1}: x_T is no step's context
+
+
 
 def test_reconstruct_takes_only_observed_gradients() -> None:
     model = tiny()

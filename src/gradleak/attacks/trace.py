@@ -237,8 +237,9 @@ class Trace(WindowAttacker):
             out_frames, out_logits = self._read_out(x)
             frames.append(out_frames[:, -1])
             logits.append(out_logits[:, -1])
-            source = teacher[:, t] if teacher is not None else out_frames[:, -1]
-            context = self.image_encoder(source)
+            if t + 1 < steps:  # the last frame is no step's context
+                source = teacher[:, t] if teacher is not None else out_frames[:, -1]
+                context = self.image_encoder(source)
         return torch.stack(frames, dim=1), torch.stack(logits, dim=1)
 
     def attack(self, gradients: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
