@@ -119,6 +119,25 @@ def test_a_later_session_continues_a_merged_partial_grid(tmp_path, capsys) -> No
         assert not (tmp_path / name).exists()
 
 
+def test_cells_rerun_on_the_earlier_sessions_victims_are_said_to_be(tmp_path, capsys) -> None:
+    """A later session that kept the earlier one's shared folder (--shared) attacks the very
+    checkpoints the imported cells did: the merge says so instead of 'rebuilt'."""
+    first, results = tmp_path / "first", tmp_path / "results"
+    run = ["experiment", "toy", *PLUGIN, "--seeds", "2", "--quiet"]
+    assert main([*run, "--out", str(first), "--shard", "0/2"]) == 0
+    assert main(["experiment", "toy", *PLUGIN, "--merge", "--allow-partial", "--out",
+                 str(first), "--results", str(results), "--quiet"]) == 0
+    later = tmp_path / "later"
+    assert main([*run, "--out", str(later), "--shared", str(first / "shared"),
+                 "--import-cells", str(results / "toy.json")]) == 0
+    assert len(ran(later)) == 3
+    assert main(["experiment", "toy", *PLUGIN, "--merge", "--out", str(later), "--results",
+                 str(results), "--quiet"]) == 0
+    table = (results / "toy.md").read_text()
+    assert "the others ran here on the same checkpoints" in table
+    assert "rebuilt" not in table and "different checkpoints" not in table
+
+
 def test_settings_and_folders_are_checked_before_any_cell(tmp_path, capsys) -> None:
     out = tmp_path / "toy"
     base = ["experiment", "toy", *PLUGIN, "--out", str(out)]

@@ -237,12 +237,10 @@ def merge_experiment(out: Path, results: Path, allow_partial: bool = False
             note += (f"\nThe {victim} cells attacked {len(hashes)} different checkpoints of "
                      f"that victim (θ0 {', '.join(h[:12] for h in sorted(hashes))}): its rows "
                      "mix victims trained alike, not one victim.\n")
-    if imported:  # victims and captures rebuilt from the same preset by the later run
+    if imported:
         count = sum(1 for r in records if "imported_from" in r)
-        rest = ("; the others ran on victims rebuilt from the same preset" if count < len(records)
-                else "")
         note += (f"\n{count} of the {len(records)} cells were run by an earlier session and "
-                 f"imported from {', '.join(imported)}{rest}.\n")
+                 f"imported from {', '.join(imported)}{_where_the_rest_ran(records)}.\n")
     with atomic_path(md_path) as tmp:
         tmp.write_text(f"# `gradleak experiment {settings.name}`\n\n{experiment.description}\n\n"
                        f"Settings: {settings.to_dict()}; {machine()}; "
@@ -250,6 +248,24 @@ def merge_experiment(out: Path, results: Path, allow_partial: bool = False
                        f"{shared_cost:.1f} building the victims and captures they share.\n\n"
                        + markdown.rstrip() + note)
     return json_path, md_path
+
+
+def _where_the_rest_ran(records: list[dict[str, Any]]) -> str:
+    """The cells run beside imported ones: on the very checkpoints the imported cells attacked
+    (a --shared folder kept from that session), or on victims this run rebuilt from the same
+    preset, which training does not reproduce bit for bit. A cell without a θ0 counts as
+    rebuilt."""
+    def checkpoint(record: dict[str, Any]) -> tuple[str, Any]:
+        return (str(record["cell"].get("victim", "victim")),
+                record.get("result", {}).get("theta0_sha256"))
+
+    earlier = {checkpoint(r) for r in records if "imported_from" in r}
+    rest = [checkpoint(r) for r in records if "imported_from" not in r]
+    if not rest:
+        return ""
+    if all(theta0 and (victim, theta0) in earlier for victim, theta0 in rest):
+        return "; the others ran here on the same checkpoints (their θ0 hashes match)"
+    return "; the others ran on victims rebuilt from the same preset"
 
 
 def victim_checkpoints(records: list[dict[str, Any]]) -> dict[str, set[str]]:
