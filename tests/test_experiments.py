@@ -79,15 +79,21 @@ def test_a_slice_of_the_grid_runs_first_split_by_the_shards(tmp_path, capsys) ->
     assert len(ran(out)) == 6
 
 
+def half_a_grid_merged(tmp_path: Path) -> tuple[Path, Path]:
+    """An earlier session's run folder with half the toy grid, and its partial merge's folder."""
+    first, results = tmp_path / "first", tmp_path / "results"
+    assert main(["experiment", "toy", *PLUGIN, "--seeds", "2", "--quiet", "--out", str(first),
+                 "--shard", "0/2"]) == 0
+    assert main(["experiment", "toy", *PLUGIN, "--merge", "--allow-partial", "--out",
+                 str(first), "--results", str(results), "--quiet"]) == 0
+    return first, results
+
+
 def test_a_later_session_continues_a_merged_partial_grid(tmp_path, capsys) -> None:
     """The run folder is gone (a new machine); the merged partial result is all that is left:
     --import-cells takes its cells, runs only the others, and the merge says which came from
     where. Another grid's or other settings' result is refused."""
-    first, results = tmp_path / "first", tmp_path / "results"
-    run = ["experiment", "toy", *PLUGIN, "--seeds", "2", "--quiet"]
-    assert main([*run, "--out", str(first), "--shard", "0/2"]) == 0
-    assert main(["experiment", "toy", *PLUGIN, "--merge", "--allow-partial", "--out",
-                 str(first), "--results", str(results), "--quiet"]) == 0
+    _, results = half_a_grid_merged(tmp_path)
     merged = results / "toy.json"
     later = tmp_path / "later"
     assert main(["experiment", "toy", *PLUGIN, "--seeds", "2", "--out", str(later),
@@ -122,13 +128,10 @@ def test_a_later_session_continues_a_merged_partial_grid(tmp_path, capsys) -> No
 def test_cells_rerun_on_the_earlier_sessions_victims_are_said_to_be(tmp_path, capsys) -> None:
     """A later session that kept the earlier one's shared folder (--shared) attacks the very
     checkpoints the imported cells did: the merge says so instead of 'rebuilt'."""
-    first, results = tmp_path / "first", tmp_path / "results"
-    run = ["experiment", "toy", *PLUGIN, "--seeds", "2", "--quiet"]
-    assert main([*run, "--out", str(first), "--shard", "0/2"]) == 0
-    assert main(["experiment", "toy", *PLUGIN, "--merge", "--allow-partial", "--out",
-                 str(first), "--results", str(results), "--quiet"]) == 0
+    first, results = half_a_grid_merged(tmp_path)
     later = tmp_path / "later"
-    assert main([*run, "--out", str(later), "--shared", str(first / "shared"),
+    assert main(["experiment", "toy", *PLUGIN, "--seeds", "2", "--quiet", "--out", str(later),
+                 "--shared", str(first / "shared"),
                  "--import-cells", str(results / "toy.json")]) == 0
     assert len(ran(later)) == 3
     assert main(["experiment", "toy", *PLUGIN, "--merge", "--out", str(later), "--results",
