@@ -185,14 +185,8 @@ def inference(model: torch.nn.Module, data: Path, window: int, repeats: int
     with torch.no_grad():
         for batch in (1, 16):
             windows = gradients[torch.arange(batch) % len(gradients)]
-            model.attack(windows)  # warm-up
-            times = []
-            for _ in range(repeats):
-                start = time.perf_counter()
-                model.attack(windows)
-                times.append(time.perf_counter() - start)
             result[f"inference_ms_per_frame_batch_{batch}"] = \
-                1e3 * statistics.median(times) / (batch * window)
+                median_ms(lambda: model.attack(windows), repeats) / (batch * window)
     return result
 
 
