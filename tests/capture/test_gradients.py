@@ -68,6 +68,27 @@ def test_einsum_reuses_its_buffer_and_zeroes_what_the_loss_never_reaches() -> No
         StepGradients("opacus")
 
 
+def test_reserved_buffers_are_the_ones_the_first_episode_fills() -> None:
+    """A capture reserves (allocates and touches) the buffers while it waits for its first
+    episode: that episode's rows land in them, no new allocation, with the rows an
+    unreserved method gives; a factored layout's factors too."""
+    torch.manual_seed(6)
+    victim = create_victim("cnn-small", frame_size=32).eval()
+    layers = layer_table(victim)
+    factored = ["fc.weight", "policy_head.weight"]
+    batch = make_batch(5, 32, torch.Generator().manual_seed(9))
+    reserved, fresh = (StepGradients("einsum", chunk=2, factored=factored) for _ in range(2))
+    reserved.reserve(victim, layers, steps=7)
+    buffer, packed = reserved.buffer.data_ptr(), reserved.packed.data_ptr()
+    rows, expected = (method(victim, batch, LossCoefficients(), layers)
+                      for method in (reserved, fresh))
+    assert reserved.buffer.data_ptr() == buffer and reserved.packed.data_ptr() == packed
+    assert torch.equal(rows.dense, expected.dense) and torch.equal(rows.packed, expected.packed)
+    vmapped = StepGradients("vmap")
+    vmapped.reserve(victim, layers, steps=7)  # nothing to reserve: its rows are new each call
+    assert vmapped.buffer is None
+
+
 def test_mean_of_per_step_gradients_is_the_batch_gradient() -> None:
     torch.manual_seed(3)
     victim = create_victim("cnn-small", frame_size=32).eval()

@@ -13,7 +13,7 @@ from gradleak.envs import geometry as geometry_module
 from gradleak.envs.geometry import CELL, SPAWN_CLEARANCE, MapGeometry, build_geometry
 from gradleak.envs.scenes import SceneCatalog
 from gradleak.envs.wad import Wad
-from gradleak.errors import WadError
+from gradleak.errors import ConfigError, WadError
 
 
 @pytest.fixture
@@ -76,6 +76,28 @@ def test_listing_scenes_reads_region_labels_and_leaves_geometry_to_the_first_vis
     assert [s.name for s in catalog.scenes("train")] == ["MAP01/r00", "MAP01/r01"]
     assert loads == []
     assert catalog.geometry("MAP01").num_regions == 2 and len(loads) == 1
+
+
+def test_an_environment_checks_its_scenes_on_the_counts_the_listing_read(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A capture's rollout process builds its environment on the plan's catalog before its
+    first episode: checking every scene reads no geometry and no cache file again (loading
+    all 25 train maps' geometry there cost 70 ms), and a region past the count is refused."""
+    from gradleak.envs.doomnav import DoomNavConfig, DoomNavEnv
+
+    wad = write_test_wad(tmp_path / "rooms.wad")
+    SceneCatalog(wad, cache_dir=tmp_path / "cache").scenes("train")  # builds the cache
+    catalog = SceneCatalog(wad, cache_dir=tmp_path / "cache")
+    scenes = [s.name for s in catalog.scenes("train")]
+    reads = []
+    for name in ("load", "cached_region_count"):
+        read = getattr(MapGeometry, name)
+        monkeypatch.setattr(MapGeometry, name,
+                            lambda path, read=read, name=name: reads.append(name) or read(path))
+    env = DoomNavEnv(DoomNavConfig(wad=str(wad), scenes=scenes * 3), catalog=catalog)
+    assert reads == [] and len(env.scenes) == 6
+    with pytest.raises(ConfigError, match="MAP01 has 2 regions"):
+        DoomNavEnv(DoomNavConfig(wad=str(wad), scenes=["MAP01/r02"]), catalog=catalog)
 
 
 def test_the_region_count_comes_from_the_metadata_or_an_older_cache_s_labels(

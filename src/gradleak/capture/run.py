@@ -158,6 +158,9 @@ def _capture_loop(plan: CapturePlan, source: _EpisodeSource, writer: CaptureWrit
     # a buffer per episode in flight: rows stay untouched while they are written
     methods = [StepGradients(config.gradient_method, config.chunk, plan.factored)
                for _ in range(writes.buffers)]
+    longest = min(job.preset.env.doomnav.max_steps, plan.steps - writer.num_rows)
+    for method in methods:  # while the rollout process starts its engine and first episode
+        method.reserve(plan.victim, plan.layers, longest)
     try:
         with tqdm(total=plan.steps, initial=min(writer.num_rows, plan.steps), unit="step",
                   disable=not job.progress, desc=f"capture {job.split}") as bar:
