@@ -414,14 +414,15 @@ class StepGradients:
         gradients then skip the page faults (the paper cnn's 58 MB buffer, 15-20 ms the first
         time each of its two buffers is filled)."""
         if self.resolve(victim, layers) == "einsum":
-            self._ensure_buffers(victim, layers, steps)
-            assert self.buffer is not None and self.packed is not None
-            self.buffer.zero_()
-            self.packed.zero_()
+            for buffer in self._ensure_buffers(victim, layers, steps):
+                buffer.zero_()
 
-    def _ensure_buffers(self, victim: Victim, layers: list[LayerInfo], steps: int) -> None:
+    def _ensure_buffers(self, victim: Victim, layers: list[LayerInfo], steps: int
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows' buffer and the factors' (allocated anew when too small or of another
+        layout)."""
         layout = GradientLayout(tuple(layers), frozenset(self.factored))
-        if self.buffer is None or len(self.buffer) < steps \
+        if self.buffer is None or self.packed is None or len(self.buffer) < steps \
                 or self.buffer.shape[1] != layout.stored_width:
             rows = max(steps, 2 * self.chunk)
             dtype = next(victim.parameters()).dtype
@@ -429,6 +430,7 @@ class StepGradients:
             self.packed = torch.empty(rows, layout.factor_width, dtype=dtype)
             self.factor_buffers = {name: (self.packed[:, left], self.packed[:, right])
                                    for name, (left, right) in layout.factor_columns().items()}
+        return self.buffer, self.packed
 
     def __call__(self, victim: Victim, batch: StepBatch, coefficients: LossCoefficients,
                  layers: list[LayerInfo], ppo: bool = True) -> torch.Tensor | FactoredRows:
