@@ -398,12 +398,17 @@ def victims() -> tuple[str, str]:
         learned = {k: v for k, v in r["learned"].items() if isinstance(v, dict)
                    and k not in REFERENCES}
         top = max(learned.items(), key=lambda kv: kv[1]["psnr"])
-        conv = r["conv_stack"]
+        conv, mean = r["conv_stack"], r["learned"]["mean training image"]
         parts.append(f"{name}: actions {pct(r['closed_form']['action_accuracy'])}, "
-                     f"training-free {db(conv.get('psnr'))}, best learned {top[0]} "
-                     f"{db(top[1]['psnr'])} (mean image "
-                     f"{db(r['learned']['mean training image']['psnr'])})")
-    return "the paper's victims at CPU scale, and an SB3 agent (PSNR in dB)", "; ".join(parts)
+                     f"training-free {db(conv.get('psnr'))}{lpips_of(conv)}, best learned "
+                     f"{top[0]} {db(top[1]['psnr'])}{lpips_of(top[1])} (mean image "
+                     f"{db(mean['psnr'])}{lpips_of(mean)})")
+    return ("the paper's victims at CPU scale, and an SB3 agent (PSNR in dB; LPIPS where "
+            "measured)", "; ".join(parts))
+
+
+def lpips_of(scores: dict[str, Any]) -> str:
+    return "" if scores.get("lpips") is None else f" / LPIPS {scores['lpips']:.3f}"
 
 
 def fedavg_controls() -> tuple[str, str]:

