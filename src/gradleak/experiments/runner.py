@@ -255,12 +255,8 @@ def _where_the_rest_ran(records: list[dict[str, Any]]) -> str:
     (a --shared folder kept from that session), or on victims this run rebuilt from the same
     preset, which training does not reproduce bit for bit. A cell without a θ0 counts as
     rebuilt."""
-    def checkpoint(record: dict[str, Any]) -> tuple[str, Any]:
-        return (str(record["cell"].get("victim", "victim")),
-                record.get("result", {}).get("theta0_sha256"))
-
-    earlier = {checkpoint(r) for r in records if "imported_from" in r}
-    rest = [checkpoint(r) for r in records if "imported_from" not in r]
+    earlier = {_checkpoint(r) for r in records if "imported_from" in r}
+    rest = [_checkpoint(r) for r in records if "imported_from" not in r]
     if not rest:
         return ""
     if all(theta0 and (victim, theta0) in earlier for victim, theta0 in rest):
@@ -272,11 +268,16 @@ def victim_checkpoints(records: list[dict[str, Any]]) -> dict[str, set[str]]:
     """Per victim axis value (or "victim"), the θ0 hashes its cells attacked (cells that
     record one)."""
     found: dict[str, set[str]] = {}
-    for record in records:
-        theta0 = record.get("result", {}).get("theta0_sha256")
+    for victim, theta0 in map(_checkpoint, records):
         if theta0:
-            found.setdefault(str(record["cell"].get("victim", "victim")), set()).add(theta0)
+            found.setdefault(victim, set()).add(theta0)
     return found
+
+
+def _checkpoint(record: dict[str, Any]) -> tuple[str, str | None]:
+    """A cell's victim axis value (or "victim") and the θ0 hash it attacked, if it records one."""
+    return (str(record["cell"].get("victim", "victim")),
+            record.get("result", {}).get("theta0_sha256"))
 
 
 def machine() -> str:
