@@ -45,12 +45,20 @@ def db(value: float | None) -> str:
 
 
 def quality(methods: dict[str, dict[str, Any]], names: list[str] | None = None) -> str:
-    """'LtI 24.57 / 0.519, ...': PSNR (dB) / SSIM of each method that has them, references
-    last."""
+    """'LtI 24.57 / 0.519 / 0.602, ...': PSNR (dB) / SSIM (/ LPIPS where measured) of each
+    method that has them, references last."""
     chosen = names or [n for n in methods if n not in REFERENCES] + \
         [n for n in REFERENCES if n in methods]
     return ", ".join(f"{name} {db(methods[name]['psnr'])} / {methods[name]['ssim']:.3f}"
+                     + (f" / {methods[name]['lpips']:.3f}"
+                        if methods[name].get("lpips") is not None else "")
                      for name in chosen if methods.get(name, {}).get("psnr") is not None)
+
+
+def measures(methods: dict[str, dict[str, Any]]) -> str:
+    """The label of what `quality` shows for these methods."""
+    lpips = any(row.get("lpips") is not None for row in methods.values())
+    return "PSNR / SSIM / LPIPS" if lpips else "PSNR / SSIM"
 
 
 def by_defense(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
@@ -241,8 +249,10 @@ def victim_training(algo: str) -> Callable[[], tuple[str, str]]:
 def trace_vs_lti() -> tuple[str, str]:
     data = load("trace_vs_lti.json")
     evaluation = data["evaluation"]
+    methods = evaluation["methods"]
     return (f"learned attacks, {data['preset']} ({evaluation['windows']} held-out windows of "
-            f"T = {evaluation['window']}; PSNR / SSIM)", quality(evaluation["methods"]))
+            f"T = {evaluation['window']}; {data['minutes_budget']:g} CPU-min of training a "
+            f"model; {measures(methods)})", quality(methods))
 
 
 def optim_baselines() -> tuple[str, str]:
@@ -252,7 +262,8 @@ def optim_baselines() -> tuple[str, str]:
                       for name in ("IG", "DLG") if name in methods)
     batching = ", ".join(f"{name.upper()} {b['speed-up']:.1f}×" for name, b in
                          data["batching"].items())
-    return (f"DLG and IG on {data['frames']} held-out frames ({data['preset']}; PSNR / SSIM)",
+    return (f"DLG and IG on {data['frames']} held-out frames ({data['preset']}; "
+            f"{measures(methods)})",
             f"{quality(methods)}; {speed}; batched over one-at-a-time: {batching}")
 
 
@@ -260,8 +271,9 @@ def rows_file(name: str, what: str) -> Callable[[], tuple[str, str]]:
     def row() -> tuple[str, str]:
         data = load(name)
         table = by_defense(data["rows"])
-        return what, f"clean: {quality(table['none'])}. Under defenses (best PSNR): " \
-                     f"{defense_grid(data['rows'])}"
+        return f"{what} ({measures(table['none'])})", \
+            f"clean: {quality(table['none'])}. Under defenses (best PSNR): " \
+            f"{defense_grid(data['rows'])}"
     return row
 
 
@@ -287,7 +299,8 @@ def adaptive_decoders() -> tuple[str, str]:
     data = load("adaptive_decoders.json")
     parts = [f"{defense}: {quality(evaluation['methods'])}"
              for defense, evaluation in data["evaluation"].items()]
-    return f"decoders trained under each defense ({data['preset']}; PSNR / SSIM)", \
+    first = next(iter(data["evaluation"].values()))["methods"]
+    return f"decoders trained under each defense ({data['preset']}; {measures(first)})", \
         "; ".join(parts)
 
 
@@ -503,7 +516,7 @@ def demo() -> tuple[str, str]:
     methods = data["evaluation"]["methods"]
     return (f"the demo, {data['preset']} ({data['seconds'] / 60:.1f} min; "
             f"{data['evaluation']['windows']} held-out windows of T = "
-            f"{data['evaluation']['window']}; PSNR / SSIM)", quality(methods))
+            f"{data['evaluation']['window']}; {measures(methods)})", quality(methods))
 
 
 ROWS: dict[str, Callable[[], tuple[str, str]]] = {
@@ -515,11 +528,10 @@ ROWS: dict[str, Callable[[], tuple[str, str]]] = {
     "victim_training_ppo.json": victim_training("ppo"),
     "victim_training_a2c.json": victim_training("a2c"), "trace_vs_lti.json": trace_vs_lti,
     "optim_baselines.json": optim_baselines,
-    "defenses.json": rows_file("defenses.json", "defenses, zero-shot and adaptive "
-                                                "(PSNR / SSIM)"),
+    "defenses.json": rows_file("defenses.json", "defenses, zero-shot and adaptive"),
     "structured_vs_dense.json": rows_file("structured_vs_dense.json",
                                           "structured vs dense gradient input, analytic "
-                                          "decoders (PSNR / SSIM)"),
+                                          "decoders"),
     "defenses_demo.json": exact_beside_learned,
     "adaptive_decoders.json": adaptive_decoders, "conv_recovery.json": conv_recovery,
     "layer_ablation.json": layer_ablation, "victims.json": victims,

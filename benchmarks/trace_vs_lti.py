@@ -17,7 +17,10 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import platform
 from pathlib import Path
+
+import torch
 
 from gradleak.capture.run import CaptureJob, run_capture
 from gradleak.evaluation.reconstructions import evaluate
@@ -51,11 +54,13 @@ def train(preset, kind: str, window: int | None, minutes: float, data: Path, out
                         progress=True)
 
 
-def training_minutes(out: Path) -> float:
+def training_record(out: Path) -> dict:
     """Minutes spent in training epochs over every run that built this attacker (resumes
-    included), from its own history."""
+    included) and each epoch's validation PSNR, from its own history."""
     history = json.loads((out / META).read_text())["history"]
-    return round(sum(record["train_minutes"] for record in history), 1)
+    return {"minutes": round(sum(record["train_minutes"] for record in history), 1),
+            "val_psnr_by_epoch": [round(record["val_psnr"], 2) for record in history
+                                  if "val_psnr" in record]}
 
 
 def main() -> None:
@@ -87,9 +92,10 @@ def main() -> None:
                "heldout_steps": args.heldout_steps or preset.capture.steps_heldout,
                "minutes_budget": args.minutes,
                "training": {name: {"epochs": r["epochs"], "parameters": r["parameters"],
-                                   "minutes": training_minutes(Path(r["out"]))}
+                                   **training_record(Path(r["out"]))}
                             for name, r in training.items()},
-               "evaluation": result}
+               "evaluation": result, "machine": f"{platform.machine()}, "
+               f"{torch.get_num_threads()} threads, torch {torch.__version__}, no GPU"}
     text = json.dumps(summary, indent=2)
     print(text)
     with atomic_path(args.results) as tmp:

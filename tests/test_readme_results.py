@@ -33,3 +33,15 @@ def test_readme_shows_the_demo_run_kept_in_the_results() -> None:
                                module.DEMO_END) == module.fenced(module.demo_block()), (
         "README's demo block is stale: run python benchmarks/readme_results.py --demo "
         "runs/demo --write")
+
+
+def test_a_row_shows_lpips_only_where_it_was_measured_and_says_so() -> None:
+    module = _module()
+    measured = {"LtI": {"psnr": 24.571, "ssim": 0.5191, "lpips": 0.6027},
+                "mean training image": {"psnr": 21.3, "ssim": 0.46, "lpips": None}}
+    assert module.quality(measured) == ("LtI 24.57 / 0.519 / 0.603, "
+                                        "mean training image 21.30 / 0.460")
+    assert module.measures(measured) == "PSNR / SSIM / LPIPS"
+    unmeasured = {name: {**row, "lpips": None} for name, row in measured.items()}
+    assert module.quality(unmeasured) == "LtI 24.57 / 0.519, mean training image 21.30 / 0.460"
+    assert module.measures(unmeasured) == "PSNR / SSIM"
