@@ -251,7 +251,7 @@ def trace_vs_lti() -> tuple[str, str]:
     evaluation = data["evaluation"]
     methods = evaluation["methods"]
     return (f"learned attacks, {data['preset']} ({evaluation['windows']} held-out windows of "
-            f"T = {evaluation['window']}; {data['minutes_budget']:g} CPU-min of training a "
+            f"T = {evaluation['window']}; {data['minutes_budget']:g} wall-clock min of training a "
             f"model; {measures(methods)})", quality(methods))
 
 
