@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +26,8 @@ from gradleak.evaluation.verdict import headline
 from gradleak.io import atomic_path
 from gradleak.report.audit import write_audit_report
 from gradleak.report.tables import fixed, markdown_table
+
+from host import machine
 
 RESULTS = Path(__file__).parent / "results" / "audit_paper.json"
 DEFENSES = "cast:bfloat16;noise:1e-06;noise:1e-05;quant:8;prune:0.1;dpsgd:eps=10;dpsgd:eps=1"
@@ -79,8 +80,7 @@ def main() -> None:
     write_audit_report(args.out)
     clean = summary["stages"]["defense none"]["result"]["methods"]
     result = {"benchmark": "audit_paper", "config": summary["config"],
-              "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch "
-                         f"{torch.__version__}, no GPU",
+              "machine": machine(),
               "minutes": summary["minutes"], "verdict": summary["verdict"],
               "clean": {name: row.get("psnr_gain_over_mean_image")
                         for name, row in clean.items() if row["kind"] != "reference"

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,6 +49,8 @@ from gradleak.io import atomic_path
 from gradleak.metrics.lpips import unavailable_reason
 from gradleak.presets import load_preset
 from gradleak.report.tables import markdown_table
+
+from host import machine
 
 RESULTS = Path(__file__).parent / "results" / "exact_frames.json"
 
@@ -370,8 +371,7 @@ def main() -> None:
     result = {"benchmark": "exact_frames", "steps": args.steps, "frames": args.frames,
               "rank_frames": rank_frames, "rerun": reruns,
               **({"rank_from": str(args.rank_from)} if args.rank_from else {}),
-              "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch "
-                         f"{torch.__version__}, no GPU",
+              "machine": machine(),
               "lpips": unavailable_reason() or "available", "rows": rows, **result_extras}
     args.results.parent.mkdir(parents=True, exist_ok=True)
     draw(args, result)

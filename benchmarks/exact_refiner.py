@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -39,6 +38,7 @@ from gradleak.presets import load_preset
 from gradleak.report.tables import markdown_table
 from gradleak.training.refiner_fit import RefinerFitConfig, exact_attack, fit_refiner
 
+from host import machine
 import exact_frames  # the sibling benchmark: its victims and held-out captures
 from readme_results import solve_label  # the README's label of the same rows
 from exact_frames import Case
@@ -180,11 +180,6 @@ def checked_cases(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
             parser.error(f"{case.name}: {case.victim} is not a victim checkpoint directory: "
                          "train it first (see benchmarks/exact_frames.py)")
     return chosen
-
-
-def machine() -> str:
-    return (f"{platform.machine()}, {torch.get_num_threads()} threads, torch "
-            f"{torch.__version__}, no GPU")
 
 
 def write(result: dict[str, Any], path: Path, markdown: Callable[[dict[str, Any]], str]

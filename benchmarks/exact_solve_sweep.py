@@ -32,6 +32,7 @@ from gradleak.report.tables import markdown_table
 
 import exact_frames
 import exact_refiner
+from host import machine
 
 RESULTS = Path(__file__).parent / "results" / "exact_solve_sweep.json"
 # one field changed from the default at a time (with the rounds' CG budget doubled once)
@@ -117,7 +118,7 @@ def main() -> None:
     chosen = exact_refiner.checked_cases(parser, args)
     exact_refiner.write({"benchmark": "exact_solve_sweep", "frames": args.frames,
                          "train_steps": args.train_steps, "grid": GRID,
-                         "machine": exact_refiner.machine(),
+                         "machine": machine(),
                          "rows": [measure(case, args) for case in chosen]},
                         args.results, markdown)
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -32,6 +31,8 @@ from gradleak.capture.reader import CaptureFile
 from gradleak.io import atomic_path
 from gradleak.report.tables import markdown_table
 from gradleak.victims.base import victim_at_theta0
+
+from host import machine
 
 import exact_frames  # the sibling benchmark: its victims and held-out captures
 from exact_frames import Case
@@ -112,8 +113,7 @@ def main() -> None:
     timed_parts(seconds)
     rows = [measure(case, args, seconds) for case in exact_frames.paper_cases(args.ppo_cnn)]
     result = {"benchmark": "exact_speed", "frames": args.frames, "repeats": args.repeats,
-              "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch "
-                         f"{torch.__version__}, no GPU", "rows": rows}
+              "machine": machine(), "rows": rows}
     table = [{"victim": row["victim"], "attack ms/frame": f"{row['total_ms_per_frame']:.0f}",
               "recursion": f"{row['observed_conv_inputs_ms_per_frame']:.0f}",
               "frame solve": f"{row['solve_frames_ms_per_frame']:.0f}",

@@ -17,10 +17,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import platform
 from pathlib import Path
-
-import torch
 
 from gradleak.capture.run import CaptureJob, run_capture
 from gradleak.evaluation.reconstructions import evaluate
@@ -28,6 +25,8 @@ from gradleak.io import atomic_path
 from gradleak.presets import load_preset
 from gradleak.training.checkpoint import META
 from gradleak.training.fit import fit_attacker
+
+from host import machine
 
 RESULTS = Path(__file__).parent / "results" / "trace_vs_lti.json"
 
@@ -94,8 +93,7 @@ def main() -> None:
                "training": {name: {"epochs": r["epochs"], "parameters": r["parameters"],
                                    **training_record(Path(r["out"]))}
                             for name, r in training.items()},
-               "evaluation": result, "machine": f"{platform.machine()}, "
-               f"{torch.get_num_threads()} threads, torch {torch.__version__}, no GPU"}
+               "evaluation": result, "machine": machine()}
     text = json.dumps(summary, indent=2)
     print(text)
     with atomic_path(args.results) as tmp:
