@@ -21,7 +21,8 @@ from pathlib import Path
 
 from gradleak.capture.run import CaptureJob, run_capture
 from gradleak.evaluation.reconstructions import evaluate
-from gradleak.io import atomic_path
+from gradleak.errors import ConfigError
+from gradleak.io import atomic_path, check_output
 from gradleak.presets import load_preset
 from gradleak.training.checkpoint import META
 from gradleak.training.fit import fit_attacker
@@ -73,6 +74,14 @@ def main() -> None:
     parser.add_argument("--lpips-weights", default=None)
     parser.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args()
+    if args.minutes <= 0:
+        parser.error(f"--minutes {args.minutes:g}: expected a positive training budget")
+    try:  # before an hour of capturing and training, not after it
+        check_output(args.work, "--work", directory=True)
+        check_output(args.results, "--results")
+        check_output(args.results.with_suffix(".md"), "--results' Markdown")
+    except ConfigError as err:
+        parser.error(str(err))
     preset = load_preset(args.preset)
     work = args.work
     train_file, heldout_file = work / "train.h5", work / "heldout.h5"
