@@ -11,8 +11,8 @@ from pathlib import Path
 SOURCE = Path(__file__).resolve().parents[1] / "src" / "gradleak"
 LAYERS = [
     {"errors"},
-    {"registry", "config", "safe_pickle", "threads"},
-    {"victims", "metrics", "plugins"},
+    {"registry", "config", "safe_pickle", "threads", "plugins"},
+    {"victims", "metrics"},
     {"threat", "io", "envs"},
     {"report"},
     {"rl"},

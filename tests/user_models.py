@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+import gradleak
+
 
 class ConvPolicy(nn.Module):
     """Conv → ReLU ×2, a projection, and two heads named the user's way."""
@@ -23,6 +25,7 @@ class ConvPolicy(nn.Module):
         return self.pi(h), self.v(h)
 
 
+@gradleak.register_model_factory("conv-policy")
 def build_conv_policy(actions: int = 4) -> nn.Module:
     """The factory the capture names: architecture only, θ0 comes from the capture."""
     return ConvPolicy(actions=actions)
@@ -63,6 +66,7 @@ class NoisyHead(nn.Module):
         return self.pi(h), self.v(h)
 
 
+@gradleak.register_model_factory("tiny-classifier")
 class TinyClassifier(nn.Module):
     """A client's classifier for 1×8×8 images, BatchNorm included, named the user's way."""
 

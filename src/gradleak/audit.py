@@ -37,6 +37,7 @@ from gradleak.evaluation.analytic import evaluate_analytic
 from gradleak.io import check_output, read_json, write_json
 from gradleak.presets import Preset, load_preset
 from gradleak.training.loop import CLOCKS, Budget
+from gradleak.victims.base import rebuildable
 
 # from light to strong within each family; the verdict looks for the cheapest that stops all
 GRID = ("cast:float16", "quant:8", "quant:4", "prune:0.5", "prune:0.1", "noise:1e-05",
@@ -95,6 +96,7 @@ class AuditConfig:
                 raise ConfigError(f"--capture {self.capture}: a capture of "
                                   f"{capture.attrs['split']!r} scenes; the audit scores "
                                   "held-out scenes (capture with --split heldout)")
+            rebuildable(capture.victim)  # a model it names must be registered: refused here
         from gradleak.training.checkpoint import META
 
         for name, folder in self.attackers.items():

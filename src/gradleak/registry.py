@@ -26,6 +26,10 @@ class Registry(Generic[T]):
 
         return decorate
 
+    def drop(self, name: str) -> None:
+        """Forgets `name` (a module reloaded registers its entries again)."""
+        self._entries.pop(name, None)
+
     def get(self, name: str) -> T:
         try:
             return self._entries[name]

@@ -32,7 +32,7 @@ def recorded_update(tmp_path):
     meta = {"round": 1, "node_id": 7, "num_examples": 4, "shape": [1, 8, 8],
             "config": {"lr": 0.1}, "hyperparameters": {"batch": 2}, "batchnorm": "train",
             "input_transform": {"kind": "normalize", "mean": [0.5], "std": [0.5]},
-            "model": "user_models:TinyClassifier"}
+            "model": "tiny-classifier"}
     path = write_update(tmp_path / "node-7.safetensors", w0, model.state_dict(), meta)
     save_file({"images": images, "labels": labels}, str(tmp_path / "truth.safetensors"))
     save_file({"images": torch.rand(16, 1, 8, 8, generator=generator)},
@@ -64,7 +64,7 @@ def test_the_cli_names_what_is_wrong(tmp_path, capsys) -> None:
     out = tmp_path / "out"
     assert main(["fedavg-invert", "--update", str(path), "--model", "their_models:Net",
                  "--out", str(out)]) == 2
-    assert "module their_models is not loaded; pass --plugin their_models" in \
+    assert "--model = 'their_models:Net' is not a registered model factory" in \
         capsys.readouterr().err
     assert main(["fedavg-invert", "--update", str(path), "--model", "user_models:Nope",
                  "--out", str(out)]) == 2
@@ -81,3 +81,26 @@ def test_the_cli_names_what_is_wrong(tmp_path, capsys) -> None:
                  "--plugin", "user_models", "--out", str(out)]) == 2
     assert "no 'gradleak' metadata" in capsys.readouterr().err
     assert not out.exists()
+
+
+@pytest.mark.filterwarnings("ignore::gradleak.fedavg.FitWarning")
+def test_two_rounds_of_one_node_keep_their_own_rows_and_files(tmp_path, capsys) -> None:
+    """Flower's layout names a node's file the same in every round: neither round may
+    overwrite the other's JSON or picture, nor share its row name."""
+    paths = []
+    for round_ in (1, 2):
+        folder = tmp_path / f"round-{round_:03d}"
+        folder.mkdir()
+        path, _ = recorded_update(folder)
+        paths.append(str(path))
+    out = tmp_path / "out"
+    assert main(["fedavg-invert", "--update", *paths, "--iters", "2", "--truth",
+                 str(tmp_path / "round-001" / "truth.safetensors"), "--out", str(out)]) == 0
+    rows = json.loads((out / "audit.json").read_text())["rows"]
+    assert [r["update"] for r in rows] == ["round-001-node-7", "round-002-node-7"]
+    for name in ("round-001-node-7", "round-002-node-7"):
+        assert (out / f"{name}.json").is_file() and (out / f"{name}-sme.png").is_file()
+    capsys.readouterr()
+    assert main(["fedavg-invert", "--update", paths[0], paths[0], "--out",
+                 str(tmp_path / "twice")]) == 2
+    assert "names " + paths[0] + " twice" in capsys.readouterr().err

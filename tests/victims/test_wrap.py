@@ -34,7 +34,7 @@ def conv_victim(factory: bool = True) -> gradleak.victims.Victim:
     torch.manual_seed(0)
     return gradleak.wrap(user_models.build_conv_policy(), policy_head="pi", value_head="v",
                          frame_shape=(32, 32, 3),
-                         factory="user_models:build_conv_policy" if factory else None)
+                         factory="conv-policy" if factory else None)
 
 
 def test_roles_are_found_from_the_users_own_names() -> None:
@@ -75,13 +75,17 @@ def test_the_factory_must_be_loaded_and_a_model_object_cannot_be_rebuilt(
         capsys, tmp_path: Path) -> None:
     out = tmp_path / "a.h5"
     record(conv_victim(), out, loss=LOSS, **rollouts((32, 32, 3)))
-    import sys
-    saved = sys.modules.pop("user_models")
+    from gradleak.victims.factories import MODEL_FACTORIES
+
+    entry = MODEL_FACTORIES.get("conv-policy")
+    MODEL_FACTORIES.drop("conv-policy")  # as in a process that did not load the plugin
     try:
         assert main(["analytic", str(out), "--conv", "1"]) == 2
     finally:
-        sys.modules["user_models"] = saved
-    assert "pass --plugin user_models" in capsys.readouterr().err
+        MODEL_FACTORIES.register("conv-policy")(entry)
+    err = capsys.readouterr().err
+    assert "factory = 'conv-policy' is not a registered model factory" in err
+    assert "--plugin MODULE" in err
     plain = tmp_path / "b.h5"
     record(conv_victim(factory=False), plain, loss=LOSS, **rollouts((32, 32, 3)))
     assert main(["analytic", str(plain), "--json"]) == 0  # the closed form needs no model
@@ -90,7 +94,7 @@ def test_the_factory_must_be_loaded_and_a_model_object_cannot_be_rebuilt(
 
     wrapped._SESSION.clear()  # as in another process: only this one kept the model's copy
     assert main(["analytic", str(plain), "--conv", "1"]) == 2
-    assert "without factory=" in capsys.readouterr().err
+    assert "without a registered factory=" in capsys.readouterr().err
 
 
 def test_separate_actor_and_critic_on_stacked_grayscale_non_square_frames(tmp_path: Path
@@ -171,7 +175,7 @@ def test_a_saved_wrapped_model_is_captured_in_doomnav_from_the_cli(capsys, tmp_p
 
     torch.manual_seed(0)
     victim = gradleak.wrap(user_models.ConvPolicy(actions=5), policy_head="pi", value_head="v",
-                           frame_shape=(32, 32, 3), factory="user_models:build_conv_policy",
+                           frame_shape=(32, 32, 3), factory=user_models.build_conv_policy,
                            factory_kwargs={"actions": 5})
     save_victim(tmp_path / "victim", victim)
     out = tmp_path / "c.h5"

@@ -76,12 +76,32 @@ def load_reference(spec: str | None) -> Any:
     return load_dataset(spec).images
 
 
+def update_labels(paths: list[Path]) -> list[str]:
+    """One name per update for its rows and files in the flat --out: the file's stem, or with
+    its folder where stems repeat (Flower's round-001/node-7, round-002/node-7)."""
+    resolved = [path.resolve() for path in paths]
+    twice = sorted({str(p) for p in paths if resolved.count(p.resolve()) > 1})
+    if twice:
+        raise ConfigError(f"--update names {twice[0]} twice")
+    labels = [path.stem for path in paths]
+    if len(set(labels)) < len(labels):
+        labels = [f"{path.parent.name}-{path.stem}" for path in paths]
+    if len(set(labels)) < len(labels):
+        clash = next(p for p, label in zip(paths, labels) if labels.count(label) > 1)
+        raise ConfigError(f"--update: {clash} and another file share the name "
+                          f"{clash.parent.name}/{clash.name}: invert them in separate runs")
+    return labels
+
+
 def run(args: argparse.Namespace) -> None:
     from gradleak.fedavg.audit import AuditOptions, audit_update, summarise
-    from gradleak.fedavg.update_file import read_update
+    from torch import nn
+
+    from gradleak.fedavg.invert import Training, split_state
+    from gradleak.fedavg.update_file import check_meta, read_update, transform_from_dict
     from gradleak.io import check_output, write_json
     from gradleak.report.fedavg import write_fedavg_report
-    from gradleak.victims.wrapped import resolve
+    from gradleak.victims.factories import MODEL_FACTORIES, find
 
     options = AuditOptions(methods=tuple(args.method), iterations=args.iters,
                            batchnorm=args.batchnorm, labels=args.labels, seed=args.seed,
@@ -101,19 +121,42 @@ def run(args: argparse.Namespace) -> None:
     declared = {k: v for k, v in (("lr", args.lr), ("epochs", args.epochs),
                                   ("batch", args.batch), ("steps", args.steps)) if v is not None}
     updates = [Path(u) for u in args.update]
+    labels = update_labels(updates)
     metas = [read_update(u).meta for u in updates]  # every file readable before any work
+    for path, meta in zip(updates, metas):
+        if shape is not None:
+            check_meta({**meta, "shape": list(shape)}, f"{path} with --shape", ConfigError)
+        if transform is None:
+            transform_from_dict(meta.get("input_transform"), str(path))
+        Training.from_mapping({**meta.get("config", {}), **meta.get("hyperparameters", {}),
+                               **declared}, f"{path}: hyperparameters")
+    if args.model is None and len({str(meta.get("model")) for meta in metas}) > 1:
+        raise ConfigError(f"the update files name different models "
+                          f"({', '.join(sorted({str(m.get('model')) for m in metas}))}): "
+                          "invert each model's updates apart, or pass --model")
     model_ref = args.model or metas[0].get("model")
     if not model_ref:
-        raise ConfigError("the update file names no model: pass --model package.module:Class")
-    model_fn = resolve(model_ref, "--model")
+        raise ConfigError(f"{updates[0]}: the update file names no model: pass --model NAME, "
+                          "a model factory registered by a plugin")
+    field = "--model" if args.model else f"{updates[0]}: metadata 'model'"
+    factory = find(MODEL_FACTORIES, model_ref, field)  # checked, never called, before any work
+    factory.arguments({}, field)
+    model_fn = factory.function
+    for path in updates:  # the model fits every file's arrays, before any folder is made
+        update = read_update(path)
+        model = model_fn()
+        if not isinstance(model, nn.Module):
+            raise ConfigError(f"{field}: model factory {factory.name!r} returned a "
+                              f"{type(model).__name__}, expected a torch.nn.Module")
+        for name, state in (("w0", update.w0), ("wT", update.wT)):
+            split_state(model, state, f"{path}: {name}")
     out = check_output(args.out, "--out", directory=True)
     out.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
-    for path in updates:
-        rows += [{**r, "update": path.stem} for r in audit_update(
+    for path, label in zip(updates, labels):
+        rows += [{**r, "update": label} for r in audit_update(
             path, model_fn, options, out, truth=truth, reference=reference,
-            input_transform=transform,
-            declared=declared, shape=shape)]
+            input_transform=transform, declared=declared, shape=shape, label=label)]
     audit = {"format": "gradleak-fedavg-invert", "model": model_ref,
              "options": options.to_dict(), "summary": summarise(rows), "rows": rows}
     write_json(out / "audit.json", audit)
@@ -134,7 +177,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--update", nargs="+", required=True, metavar="FILE",
                    help="update files (.safetensors) written by the Flower AuditStrategy or "
                    "gradleak.fedavg.write_update")
-    p.add_argument("--model", help="package.module:Class building the model with no "
+    p.add_argument("--model", help="a model factory registered with "
+                   "@gradleak.register_model_factory(NAME), building the model with no "
                    "arguments (its module loaded with --plugin); default: the file's")
     p.add_argument("--method", nargs="+", default=["sme"], choices=METHODS)
     p.add_argument("--iters", type=int, default=1000)

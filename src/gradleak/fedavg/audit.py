@@ -65,9 +65,12 @@ class Truth:
 def audit_update(path: Path, model_fn: Callable[[], nn.Module], options: AuditOptions,
                  out: Path, truth: Truth | None = None, reference: torch.Tensor | None = None,
                  input_transform: Any = None, declared: dict[str, Any] | None = None,
-                 shape: tuple[int, ...] | None = None) -> list[dict[str, Any]]:
-    """Each method on one update file; rows written to OUT/<stem>.json, pictures beside it.
-    `declared` and `shape` override what the file says (hyperparameters, image shape)."""
+                 shape: tuple[int, ...] | None = None, label: str | None = None
+                 ) -> list[dict[str, Any]]:
+    """Each method on one update file; rows written to OUT/<label>.json (label: the file's
+    stem unless given), pictures beside it. `declared` and `shape` override what the file says
+    (hyperparameters, image shape)."""
+    label = label or path.stem
     torch.set_num_threads(options.threads)
     update = read_update(path)
     meta = update.meta
@@ -83,6 +86,9 @@ def audit_update(path: Path, model_fn: Callable[[], nn.Module], options: AuditOp
     rows = []
     for method in options.methods:
         model = model_fn()
+        if not isinstance(model, nn.Module):
+            raise ConfigError(f"the model factory returned a {type(model).__name__}, expected "
+                              "a torch.nn.Module")
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", FitWarning)
             result = invert_update(
@@ -97,9 +103,9 @@ def audit_update(path: Path, model_fn: Callable[[], nn.Module], options: AuditOp
                "warnings": [str(w.message) for w in caught if w.category is FitWarning]}
         if truth is not None:
             row.update(score_row(result.images, result.labels, truth, reference, model,
-                                 out / f"{path.stem}-{method}.png", method))
+                                 out / f"{label}-{method}.png", method))
         rows.append(row)
-    write_json(out / f"{path.stem}.json", {"rows": rows, "options": options.to_dict()})
+    write_json(out / f"{label}.json", {"rows": rows, "options": options.to_dict()})
     return rows
 
 

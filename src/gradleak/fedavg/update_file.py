@@ -32,6 +32,9 @@ from gradleak.io import load_tensors, save_tensors, tensors_metadata
 UPDATE_FORMAT = "gradleak-fedavg-update"
 UPDATE_VERSION = 1
 REQUIRED = ("round", "node_id", "num_examples", "shape")
+# the images one inversion optimises, in values (num_examples × C × H × W): 512 MB as float32,
+# several copies of which (the optimiser's, the gradients') the attacks hold at once
+MAX_IMAGE_VALUES = 1 << 27
 
 
 @dataclass
@@ -53,9 +56,7 @@ def as_tensors(state: Mapping[str, Any], field: str) -> dict[str, torch.Tensor]:
 
 def write_update(path: str | os.PathLike[str], w0: Mapping[str, Any], wT: Mapping[str, Any],
                  meta: Mapping[str, Any]) -> Path:
-    missing = [k for k in REQUIRED if k not in meta]
-    if missing:
-        raise ConfigError(f"update metadata lacks {', '.join(missing)}")
+    check_meta(meta, "update metadata", ConfigError)
     tensors = {f"w0/{k}": v for k, v in as_tensors(w0, "w0").items()}
     tensors.update({f"wT/{k}": v for k, v in as_tensors(wT, "w_T").items()})
     header = {"format": UPDATE_FORMAT, "version": UPDATE_VERSION, **meta}
@@ -82,15 +83,43 @@ def read_update(path: str | os.PathLike[str]) -> UpdateFile:
     if meta.get("version") != UPDATE_VERSION:
         raise CheckpointError(f"update file {path}: version {meta.get('version')!r}, this "
                               f"gradleak reads version {UPDATE_VERSION}")
-    missing = [k for k in REQUIRED if k not in meta]
-    if missing:
-        raise CheckpointError(f"update file {path}: metadata lacks {', '.join(missing)}")
+    check_meta(meta, f"update file {path}: metadata", CheckpointError)
     w0 = {k[3:]: v for k, v in tensors.items() if k.startswith("w0/")}
     wT = {k[3:]: v for k, v in tensors.items() if k.startswith("wT/")}
     if set(w0) != set(wT) or not w0:
         raise CheckpointError(f"update file {path}: w0 and w_T name different arrays "
                               f"({len(w0)} and {len(wT)})")
     return UpdateFile(w0, wT, meta)
+
+
+def check_meta(meta: Mapping[str, Any], source: str, error: type[Exception]) -> None:
+    """Every field an inversion reads, with the sizes it would allocate bounded."""
+    missing = [k for k in REQUIRED if k not in meta]
+    if missing:
+        raise error(f"{source} lacks {', '.join(missing)}")
+    for key in ("round", "node_id", "num_examples"):
+        value = meta[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < (key != "node_id"):
+            raise error(f"{source}: {key} {value!r}: expected an integer >= "
+                        f"{int(key != 'node_id')}")
+    shape = meta["shape"]
+    if not isinstance(shape, (list, tuple)) or len(shape) != 3 or not all(
+            isinstance(n, int) and not isinstance(n, bool) and 0 < n <= 4096 for n in shape):
+        raise error(f"{source}: shape {shape!r}: expected [C, H, W] of positive sizes "
+                    "(at most 4096 each)")
+    values = meta["num_examples"] * shape[0] * shape[1] * shape[2]
+    if values > MAX_IMAGE_VALUES:
+        raise error(f"{source}: num_examples {meta['num_examples']:,} of shape {list(shape)} is "
+                    f"{values:,} values to invert, more than the {MAX_IMAGE_VALUES:,} one "
+                    "inversion holds in memory")
+    for key in ("config", "hyperparameters", "metrics"):
+        if not isinstance(meta.get(key, {}), dict):
+            raise error(f"{source}: {key} {meta[key]!r:.80}: expected an object")
+    if meta.get("batchnorm", "train") not in ("train", "eval"):
+        raise error(f"{source}: batchnorm {meta['batchnorm']!r:.80}: expected train or eval")
+    if not isinstance(meta.get("model") or "", str):
+        raise error(f"{source}: model {meta['model']!r:.80}: expected the name of a registered "
+                    "model factory")
 
 
 def transform_from_dict(data: Any, source: str) -> Any:
@@ -103,4 +132,9 @@ def transform_from_dict(data: Any, source: str) -> Any:
         raise ConfigError(f"{source}: input transform {data!r} is not one gradleak can rebuild "
                           "(only {'kind': 'normalize', 'mean': ..., 'std': ...}); pass "
                           "--input-transform")
-    return Normalize(tuple(data.get("mean", (0.0,))), tuple(data.get("std", (1.0,))))
+    mean, std = data.get("mean", 0.0), data.get("std", 1.0)
+    if not all(isinstance(v, (int, float, list)) for v in (mean, std)):
+        raise ConfigError(f"{source}: input transform {data!r:.120}: mean and std must be "
+                          "numbers or lists of numbers")
+    return Normalize(tuple(mean) if isinstance(mean, list) else mean,
+                     tuple(std) if isinstance(std, list) else std)

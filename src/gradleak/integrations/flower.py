@@ -46,6 +46,7 @@ except ImportError as error:  # pragma: no cover - the extra is installed in CI
 from gradleak.fedavg.audit import AuditOptions, Truth, audit_update, summarise
 from gradleak.fedavg.update_file import write_update
 from gradleak.io import owned_folder, write_json
+from gradleak.victims.factories import MODEL_FACTORIES, find, name_of
 
 AUDIT_FORMAT = "gradleak-flower-audit"
 TruthFn = Callable[[int, Message], Truth | None]
@@ -58,6 +59,15 @@ def _picklable(value: Any, name: str) -> None:
         raise ConfigError(f"{name} must be picklable (a module-level class or function, not a "
                           f"lambda or a local): the audit runs in a worker process ({error})"
                           ) from None
+
+
+def registered_model(model_fn: Callable[[], nn.Module], name: str | None) -> str | None:
+    """The registered factory name the update files give `fedavg-invert` (None: model_fn is
+    not registered, so only this process can rebuild the model)."""
+    if name is None:
+        return name_of(MODEL_FACTORIES, model_fn)
+    find(MODEL_FACTORIES, name, "model_ref").arguments({}, "model_ref")
+    return name
 
 
 class AuditStrategy(Strategy):
@@ -100,7 +110,7 @@ class AuditStrategy(Strategy):
             else frozenset(clients)
         self.batchnorm, self.truth, self.reference = batchnorm, truth, reference
         self.hyperparameters = dict(hyperparameters or {})
-        self.model_ref = model_ref or f"{model_fn.__module__}:{model_fn.__qualname__}"
+        self.model_ref = registered_model(model_fn, model_ref)
         self.out = self._claim(Path(out))
         self._sent: dict[tuple[int, int], tuple[ArrayRecord, dict[str, Any]]] = {}
         self._jobs: list[tuple[dict[str, Any], Future | list[dict[str, Any]]]] = []

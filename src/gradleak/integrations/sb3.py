@@ -27,14 +27,19 @@ from torch import nn
 from gradleak.errors import ConfigError
 from gradleak.io import save_victim
 from gradleak.victims.base import Victim
+from gradleak.victims.factories import register_forward, register_model_factory
 from gradleak.victims.transform import InputTransform
 from gradleak.victims.wrapped import wrap
 
 POLICIES = ("ActorCriticPolicy", "ActorCriticCnnPolicy", "MultiInputActorCriticPolicy")
 EXTRACTORS = ("NatureCNN", "FlattenExtractor", "CombinedExtractor")
 KWARGS = ("net_arch", "share_features_extractor", "normalize_images", "ortho_init")
+ACTIVATIONS = tuple(nn.modules.activation.__all__)  # the classes a description may name
+MAX_OBSERVATION = 1 << 24  # values in one observation a description may declare
+FACTORY = "sb3-policy"  # the registered names a wrapped SB3 victim's capture holds
 
 
+@register_forward(FACTORY)
 def actor_critic_outputs(policy: nn.Module, obs: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """(logits, value) of an SB3 ActorCriticPolicy, as its evaluate_actions computes them."""
     features = policy.extract_features(obs)
@@ -69,8 +74,12 @@ def _space_from_dict(data: dict[str, Any]) -> Any:
     if kind == "discrete":
         return gym.spaces.Discrete(int(data["n"]))
     if kind == "box":
-        return gym.spaces.Box(data["low"], data["high"], tuple(data["shape"]),
-                              np.dtype(data["dtype"]))
+        shape = tuple(data["shape"])
+        if not all(isinstance(n, int) and n > 0 for n in shape) or \
+                int(np.prod(shape)) > MAX_OBSERVATION:
+            raise ConfigError(f"SB3 policy description: observation shape {list(shape)[:8]}: "
+                              f"expected positive sizes, at most {MAX_OBSERVATION:,} values")
+        return gym.spaces.Box(data["low"], data["high"], shape, np.dtype(data["dtype"]))
     raise ConfigError(f"SB3 policy description: space {data!r} is not box, dict or discrete")
 
 
@@ -83,7 +92,7 @@ def describe(policy: Any) -> dict[str, Any]:
     if name not in POLICIES or extractor not in EXTRACTORS:
         raise ConfigError(f"SB3 policy {name} with features extractor {extractor}: gradleak "
                           f"rebuilds {', '.join(POLICIES)} with {', '.join(EXTRACTORS)}")
-    if not hasattr(nn, activation):
+    if activation not in ACTIVATIONS:
         raise ConfigError(f"SB3 policy activation {activation}: expected a torch.nn activation")
     extractor_kwargs = dict(parameters.get("features_extractor_kwargs") or {})
     for key, value in extractor_kwargs.items():
@@ -97,23 +106,30 @@ def describe(policy: Any) -> dict[str, Any]:
             "share_features_extractor": bool(policy.share_features_extractor)}
 
 
+@register_model_factory(FACTORY)
 def rebuild(**description: Any) -> nn.Module:
-    """An SB3 policy from `describe`'s JSON (the factory a wrapped SB3 victim names)."""
+    """An SB3 policy from `describe`'s JSON (the factory a wrapped SB3 victim names): only the
+    classes named in POLICIES, EXTRACTORS and ACTIVATIONS can be built."""
     from stable_baselines3.common import policies, torch_layers
 
     if description.get("policy") not in POLICIES or description.get("extractor") not in \
-            EXTRACTORS or not hasattr(nn, str(description.get("activation"))):
-        raise ConfigError(f"SB3 policy description {description!r}: unknown policy, extractor "
-                          "or activation")
-    return getattr(policies, description["policy"])(
-        _space_from_dict(description["observation_space"]),
-        _space_from_dict(description["action_space"]), lambda _: 0.0,
-        net_arch=description.get("net_arch"), activation_fn=getattr(nn, description["activation"]),
-        features_extractor_class=getattr(torch_layers, description["extractor"]),
-        features_extractor_kwargs=description.get("extractor_kwargs") or None,
-        share_features_extractor=description.get("share_features_extractor", True),
-        normalize_images=description.get("normalize_images", True),
-        ortho_init=description.get("ortho_init", True))
+            EXTRACTORS or description.get("activation") not in ACTIVATIONS:
+        raise ConfigError(f"SB3 policy description {str(description)[:200]}: unknown policy, "
+                          "extractor or activation")
+    try:
+        spaces = (_space_from_dict(description["observation_space"]),
+                  _space_from_dict(description["action_space"]))
+        return getattr(policies, description["policy"])(
+            *spaces, lambda _: 0.0, net_arch=description.get("net_arch"),
+            activation_fn=getattr(nn, description["activation"]),
+            features_extractor_class=getattr(torch_layers, description["extractor"]),
+            features_extractor_kwargs=description.get("extractor_kwargs") or None,
+            share_features_extractor=description.get("share_features_extractor", True),
+            normalize_images=description.get("normalize_images", True),
+            ortho_init=description.get("ortho_init", True))
+    except (KeyError, TypeError, ValueError, AttributeError, AssertionError) as error:
+        raise ConfigError(f"SB3 policy description {str(description)[:200]}: SB3 cannot build "
+                          f"it ({type(error).__name__}: {str(error)[:200]})") from None
 
 
 def _policy(model: Any) -> Any:
@@ -158,7 +174,7 @@ def victim(model: Any) -> Victim:
     copy.load_state_dict({k: v.detach().cpu() for k, v in policy.state_dict().items()})
     return wrap(copy, policy_head="action_net", value_head="value_net", transform=transform,
                 forward=actor_critic_outputs, feed="frames-chw", image_key=image_key,
-                goal_key=goal_key, factory="gradleak.integrations.sb3:rebuild",
+                goal_key=goal_key, factory=FACTORY,
                 factory_kwargs=description, label=f"sb3-{description['policy']}")
 
 

@@ -12,16 +12,16 @@ be audited is refused, naming the module: a head that is not a biased nn.Linear,
 transform after it, a layer that is stochastic at capture time.
 
 Attacks in the same Python process rebuild it from a copy kept by `wrap`. To audit from the
-command line too, say how to rebuild it: `factory="my_package.models:build"`
-(a function of no arguments returning the model, in a module loaded with `--plugin
-my_package.models`): the capture stores that reference, never code or pickles.
+command line too, say how to rebuild it: `factory="my-policy"`, the name of a function
+registered with `@gradleak.register_model_factory("my-policy")` in a module loaded with
+`--plugin my_package.models` (with `factory_kwargs`, JSON its signature accepts). The capture
+stores that name, never code or pickles; a name that is not registered is refused before any
+call (`victims/factories.py`).
 """
 
 from __future__ import annotations
 
 import copy
-import importlib
-import sys
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -31,6 +31,7 @@ from torch import nn
 
 from gradleak.errors import ConfigError
 from gradleak.victims.base import Victim, VictimConfig, register_victim
+from gradleak.victims.factories import FORWARDS, MODEL_FACTORIES, Named, find, name_of
 from gradleak.victims.transform import InputTransform
 
 Forward = Callable[[nn.Module, Any], tuple[torch.Tensor, torch.Tensor]]
@@ -51,24 +52,16 @@ class ActorCritic(nn.Module):
         return self.actor(obs), self.critic(obs)
 
 
-def resolve(reference: str, field: str) -> Callable[..., Any]:
-    """'package.module:function' → the function. Only gradleak's own modules and modules
-    already imported (by --plugin, an entry point or the user's script) are looked in: a
-    capture file names code, it must not make gradleak import it."""
-    module_name, _, attribute = reference.partition(":")
-    if not module_name or not attribute:
-        raise ConfigError(f"victim option {field}={reference!r}: expected 'package.module:name'")
-    if module_name not in sys.modules and not module_name.startswith("gradleak."):
-        raise ConfigError(f"victim option {field}={reference!r}: module {module_name} is not "
-                          f"loaded; pass --plugin {module_name} (or register it as a "
-                          "gradleak.plugins entry point)")
-    try:
-        found = getattr(importlib.import_module(module_name), attribute)
-    except (ImportError, AttributeError) as error:
-        raise ConfigError(f"victim option {field}={reference!r}: {error}") from None
-    if not callable(found):
-        raise ConfigError(f"victim option {field}={reference!r} is not callable")
-    return found
+def rebuild_entries(options: dict[str, Any]) -> tuple[Named, dict[str, Any], Named | None]:
+    """The registered factory a victim's options name, its checked arguments, and the
+    registered forward function if one is named: every name checked before anything is
+    called."""
+    factory = find(MODEL_FACTORIES, options["factory"], "victim option factory")
+    kwargs = factory.arguments(options.get("factory_kwargs") or {},
+                               "victim option factory_kwargs")
+    forward = find(FORWARDS, options["forward"], "victim option forward") \
+        if options.get("forward") else None
+    return factory, kwargs, forward
 
 
 @register_victim("wrapped")
@@ -89,15 +82,16 @@ class WrappedVictim(Victim):
             model = copy.deepcopy(template)
         if model is None:
             if not options.get("factory"):
-                raise ConfigError("this victim was wrapped from a model object without "
-                                  "factory='package.module:function', so it cannot be rebuilt "
-                                  "here: wrap it with a factory to audit it outside that script")
-            model = resolve(options["factory"], "factory")(**options.get("factory_kwargs", {}))
+                raise ConfigError("this victim was wrapped from a model object without a "
+                                  "registered factory=, so it cannot be rebuilt here: wrap it "
+                                  "with one to audit it outside that script")
+            factory, kwargs, named_forward = rebuild_entries(options)
+            model = factory.function(**kwargs)
             if not isinstance(model, nn.Module):
-                raise ConfigError(f"factory {options['factory']} returned a "
+                raise ConfigError(f"factory {factory.name!r} returned a "
                                   f"{type(model).__name__}, expected an nn.Module")
-        if forward is None and options.get("forward"):
-            forward = resolve(options["forward"], "forward")
+            if forward is None and named_forward is not None:
+                forward = named_forward.function
         if any(True for _ in model.parameters(recurse=False)):
             raise ConfigError(f"{type(model).__name__} holds parameters of its own (not in a "
                               "submodule): move them into a submodule to wrap it")
@@ -124,7 +118,14 @@ class WrappedVictim(Victim):
 
     @classmethod
     def rebuildable(cls, config: VictimConfig) -> bool:
-        return bool(config.options.get("factory")) or config.options.get("session") in _SESSION
+        """A model wrapped in this process, or one whose factory is registered here (a named
+        factory that is not is refused, naming it)."""
+        if config.options.get("session") in _SESSION:
+            return True
+        if not config.options.get("factory"):
+            return False
+        rebuild_entries(config.options)
+        return True
 
     def train(self, mode: bool = True) -> WrappedVictim:
         super().train(mode)
@@ -168,14 +169,24 @@ def wrap(model: nn.Module | None = None, *, policy_head: str, value_head: str,
          transform: InputTransform | None = None, actor: nn.Module | None = None,
          critic: nn.Module | None = None, forward: Forward | None = None,
          feed: str = "transformed", image_key: str | None = None, goal_key: str | None = None,
-         goal_input: str | None = None, factory: str | None = None,
+         goal_input: str | None = None, factory: str | Callable[..., nn.Module] | None = None,
          factory_kwargs: dict[str, Any] | None = None, label: str | None = None) -> Victim:
     """A victim of `model` (or of `actor` and `critic`, whose heads are then named inside each:
     policy_head in the actor, value_head in the critic). Frames are (H, W, C) uint8 as stored;
-    `transform` (default: divide by 255) says what the model does to them. The victim is in
-    eval mode, its roles found and checked before it is returned."""
+    `transform` (default: divide by 255) says what the model does to them. `factory` (a
+    registered model factory, by name or the function itself) rebuilds the architecture from
+    a capture in another process; a `forward` is then registered too. The victim is in eval
+    mode, its roles found and checked before it is returned."""
     if (model is None) == (actor is None or critic is None):
         raise ConfigError("wrap: pass either model=, or both actor= and critic=")
+    for name, module in (("model", model), ("actor", actor), ("critic", critic)):
+        if module is not None and not isinstance(module, nn.Module):
+            raise ConfigError(f"wrap: {name}= is a {type(module).__name__}, expected a "
+                              "torch.nn.Module")
+    if forward is not None and not callable(forward):
+        raise ConfigError(f"wrap: forward= is a {type(forward).__name__}, expected a function "
+                          "(model, observation) -> (logits, value)")
+    factory_name, forward_name = _registered_names(factory, factory_kwargs, forward)
     if actor is not None:
         model = ActorCritic(actor, critic)
         policy_head, value_head = f"actor.{policy_head}", f"critic.{value_head}"
@@ -189,17 +200,12 @@ def wrap(model: nn.Module | None = None, *, policy_head: str, value_head: str,
         from gradleak.victims.roles import checked_linear
 
         checked_linear(model, policy_head, "policy head")  # names what is wrong
-    if forward is not None and factory is not None and not _importable(forward):
-        raise ConfigError("wrap: forward= must be a module-level function when factory= is "
-                          "given, so the victim can be rebuilt")
     options = {"policy_head": policy_head, "value_head": value_head,
                "transform": transform.to_dict(), "feed": feed, "image_key": image_key,
-               "goal_key": goal_key, "goal_input": goal_input, "factory": factory,
+               "goal_key": goal_key, "goal_input": goal_input, "factory": factory_name,
                "factory_kwargs": dict(factory_kwargs or {}), "label": label or
-               type(model).__name__,
-               "forward": f"{forward.__module__}:{forward.__qualname__}"
-               if forward is not None and _importable(forward) else None}
-    if factory is None:  # rebuildable in this process only, from a copy of the architecture
+               type(model).__name__, "forward": forward_name}
+    if factory_name is None:  # rebuildable in this process only, from a copy of the architecture
         options["session"] = uuid.uuid4().hex
         _SESSION[options["session"]] = (copy.deepcopy(model), forward)
     config = VictimConfig("wrapped", transform.height, head.out_features, options)
@@ -221,6 +227,27 @@ def _has(model: nn.Module, name: str) -> bool:
     return True
 
 
-def _importable(function: Callable[..., Any]) -> bool:
-    module = sys.modules.get(getattr(function, "__module__", ""), None)
-    return module is not None and getattr(module, function.__qualname__, None) is function
+def _registered_names(factory: str | Callable[..., nn.Module] | None,
+                      factory_kwargs: dict[str, Any] | None, forward: Forward | None
+                      ) -> tuple[str | None, str | None]:
+    """The names a capture will hold for `factory` and `forward`, checked as a reader checks
+    them: registered, and the factory's arguments fit its signature."""
+    forward_name = name_of(FORWARDS, forward) if forward is not None else None
+    if factory is None:
+        if factory_kwargs:
+            raise ConfigError("wrap: factory_kwargs= without factory=")
+        return None, forward_name
+    if callable(factory):
+        name = name_of(MODEL_FACTORIES, factory)
+        if name is None:
+            raise ConfigError(f"wrap: factory={getattr(factory, '__qualname__', factory)!r} is "
+                              "not registered: decorate it with "
+                              "@gradleak.register_model_factory(NAME)")
+        factory = name
+    entry = find(MODEL_FACTORIES, factory, "wrap: factory")
+    entry.arguments(factory_kwargs or {}, "wrap: factory_kwargs")
+    if forward is not None and forward_name is None:
+        raise ConfigError(f"wrap: forward={getattr(forward, '__qualname__', forward)!r} is not "
+                          "registered, so a capture could not rebuild the victim with it: "
+                          "decorate it with @gradleak.register_forward(NAME)")
+    return entry.name, forward_name
