@@ -137,6 +137,7 @@ def test_fail_if_sets_the_exit_status(audited, hostile_capture: Path, trained_at
 
 @pytest.mark.parametrize(("extra", "message"), [
     (["--fail-if", "psnr >> 3"], "cannot read 'psnr >> 3'"),
+    (["--fail-if", ""], "--fail-if '': cannot read ''"),
     (["--defenses", "quant:99"], "quant"),
     (["--budget-minutes", "0"], "--budget-minutes 0"),
     (["--set", "attack.ig.iterations=many"], "attack.ig.iterations"),
@@ -158,13 +159,57 @@ def test_aggregation_without_a_learned_attacker_is_refused_up_front(random_captu
     assert not (tmp_path / "a").exists()
 
 
+def test_a_rerun_on_other_data_at_the_same_path_reuses_nothing(random_capture: Path,
+                                                                float16_capture: Path,
+                                                                tmp_path: Path, capsys) -> None:
+    """Stages belong to the capture's content: replaced at its path by another capture, the
+    audit is refused rather than served the old stages."""
+    path = tmp_path / "heldout.h5"
+    shutil.copyfile(random_capture, path)
+    argv = ["audit", "--capture", str(path), "--defenses", "none", "--out",
+            str(tmp_path / "audit"), *FAST, "--optimisation-windows", "0", "--json"]
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["frames"]["method"]
+    assert main(argv) == 0  # the same data: every stage read back
+    shutil.copyfile(float16_capture, path)  # other data, same path, same θ0 and rows
+    stages = sorted((tmp_path / "audit" / "stages").iterdir())
+    before = [p.read_bytes() for p in stages]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "holds an audit of other data at the same path" in err and "50 rows" in err
+    assert [p.read_bytes() for p in stages] == before
+
+
+def test_two_audits_of_one_folder_never_run_together(random_capture: Path, tmp_path: Path,
+                                                     capsys) -> None:
+    from gradleak.audit import LOCK
+    from gradleak.io import exclusive
+
+    out = tmp_path / "audit"
+    argv = ["audit", "--capture", str(random_capture), "--defenses", "none", "--out", str(out),
+            *FAST, "--optimisation-windows", "0", "--quiet"]
+    out.mkdir()
+    with exclusive(out / LOCK, RuntimeError):  # an audit of this folder, running elsewhere
+        assert main(argv) == 2
+        assert "is being written by another audit (PID" in capsys.readouterr().err
+        assert [p.name for p in out.iterdir()] == [LOCK]  # nothing written beside its lock
+    assert main(argv) == 0  # once it is done, the folder is free
+    assert not (out / LOCK).exists()
+
+
 def test_fail_if_grammar_and_binds_tighter_than_or() -> None:
     verdict = {"frames": {"psnr": 30.0, "ssim": 0.5}, "actions": {"accuracy": 0.2}}
     assert condition_holds(parse_condition("psnr>25 and actions>0.5 or ssim>=0.5"), verdict)[0]
     assert not condition_holds(parse_condition("psnr>25 and actions>0.5"), verdict)[0]
-    held, clauses = condition_holds(parse_condition("returns>0.5 or psnr<=30"), verdict)
-    assert held and "returns: not measured" in clauses and "psnr 30 <= 30" in clauses
-    for bad in ("psnr>", "rm -rf > 3", "psnr > 3 xor ssim > 1", "__import__('os')>1"):
+    held, clauses = condition_holds(parse_condition("returns>0.5 and psnr<=30"), verdict)
+    assert held and "returns > 0.5: not measured, so not cleared" in clauses and \
+        "psnr 30 <= 30" in clauses
+    # a metric the audit could not measure never passes the gate, whatever the threshold
+    for unmeasured in ("advantages>0.5 or returns>0.5", "lpips<0", "returns>1e9 and psnr>0"):
+        held, clauses = condition_holds(parse_condition(unmeasured), verdict)
+        assert held and any("not measured" in clause for clause in clauses), unmeasured
+    assert not condition_holds(parse_condition("returns>0.5 and psnr>31"), verdict)[0]
+    for bad in ("", " ", "psnr>", "rm -rf > 3", "psnr > 3 xor ssim > 1", "__import__('os')>1"):
         with pytest.raises(ConfigError, match="--fail-if"):
             parse_condition(bad)
 

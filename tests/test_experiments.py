@@ -431,7 +431,7 @@ def test_shards_claiming_one_new_folder_take_turns(tmp_path, monkeypatch) -> Non
 
     def shard() -> None:
         try:
-            runner.claim(out, settings, resume=True)
+            runner.claim(out, settings, resume=True, cells=[])
         except ConfigError as error:  # reported by the assertion below
             errors.append(error)
 
@@ -470,3 +470,78 @@ def test_context_verdict_pairs_t1_and_t8_seed_by_seed() -> None:
     assert verdict([-0.1, 0.0]) == "T = 8 does not beat T = 1"
     assert seed_gains(results, "ppo", "noise:0.1", "decoder") == []
     assert verdict([]) == "T = 8 and T = 1 share no seed"
+
+
+def test_a_staggered_job_array_and_a_second_run_of_one_folder_run_each_cell_once(
+        tmp_path, capsys) -> None:
+    """Shard 1/2 started after 0/2 finished runs its own cells without --resume; a second run
+    of the folder skips the cells another process holds instead of running them twice."""
+    from gradleak.io import exclusive
+
+    out = tmp_path / "toy"
+    run = ["experiment", "toy", *PLUGIN, "--seeds", "2", "--out", str(out), "--json"]
+    assert main([*run, "--shard", "0/2"]) == 0
+    assert main([*run, "--shard", "1/2"]) == 0  # staggered: its cells are not 0/2's
+    assert len(ran(out)) == 6 and len(set(ran(out))) == 6
+    assert main([*run, "--shard", "1/2"]) == 2  # but running a shard again wants --resume
+    assert "pass --resume" in capsys.readouterr().err
+    other = tmp_path / "other"
+    capsys.readouterr()
+    assert main(["experiment", "toy", *PLUGIN, "--seeds", "2", "--out", str(other),
+                 "--where", "seed=0", "--quiet"]) == 0
+    cell = "setting=a,seed=1"
+    with exclusive(other / "cells" / f".{cell}.json.lock", RuntimeError):  # another run has it
+        assert main(["experiment", "toy", *PLUGIN, "--seeds", "2", "--out", str(other),
+                     "--resume", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["running_elsewhere"] == [cell] and cell not in summary["ran"]
+    assert sorted(ran(other)) == sorted(set(ran(other))) and len(ran(other)) == 5
+
+
+def test_values_differing_only_in_unsafe_characters_keep_their_own_cells() -> None:
+    from gradleak.experiments.base import Cell
+
+    ids = {Cell((("defense", value), ("seed", 0))).id for value in ("a:b", "a/b", "a b", "a_b",
+                                                                     "a%3Ab")}
+    assert len(ids) == 5 and not any("/" in i for i in ids)
+    assert Cell((("victim", "ppo"), ("seed", 0))).id == "victim=ppo,seed=0"  # as before
+
+
+@pytest.mark.parametrize("record, fragment", [
+    ({}, "a cell record without this experiment's axes"),
+    ({"cell": {"setting": "a", "seed": 0}, "result": None, "cpu_minutes": 1.0,
+      "wall_minutes": 1.0}, "result None"),
+    ({"cell": {"setting": "a", "seed": 0}, "result": {"value": 1.0}, "wall_minutes": 1.0},
+     "cpu_minutes None"),
+    ({"cell": {"setting": "b", "seed": 0}, "result": {"value": 1.0}, "cpu_minutes": 1.0,
+      "wall_minutes": 1.0}, "holds the record of cell setting=b,seed=0"),
+])
+def test_a_merge_names_a_broken_cell_record(tmp_path, capsys, record, fragment) -> None:
+    out, results = tmp_path / "toy", tmp_path / "results"
+    assert main(["experiment", "toy", *PLUGIN, "--seeds", "1", "--out", str(out),
+                 "--quiet"]) == 0
+    (out / "cells" / "setting=a,seed=0.json").write_text(json.dumps(record))
+    assert main(["experiment", "toy", *PLUGIN, "--merge", "--out", str(out), "--results",
+                 str(results)]) == 2
+    err = capsys.readouterr().err
+    assert fragment in err and "setting=a,seed=0.json" in err and "Traceback" not in err
+    assert not results.exists()
+    (out / "cells" / "setting=a,seed=0.json").write_text('"a string"')
+    assert main(["experiment", "toy", *PLUGIN, "--merge", "--out", str(out), "--results",
+                 str(results)]) == 2
+    assert "expected a JSON object" in capsys.readouterr().err
+
+
+def test_what_is_read_and_built_from_a_users_numbers_is_bounded(tmp_path, capsys) -> None:
+    import os
+
+    fifo = tmp_path / "pipe.json"
+    os.mkfifo(fifo)
+    for source in (str(fifo), "/dev/zero"):
+        assert main(["experiment", "toy", *PLUGIN, "--out", str(tmp_path / "a"),
+                     "--import-cells", source]) == 2  # neither hangs nor fills the memory
+        assert "not a regular file" in capsys.readouterr().err
+    assert main(["experiment", "table1", "--seeds", "1000000000", "--where", "seed=0",
+                 "--out", str(tmp_path / "b")]) == 2
+    assert "--seeds 1000000000: expected an integer from 1 to 1000" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

@@ -34,7 +34,7 @@ from gradleak.defenses import parse_defense
 from gradleak.errors import ConfigError
 from gradleak.evaluation.actions import evaluate_action_rules
 from gradleak.evaluation.analytic import evaluate_analytic
-from gradleak.io import check_output, read_json, write_json
+from gradleak.io import check_output, exclusive, read_json, write_json
 from gradleak.presets import Preset, load_preset
 from gradleak.training.loop import CLOCKS, Budget
 from gradleak.victims.base import rebuildable
@@ -45,6 +45,7 @@ GRID = ("cast:float16", "quant:8", "quant:4", "prune:0.5", "prune:0.1", "noise:1
 RULES = ("odd-sign", "sign-agnostic", "sign-aware")
 OPTIMISATION = ("dlg", "ig")  # the single-step optimisation baselines, on a few frames
 MARKER = "audit.json"  # the settings; its presence says the folder is an audit's own
+LOCK = ".audit.lock"  # held by the audit writing the folder (io.exclusive)
 TRAIN_SHARE = {"trace": 0.25, "lti": 0.10}  # of the budget, when attackers are trained here
 
 
@@ -128,8 +129,7 @@ class Audit:
         self.stages: dict[str, Stage] = {}
         with CaptureFile(config.capture) as capture:  # from the architecture, once
             self.exact_reason = not_applicable(capture.victim)
-        prepare_output(self.out, config)
-        write_json(self.out / "preset.json", self.preset.to_dict())
+        self.content = check_folder(self.out, config)  # before any compute
 
     # -- bookkeeping -------------------------------------------------------------------------
     def minutes_left(self) -> float:
@@ -157,6 +157,16 @@ class Audit:
 
     # -- the stages --------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
+        """Every stage, with the folder held against other audits for the whole run."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        with exclusive(self.out / LOCK, lambda holder: ConfigError(
+                f"--out {self.out} is being written by another audit (PID {holder}): wait for "
+                "it to finish, or choose another folder")):
+            write_json(self.out / MARKER, {**asdict(self.config), "content": self.content})
+            write_json(self.out / "preset.json", self.preset.to_dict())
+            return self._run()
+
+    def _run(self) -> dict[str, Any]:
         from gradleak.evaluation.verdict import verdict
 
         self.stage("actions", lambda: evaluate_action_rules([self.config.capture], RULES))
@@ -252,23 +262,48 @@ def slug(text: str) -> str:
     return "".join(c if c.isalnum() or c in ".-_" else "-" for c in text)
 
 
-def prepare_output(out: Path, config: AuditConfig) -> None:
-    """A new or empty folder, or this audit's own (same settings but the budget): then its
-    finished stages are reused. Anything else is refused, never overwritten."""
+def content(config: AuditConfig) -> dict[str, Any]:
+    """The captures' content keys (θ0, rows, a digest): an audit's stages belong to the data
+    they scored, not to the paths it had."""
+    keys = {}
+    for name, path in (("capture", config.capture), ("train", config.train)):
+        if path is not None:
+            with CaptureFile(path) as capture:
+                keys[name] = capture.content_key()
+    return keys
+
+
+def check_folder(out: Path, config: AuditConfig) -> dict[str, Any]:
+    """A new or empty folder, or this audit's own (same settings but the budget, same capture
+    content): then its finished stages are reused. Anything else is refused, untouched.
+    Returns the captures' content keys, which the marker records."""
     check_output(out, "--out", directory=True)
     marker = out / MARKER
-    if out.exists() and any(out.iterdir()):
+    mine = {**asdict(config), "content": content(config)}
+    if out.exists() and any(p.name != LOCK for p in out.iterdir()):
         if not marker.is_file():
             raise ConfigError(f"--out {out} is not empty and holds no {MARKER}: choose a new "
                               "or empty folder (an audit resumes only in its own)")
         earlier = read_json(marker, "audit settings")
-        mine = asdict(config)
         changed = sorted(key for key in mine if key not in ("budget_minutes", "clock", "out")
                          and earlier.get(key) != json.loads(json.dumps(mine[key])))
+        if "content" in changed:
+            before, now = earlier.get("content") or {}, mine["content"]
+            which = [n for n in now if before.get(n) != now[n]] or ["capture"]
+            raise ConfigError(f"--out {out} holds an audit of other data at the same path: "
+                              + "; ".join(f"--{n} {getattr(config, n)} was "
+                                          f"{describe_key(before.get(n))}, now "
+                                          f"{describe_key(now.get(n))}" for n in which)
+                              + ". Choose a new folder: its stages scored the old data")
         if changed:
             raise ConfigError(f"--out {out} holds an audit with other settings "
                               f"({', '.join(changed)}): choose a new folder, or rerun with "
                               "its settings to resume it")
-    out.mkdir(parents=True, exist_ok=True)
-    write_json(marker, asdict(config))
+    return mine["content"]
+
+
+def describe_key(key: dict[str, Any] | None) -> str:
+    if not key:
+        return "not recorded"
+    return f"{key['rows']} rows, θ0 {key['theta0_sha256'][:12]}…, digest {key['digest']}"
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -22,6 +23,7 @@ from gradleak.victims.base import Victim, VictimConfig, create_victim
 VICTIM_FORMAT = "gradleak-victim"
 VICTIM_WEIGHTS = "victim.safetensors"
 VICTIM_META = "victim.json"
+MAX_JSON_BYTES = 256 * 2**20  # settings, records and merged results are far smaller
 
 
 @contextlib.contextmanager
@@ -154,15 +156,69 @@ def owned_folder(out: Path, marker: str, fmt: str, field: str, what: str
     return found
 
 
+def try_lock(path: Path) -> tuple[int | None, str]:
+    """An exclusive `flock` on `path` (created, this PID written in it): (fd, "") or, when
+    another process holds it, (None, its PID). The kernel drops a lock when its holder dies
+    (kill -9 included), so a lock file left behind never blocks."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)  # close-on-exec: children never hold it
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            return None, holder
+        if _still_linked(fd, path):
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
+            return fd, ""
+        os.close(fd)  # its holder finished and removed it between our open and flock
+
+
+def release_lock(path: Path, fd: int) -> None:
+    """Remove the lock file while still holding it (a process that opened it retries on a new
+    one), then let go."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    os.close(fd)
+
+
+@contextlib.contextmanager
+def exclusive(path: Path, refuse: Callable[[str], Exception]) -> Iterator[None]:
+    """Hold the lock `path` for the block; another holder is refused at once by raising
+    `refuse(its PID)`."""
+    fd, holder = try_lock(path)
+    if fd is None:
+        raise refuse(holder)
+    try:
+        yield
+    finally:
+        release_lock(path, fd)
+
+
+def _still_linked(fd: int, path: Path) -> bool:
+    try:
+        return os.stat(path).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+        return False
+
+
 def write_json(path: str | os.PathLike[str], data: Any) -> None:
     with atomic_path(path) as tmp:
         tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 def read_json(path: str | os.PathLike[str], what: str) -> dict[str, Any]:
+    """A JSON object from a regular file of at most MAX_JSON_BYTES: a FIFO, a device or a
+    runaway file is refused before it is read."""
     path = Path(path)
     if path.is_dir():
         raise CheckpointError(f"{what} {path} is a directory; expected a JSON file")
+    if path.exists() and not path.is_file():
+        raise CheckpointError(f"{what} {path} is not a regular file (a pipe or a device)")
+    if path.is_file() and path.stat().st_size > MAX_JSON_BYTES:
+        raise CheckpointError(f"{what} {path} is {path.stat().st_size:,} bytes, more than the "
+                              f"{MAX_JSON_BYTES:,} a JSON file here may hold")
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:

@@ -7,6 +7,7 @@ truncated, foreign or inconsistent file is reported as such rather than as an h5
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Sequence
@@ -270,6 +271,22 @@ class CaptureFile:
                 "frames": "×".join(map(str, self.roles.transform.frame_shape)),
                 "roles": roles_text(self.roles),
                 "size_mb": round(self.path.stat().st_size / 2**20, 2)}
+
+    def content_key(self, samples: int = 8) -> dict[str, Any]:
+        """What identifies this capture's content, not its path: θ0's hash, the rows, and a
+        digest of every attribute and of `samples` evenly spaced rows of every column (a few
+        MB read, whatever the capture's size)."""
+        digest = hashlib.sha256()
+        for name, value in sorted(self.attrs.items()):
+            digest.update(f"{name}={value!r};".encode())
+        for name in sorted(self._h5):
+            data = self._h5[name]
+            if isinstance(data, h5py.Dataset) and data.shape and len(data):
+                digest.update(f"{name}{data.shape}{data.dtype}".encode())
+                for row in sorted({int(r) for r in np.linspace(0, len(data) - 1, samples)}):
+                    digest.update(np.ascontiguousarray(self._read(name, row)).tobytes())
+        return {"theta0_sha256": str(self.attrs["theta0_sha256"]), "rows": self.num_rows,
+                "digest": digest.hexdigest()[:16]}
 
     def close(self) -> None:
         self._h5.close()

@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
     from gradleak.evaluation.verdict import condition_holds, parse_condition
     from gradleak.report.audit import write_audit_report
 
-    condition = parse_condition(args.fail_if) if args.fail_if else None  # before any work
+    condition = parse_condition(args.fail_if) if args.fail_if is not None else None  # first
     config = AuditConfig(capture=args.capture, out=args.out, train=args.train,
                          attackers=attackers_from_args(args) if args.attacker else {},
                          defenses=defenses_from_args(args.defenses), preset=args.preset,
@@ -93,6 +93,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--fail-if", default=None,
                    help="exit 1 when this holds on the clean figures, e.g. \"psnr>25 or "
                    "actions>0.5\" (metrics: psnr, ssim, lpips, gain, actions, advantages, "
-                   "returns); without it the exit status is 0 whenever the audit ran")
+                   "returns); a clause whose metric the audit could not measure holds. "
+                   "Without it the exit status is 0 whenever the audit ran")
     p.add_argument("--out", required=True)
     p.set_defaults(func=run)

@@ -30,8 +30,10 @@ def run(args: argparse.Namespace) -> None:
     emit(args, result, f"{args.name} shard {result['shard']}: imported "
                        f"{len(result['imported'])}, "
                        f"ran {len(result['ran'])} of "
-                       f"{result['cells_in_shard']} cells; {len(result['missing_in_grid'])} "
-                       f"missing in the whole grid -> {out}")
+                       f"{result['cells_in_shard']} cells"
+                       + (f" ({len(result['running_elsewhere'])} running in another process)"
+                          if result["running_elsewhere"] else "")
+                       + f"; {len(result['missing_in_grid'])} missing in the whole grid -> {out}")
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:

@@ -184,22 +184,20 @@ def parse_condition(text: str) -> list[list[tuple[str, str, float]]]:
 def condition_holds(groups: list[list[tuple[str, str, float]]], v: dict[str, Any]
                     ) -> tuple[bool, list[str]]:
     """Whether the condition holds on the verdict, and the clauses that held. A metric the
-    audit did not measure makes its clause false, and is named."""
-    held, missing = [], []
+    audit did not measure makes its clause hold, and is named: a gate must never pass on what
+    was not measured."""
+    held = []
 
-    def value(metric: str) -> float | None:
+    def check(metric: str, op: str, number: float) -> bool:
         section, key = METRICS[metric]
         found = (v.get(section) or {}).get(key)
         if found is None:
-            missing.append(metric)
-        return found
-
-    def check(metric: str, op: str, number: float) -> bool:
-        found = value(metric)
-        ok = found is not None and OPERATORS[op](found, number)
+            held.append(f"{metric} {op} {number:g}: not measured, so not cleared")
+            return True
+        ok = bool(OPERATORS[op](found, number))
         if ok:
             held.append(f"{metric} {found:.4g} {op} {number:g}")
         return ok
 
     result = any(all([check(*clause) for clause in group]) for group in groups)
-    return result, held + [f"{m}: not measured" for m in dict.fromkeys(missing)]
+    return result, list(dict.fromkeys(held))

@@ -14,17 +14,20 @@ import fcntl
 import hashlib
 import itertools
 import json
-import re
+import math
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
+from urllib.parse import quote
 
+from gradleak.errors import ConfigError
 from gradleak.registry import Registry
 
 T = TypeVar("T")
+MAX_CELLS = 100_000  # cells one grid may have: each is a file, and the grid is built in memory
 
 
 @dataclass(frozen=True)
@@ -38,9 +41,9 @@ class Cell:
 
     @property
     def id(self) -> str:
-        """A file name: 'victim=ppo,components=cnn,seed=0' with unsafe characters replaced."""
-        text = ",".join(f"{k}={v}" for k, v in self.values)
-        return re.sub(r"[^A-Za-z0-9_.,=+-]", "_", text)
+        """A file name: 'victim=ppo,components=cnn,seed=0', other characters percent-encoded
+        ('defense=noise%3A0.01'), so that values differing only in them stay apart."""
+        return quote(",".join(f"{k}={v}" for k, v in self.values), safe=",=+")
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.values)
@@ -115,6 +118,10 @@ class Experiment(ABC):
 
     def cells(self, seeds: int) -> list[Cell]:
         axes = self.axes(seeds)
+        size = math.prod(len(values) for values in axes.values())
+        if size > MAX_CELLS:
+            raise ConfigError(f"experiment {self.name!r} with {seeds} seed(s) has {size:,} "
+                              f"cells, more than the {MAX_CELLS:,} one run folder holds")
         return [Cell(tuple(zip(axes, values))) for values in itertools.product(*axes.values())]
 
     @abstractmethod

@@ -22,10 +22,18 @@ from typing import Any
 
 from gradleak.errors import ConfigError
 from gradleak.experiments.base import EXPERIMENTS, Cell, Context, Experiment, locked
-from gradleak.io import atomic_path, owned_folder, read_json, write_json
+from gradleak.io import (
+    atomic_path,
+    owned_folder,
+    read_json,
+    release_lock,
+    try_lock,
+    write_json,
+)
 
 FORMAT = "gradleak-experiment"
 CLOCKS = ("cpu", "wall")
+MAX_SEEDS = 1000
 
 
 @dataclass
@@ -39,8 +47,10 @@ class ExperimentSettings:
 
     def check(self) -> None:
         EXPERIMENTS.get(self.name)
-        if isinstance(self.seeds, bool) or not isinstance(self.seeds, int) or self.seeds < 1:
-            raise ConfigError(f"--seeds {self.seeds!r}: expected an integer >= 1")
+        if isinstance(self.seeds, bool) or not isinstance(self.seeds, int) or \
+                not 1 <= self.seeds <= MAX_SEEDS:
+            raise ConfigError(f"--seeds {self.seeds!r}: expected an integer from 1 to "
+                              f"{MAX_SEEDS}")
         if not self.budget_minutes > 0:
             raise ConfigError(f"--budget-minutes {self.budget_minutes}: expected > 0")
         if self.clock not in CLOCKS:
@@ -91,17 +101,17 @@ def cell_path(out: Path, cell: Cell) -> Path:
     return out / "cells" / f"{cell.id}.json"
 
 
-def claim(out: Path, settings: ExperimentSettings, resume: bool) -> None:
+def claim(out: Path, settings: ExperimentSettings, resume: bool, cells: list[Cell]) -> None:
     """A new or empty folder, or this experiment's own with the same settings. Shards claim
     it one at a time (a lock file beside it): a shard started with another would otherwise
     find the other's marker half-written (its temporary file in the folder, the marker not
     yet there) and refuse the folder as a stranger's."""
     out.parent.mkdir(parents=True, exist_ok=True)
     with locked(out.parent / f".{out.name}.claim.lock"):
-        _claim(out, settings, resume)
+        _claim(out, settings, resume, cells)
 
 
-def _claim(out: Path, settings: ExperimentSettings, resume: bool) -> None:
+def _claim(out: Path, settings: ExperimentSettings, resume: bool, cells: list[Cell]) -> None:
     found = owned_folder(out, "experiment.json", FORMAT, "--out", "an experiment run")
     if found is not None:
         before = found.get("settings", {})
@@ -110,9 +120,11 @@ def _claim(out: Path, settings: ExperimentSettings, resume: bool) -> None:
             raise ConfigError(f"--out {out} holds a run with other settings ("
                               + ", ".join(f"{k}: {before.get(k)!r} → {settings.to_dict()[k]!r}"
                                           for k in changed) + "): use a new --out")
-        if not resume and any((out / "cells").glob("*.json")):
-            raise ConfigError(f"--out {out} already holds finished cells: pass --resume to run "
-                              "only the missing ones")
+        done = [cell.id for cell in cells if cell_path(out, cell).exists()]
+        if not resume and done:  # this shard ran before; the other shards' cells are theirs
+            raise ConfigError(f"--out {out} already holds {len(done)} finished cell(s) of this "
+                              f"run ({done[0]}, ...): pass --resume to run only the missing "
+                              "ones")
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "experiment.json", {"format": FORMAT, "settings": settings.to_dict()})
 
@@ -136,11 +148,7 @@ def importable_cells(settings: ExperimentSettings, source: Path
     grid = {cell.id for cell in experiment.cells(settings.seeds)}
     cells = []
     for record in data["cells"]:
-        try:
-            cell = experiment.cell_of(record)
-        except (KeyError, TypeError):
-            raise ConfigError(f"--import-cells {source}: a cell record without this "
-                              f"experiment's axes ({record.get('cell')!r})") from None
+        cell = check_record(record, experiment, f"--import-cells {source}")
         if cell.id not in grid:
             raise ConfigError(f"--import-cells {source}: cell {cell.id} is not in the grid of "
                               f"{settings.seeds} seed(s)")
@@ -169,31 +177,69 @@ def run_experiment(settings: ExperimentSettings, out: Path, resume: bool = False
     cells = [cell for cell in experiment.cells(settings.seeds) if kept(cell, chosen)]
     cells = cells[index::count]
     importing = importable_cells(settings, import_from) if import_from is not None else []
-    claim(out, settings, resume or import_from is not None)
+    claim(out, settings, resume or import_from is not None, cells)
     imported = []
     for cell, record in importing:
         if not cell_path(out, cell).exists():
             write_json(cell_path(out, cell), {**record, "imported_from": str(import_from)})
             imported.append(cell.id)
     context = Context(out, settings.budget_minutes, settings.clock, preset, progress, shared)
-    ran = []
+    ran, elsewhere = [], []
+    (out / "cells").mkdir(exist_ok=True)
     for cell in tqdm(cells, disable=not progress, desc=settings.name):
         path = cell_path(out, cell)
         if path.exists():
             continue
-        wall, cpu = time.perf_counter(), time.process_time()
-        shared_before = context.shared_cpu_minutes
-        result = experiment.run_cell(cell, context)
-        shared = context.shared_cpu_minutes - shared_before
-        # the cell's own cost; the victims and captures it happened to build are apart
-        write_json(path, {"cell": cell.to_dict(), "result": result,
-                          "wall_minutes": (time.perf_counter() - wall) / 60,
-                          "cpu_minutes": (time.process_time() - cpu) / 60 - shared,
-                          "shared_cpu_minutes": shared})
-        ran.append(cell.id)
+        lock = path.with_name(f".{path.name}.lock")
+        fd, _ = try_lock(lock)
+        if fd is None:  # another run of this folder is running it
+            elsewhere.append(cell.id)
+            continue
+        try:
+            if not path.exists():  # it may have finished between our look and the lock
+                run_cell(experiment, cell, context, path)
+                ran.append(cell.id)
+        finally:
+            release_lock(lock, fd)
     missing = [c.id for c in experiment.cells(settings.seeds) if not cell_path(out, c).exists()]
     return {"experiment": settings.name, "shard": f"{index}/{count}", "imported": imported,
-            "ran": ran, "cells_in_shard": len(cells), "missing_in_grid": missing}
+            "ran": ran, "running_elsewhere": elsewhere, "cells_in_shard": len(cells),
+            "missing_in_grid": missing}
+
+
+def run_cell(experiment: Experiment, cell: Cell, context: Context, path: Path) -> None:
+    wall, cpu = time.perf_counter(), time.process_time()
+    shared_before = context.shared_cpu_minutes
+    result = experiment.run_cell(cell, context)
+    shared = context.shared_cpu_minutes - shared_before
+    # the cell's own cost; the victims and captures it happened to build are apart
+    write_json(path, {"cell": cell.to_dict(), "result": result,
+                      "wall_minutes": (time.perf_counter() - wall) / 60,
+                      "cpu_minutes": (time.process_time() - cpu) / 60 - shared,
+                      "shared_cpu_minutes": shared})
+
+
+def check_record(record: Any, experiment: Experiment, source: str) -> Cell:
+    """A cell record as a merge reads it: an object with the cell's axes, a result object and
+    its cost in minutes. Returns its cell."""
+    if not isinstance(record, dict):
+        raise ConfigError(f"{source}: a cell record is a {type(record).__name__}, expected an "
+                          "object")
+    try:
+        cell = experiment.cell_of(record)
+    except (KeyError, TypeError):
+        raise ConfigError(f"{source}: a cell record without this experiment's axes "
+                          f"({str(record.get('cell'))[:80]!r})") from None
+    if not isinstance(record.get("result"), dict):
+        raise ConfigError(f"{source}: cell {cell.id} has result {record.get('result')!r:.60}, "
+                          "expected an object")
+    for key in ("cpu_minutes", "wall_minutes"):
+        value = record.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                not 0 <= value < float("inf"):
+            raise ConfigError(f"{source}: cell {cell.id} has {key} {value!r:.40}, expected "
+                              "minutes >= 0")
+    return cell
 
 
 def merge_experiment(out: Path, results: Path, allow_partial: bool = False
@@ -208,6 +254,10 @@ def merge_experiment(out: Path, results: Path, allow_partial: bool = False
     cells = experiment.cells(settings.seeds)
     records = [read_json(cell_path(out, c), f"cell {c.id}") for c in cells
                if cell_path(out, c).exists()]
+    for cell, record in zip([c for c in cells if cell_path(out, c).exists()], records):
+        if check_record(record, experiment, str(cell_path(out, cell))) != cell:
+            raise ConfigError(f"{cell_path(out, cell)}: holds the record of cell "
+                              f"{experiment.cell_of(record).id}")
     missing = [c.id for c in cells if not cell_path(out, c).exists()]
     if missing and not allow_partial:
         raise ConfigError(f"{len(missing)} of {len(cells)} cells have not run ("
