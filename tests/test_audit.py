@@ -141,6 +141,9 @@ def test_fail_if_sets_the_exit_status(audited, hostile_capture: Path, trained_at
     (["--defenses", "quant:99"], "quant"),
     (["--budget-minutes", "0"], "--budget-minutes 0"),
     (["--set", "attack.ig.iterations=many"], "attack.ig.iterations"),
+    (["--set", "attack.exact.iterations=-5"], "--set field attack.exact.iterations=-5: expected "
+                                              "at least 1"),
+    (["--seed", "-1"], "--seed -1"),
 ])
 def test_bad_arguments_are_refused_before_any_work(random_capture: Path, trained_attackers,
                                                    tmp_path: Path, capsys, extra: list[str],

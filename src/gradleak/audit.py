@@ -81,6 +81,8 @@ class AuditConfig:
                                   "at least 1")
         if self.optimisation_windows < 0:
             raise ConfigError("--optimisation-windows: expected 0 or more")
+        if not 0 <= self.seed < 2**32:
+            raise ConfigError(f"--seed {self.seed}: expected an integer from 0 to 2**32 - 1")
         for spec in self.defenses:  # a ConfigError names a spec it cannot read
             if parse_defense(spec).span > 1 and not (self.attackers or self.train):
                 raise ConfigError(f"--defenses {spec}: it aggregates steps, which only learned "

@@ -166,10 +166,11 @@ def paper() -> Preset:
 
 
 def load_preset(name: str, overrides: list[str] | None = None) -> Preset:
+    """The named preset after `overrides` (`section.field=value`), checked whole."""
     preset = PRESETS.get(name)()
     for assignment in overrides or []:
         apply_override(preset, assignment)
-    return preset
+    return validate_preset(preset, "--set" if overrides else f"preset {name}")
 
 
 def apply_override(config: Any, assignment: str) -> None:
@@ -248,6 +249,7 @@ AT_LEAST = {"env.doomnav.frame_size": 16, "env.doomnav.max_steps": 1,
             "capture.steps_train": 1, "capture.steps_heldout": 1, "capture.chunk": 1}
 POSITIVE_FIELDS = ("epochs", "batch_size", "accumulation", "chunk", "iterations", "window",
                      "restarts", "batch", "validate_every")
+TIME_LIMITS = ("time_limit_minutes", "time_limit_s")  # None (no limit) or > 0
 CHOICES = {"perceptual": PERCEPTUAL_TERMS, "precision": tuple(PRECISIONS)}  # named strings
 
 
@@ -267,6 +269,9 @@ def validate_preset(preset: Preset, source: str = "preset") -> Preset:
             minimum = 1
         if minimum is not None and value < minimum:
             raise ConfigError(f"{where}={value!r}: expected at least {minimum}")
+        if path.rsplit(".", 1)[-1] in TIME_LIMITS and value <= 0:
+            raise ConfigError(f"{where}={value!r}: expected a positive time limit (none: "
+                              "leave it unset)")
         if path.rsplit(".", 1)[-1].endswith("seed") and value < 0:
             raise ConfigError(f"{where}={value!r}: expected a non-negative seed")
     for component in preset.capture.components:

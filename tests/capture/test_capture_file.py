@@ -576,6 +576,11 @@ def test_a_planned_job_array_merges_into_one_capture_without_copying(tmp_path: P
     assert len(result["commands"]) == 3 and "${SLURM_ARRAY_TASK_ID}/3" in script.read_text()
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
     assert main(plan) == 2  # the script exists: never replaced
+    # only the placeholder is the task's shard: a path holding the word keeps it
+    named = tmp_path / "SHARD-runs" / "array.sh"
+    assert main([*plan[:plan.index("--out") + 1], str(tmp_path / "SHARD-runs" / "c.h5"),
+                 "--shards", "3", "--slurm", str(named), "--quiet", *TINY_FLAGS]) == 0
+    assert shlex.quote(str(tmp_path / "SHARD-runs" / "c.h5")) in named.read_text()
     for command in reversed(result["commands"]):
         assert main(shlex.split(command)[1:]) == 0
     assert main(shlex.split(result["merge"])[1:]) == 0
@@ -596,6 +601,15 @@ def test_a_planned_job_array_merges_into_one_capture_without_copying(tmp_path: P
         shutil.move(path, moved / path.name)
     with CaptureFile(moved / out.name) as merged:  # shards named relative to the merged file
         assert np.array_equal(merged.observation().gradients, joined.gradients)
+    shard = moved / Path(result["shards"][2]).name
+    with h5py.File(shard, "r+") as handle:  # replaced by a shard captured at another θ0
+        theta0 = handle.attrs["theta0_sha256"]
+        handle.attrs["theta0_sha256"] = "f" * 64
+    with pytest.raises(CaptureFileError, match="shard-2-of-3.h5 was captured at θ0 ffffffffffff"
+                       "…, the merged file at " + str(theta0)[:12]):
+        CaptureFile(moved / out.name)
+    with h5py.File(shard, "r+") as handle:
+        handle.attrs["theta0_sha256"] = theta0
     (moved / Path(result["shards"][1]).name).unlink()
     with pytest.raises(CaptureFileError, match="shard .*shard-1-of-3.h5 is missing"):
         CaptureFile(moved / out.name)

@@ -4,6 +4,7 @@ checked before anything is written."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +14,7 @@ import torch
 from gradleak.capture.reader import CaptureFile
 from gradleak.capture.record import record
 from gradleak.cli import main
-from gradleak.errors import ConfigError
+from gradleak.errors import ConfigError, GradleakError
 from gradleak.victims import create_victim
 
 LOSS = {"value": 0.5, "entropy": 0.0, "clip": 0.2, "gamma": 0.99, "lam": 0.95}
@@ -50,11 +51,22 @@ def test_a_users_rollouts_become_a_capture_the_attacks_read(capsys, tmp_path: Pa
     ({"episode_ids": np.array([0, 1, 0] * 4)}, "must be contiguous"),
     ({"returns": np.zeros(5)}, "returns: shape (5,)"),
     ({"loss": {"value": 0.5}}, "missing entropy, clip, gamma, lam"),
+    ({"old_log_probs": np.r_[np.nan, np.zeros(11)]}, "old_log_probs: holds NaN/Inf"),
+    ({"old_log_probs": np.zeros(1)}, "old_log_probs: shape (1,), expected (12,)"),
+    ({"old_log_probs": np.full(12, 0.5)}, "old_log_probs: a log-probability above 0"),
+    ({"actions": np.arange(12) % 5 + 0.5}, "actions: 0.5 at step 0 is not a whole number"),
+    ({"actions": np.array(list("012340123401"))}, "actions: <U1 values, expected numbers"),
+    ({"rewards": np.zeros(40)}, "rewards: shape (40,), expected (12,)"),
+    ({"split": "banana"}, "split 'banana': expected one of train, heldout"),
+    ({"loss": {**LOSS, "gamma": 7}}, "loss['gamma'] = 7: expected a number in [0, 1]"),
+    ({"loss": {**LOSS, "lam": -3}}, "loss['lam'] = -3"),
+    ({"loss": {**LOSS, "value": "0.5"}}, "loss['value'] = '0.5'"),
+    ({"episode_ids": np.zeros(0)}, "episode_ids: shape (0,)"),
 ])
 def test_bad_rollouts_are_refused_and_nothing_written(tmp_path: Path, change,
                                                       fragment: str) -> None:
     arguments = {**rollouts(), "loss": LOSS, **change}
-    with pytest.raises(ConfigError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(ConfigError, match=re.escape(fragment)):
         record(create_victim("cnn-small", frame_size=32), tmp_path / "out" / "x.h5",
                **arguments)
     assert not list(tmp_path.iterdir())
@@ -64,3 +76,25 @@ def test_a_recurrent_victim_needs_its_states(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="pass each step's pre-step state"):
         record(create_victim("cnn-gru-small", frame_size=32), tmp_path / "x.h5", loss=LOSS,
                **rollouts())
+
+
+def test_float_actions_that_are_whole_numbers_are_kept_exactly(tmp_path: Path) -> None:
+    """SB3's rollout buffer holds actions as float32: whole numbers are read as they are."""
+    data = rollouts()
+    data["actions"] = data["actions"].astype(np.float32)
+    out = tmp_path / "f.h5"
+    record(create_victim("cnn-small", frame_size=32), out, loss=LOSS, **data)
+    with CaptureFile(out) as capture:
+        assert capture.private_column("actions").tolist() == (np.arange(12) % 5).tolist()
+
+
+def test_overwrite_replaces_a_capture_but_never_another_file(tmp_path: Path) -> None:
+    victim = create_victim("cnn-small", frame_size=32)
+    mine = tmp_path / "notes.h5"
+    mine.write_text("not a capture")
+    with pytest.raises(GradleakError, match="is not a gradleak capture"):
+        record(victim, mine, loss=LOSS, overwrite=True, **rollouts())
+    assert mine.read_text() == "not a capture"
+    out = tmp_path / "c.h5"
+    record(victim, out, loss=LOSS, **rollouts())
+    assert record(victim, out, loss=LOSS, overwrite=True, **rollouts())["rows"] == 12

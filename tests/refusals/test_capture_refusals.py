@@ -173,3 +173,13 @@ def test_two_captures_of_one_output_a_live_one_and_a_second(capsys, tmp_path: Pa
         committed = handle[COMMITTED][:]
         assert list(committed) == sorted(committed)
         assert (int(committed[-1]) if len(committed) else 0) <= len(handle["gradients"])
+
+
+def test_overwrite_replaces_only_a_capture(refused, tmp_path: Path) -> None:
+    """--overwrite is for a capture at that path; a user's file of the same name is kept."""
+    mine = tmp_path / "notes.h5"
+    mine.write_text("mine")
+    refused(capture_argv(mine, "--overwrite"), f"{mine} exists and is not a gradleak capture")
+    folder = tmp_path / "folder.h5"
+    folder.mkdir()
+    refused(capture_argv(folder, "--overwrite"), str(folder))

@@ -150,3 +150,17 @@ def test_train_victim_and_attack_check_their_output_first(refused, tmp_path: Pat
     refused(["train-victim", "--out", str(tmp_path / "file")], "is a file")
     refused(["attack", "ig", "--data", str(random_capture), "--index", "0", "--out",
              str(tmp_path / "file" / "ig")], "is a file, not a directory")
+
+
+@pytest.mark.parametrize("command, flags, fragment", [
+    ("train-prior", ["--minutes", "-1"], "attack.refiner_fit.time_limit_minutes=-1.0: expected "
+                                         "a positive time limit"),
+    ("train-decoder", ["--minutes", "0"], "attack.decoder_fit.time_limit_minutes=0.0"),
+    ("train-attacker", ["--set", "attack.trace_fit.time_limit_minutes=-2"],
+     "attack.trace_fit.time_limit_minutes=-2.0"),
+])
+def test_a_time_limit_that_is_spent_before_it_starts_is_refused(refused, tmp_path: Path,
+                                                               train_capture: Path, command,
+                                                               flags, fragment) -> None:
+    refused([command, "--data", str(train_capture), "--out", str(tmp_path / "fit"), *flags],
+            fragment)

@@ -79,12 +79,23 @@ class CaptureFile:
         missing shard's rows as zeros, silently, so each is looked for first."""
         if "merged_from" not in self._h5.attrs:
             return
+        theta0 = str(self._h5.attrs["theta0_sha256"])
         for name in json.loads(self._h5.attrs["merged_from"]):
             shard = Path(name) if os.path.isabs(name) else self.path.parent / name
             if not shard.is_file():
                 raise CaptureFileError(f"{self.path} is merged from shards, and shard {shard} "
                                        "is missing: put it back (shards named without a folder "
                                        "sit beside the merged file)")
+            try:
+                with h5py.File(shard, "r") as handle:
+                    found = str(handle.attrs.get("theta0_sha256", "none"))
+            except OSError:
+                raise CaptureFileError(f"{self.path}: its shard {shard} is not a readable HDF5 "
+                                       "file") from None
+            if found != theta0:  # replaced since the merge: its rows are of another victim
+                raise CaptureFileError(f"{self.path}: its shard {shard} was captured at θ0 "
+                                       f"{found[:12]}…, the merged file at {theta0[:12]}…: "
+                                       "the shard was replaced since the merge; merge again")
 
     # -- metadata ------------------------------------------------------------------------------
     @property

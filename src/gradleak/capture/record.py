@@ -23,11 +23,13 @@ import torch
 from gradleak.capture.grads import StepBatch, per_step_gradients
 from gradleak.capture.plan import capture_attributes
 from gradleak.capture.schema import step_columns
-from gradleak.capture.writer import CaptureWriter
+from gradleak.capture.writer import CaptureWriter, refuse_unless_capture
 from gradleak.errors import ConfigError
 from gradleak.io import check_output, created_directories, theta_sha256
 from gradleak.rl.losses import LOSS_KEYS, LossCoefficients, parse_advantage_norm
 from gradleak.victims.base import Victim, layer_table
+
+SPLITS = ("train", "heldout")
 
 
 def record(victim: Victim, out: str | os.PathLike[str], *, images: np.ndarray,
@@ -41,6 +43,10 @@ def record(victim: Victim, out: str | os.PathLike[str], *, images: np.ndarray,
     out = check_output(Path(out), "record out")
     steps = _checked(victim, images, actions, advantages, returns, episode_ids, loss, algorithm,
                      advantage_norm, goals, hidden)
+    _check_optional(steps, old_log_probs, rewards, split, source)
+    if overwrite:
+        refuse_unless_capture(out)
+    actions = np.asarray(actions).astype(np.int64)  # whole numbers, checked
     victim.eval()
     coefficients = LossCoefficients(value=loss["value"], entropy=loss["entropy"],
                                     clip=loss["clip"])
@@ -106,28 +112,81 @@ def _checked(victim: Victim, images: np.ndarray, actions: np.ndarray, advantages
                           f"{', '.join(map(str, shape))}) frames as stored (height, width, "
                           f"channels) for victim {victim.config.name}")
     steps = len(images)
-    for name, values in (("actions", actions), ("advantages", advantages),
-                         ("returns", returns), ("episode_ids", episode_ids)):
-        if np.shape(values) != (steps,):
-            raise ConfigError(f"{name}: shape {np.shape(values)}, expected ({steps},)")
-        if not np.isfinite(np.asarray(values, np.float64)).all():
-            raise ConfigError(f"{name}: holds NaN/Inf")
-    if steps == 0 or not ((np.asarray(actions) >= 0) & (np.asarray(actions) < count)).all():
-        raise ConfigError(f"actions: expected at least one step, each in 0..{count - 1}")
-    missing = [key for key in LOSS_KEYS if key not in loss]
-    if missing or not all(math.isfinite(float(loss[k])) for k in LOSS_KEYS if k in loss):
-        raise ConfigError(f"loss: declare the client's {', '.join(LOSS_KEYS)} (missing "
-                          f"{', '.join(missing) or 'none'}; all finite)")
+    if steps == 0:
+        raise ConfigError("images: no steps; expected at least one")
+    for name, values in (("advantages", advantages), ("returns", returns)):
+        _column(name, values, (steps,))
+    for name, values in (("actions", actions), ("episode_ids", episode_ids)):
+        column = _column(name, values, (steps,))
+        fractional = np.flatnonzero(column != np.round(column))
+        if len(fractional):
+            raise ConfigError(f"{name}: {float(column[fractional[0]]):g} at step {fractional[0]} is "
+                              "not a whole number")
+    if not ((np.asarray(actions) >= 0) & (np.asarray(actions) < count)).all():
+        raise ConfigError(f"actions: expected each in 0..{count - 1}")
+    _check_loss(loss)
     if algorithm not in ("ppo", "a2c"):
         raise ConfigError(f"algorithm {algorithm!r}: expected ppo or a2c")
     parse_advantage_norm(advantage_norm)
     if "goal" in victim.extra_inputs and goals is None:
         raise ConfigError(f"victim {victim.config.name} reads goals: pass goals (N, 3)")
+    if goals is not None:
+        _column("goals", goals, (steps, 3))
     if victim.recurrent and (hidden is None or np.shape(hidden) != (steps, victim.hidden_size)):
         raise ConfigError(f"victim {victim.config.name} is recurrent: pass each step's "
                           f"pre-step state as hidden ({steps}, {victim.hidden_size})")
+    if hidden is not None:
+        _column("hidden", hidden, (steps, victim.hidden_size))
     _episode_bounds(np.asarray(episode_ids))
     return steps
+
+
+def _column(name: str, values: Any, shape: tuple[int, ...]) -> np.ndarray:
+    """`values` as float64, refused unless numbers of this shape, all finite."""
+    array = np.asarray(values)
+    if array.dtype.kind not in "biuf":
+        raise ConfigError(f"{name}: {array.dtype} values, expected numbers")
+    if array.shape != shape:
+        raise ConfigError(f"{name}: shape {array.shape}, expected {shape}")
+    array = array.astype(np.float64)
+    if not np.isfinite(array).all():
+        raise ConfigError(f"{name}: holds NaN/Inf")
+    return array
+
+
+# the loss's coefficients: the range each must lie in
+LOSS_RANGES = {"value": (0.0, math.inf), "entropy": (-math.inf, math.inf),
+               "clip": (0.0, math.inf), "gamma": (0.0, 1.0), "lam": (0.0, 1.0)}
+
+
+def _check_loss(loss: Any) -> None:
+    if not isinstance(loss, dict):
+        raise ConfigError(f"loss: a {type(loss).__name__}, expected a dict of "
+                          f"{', '.join(LOSS_KEYS)}")
+    missing = [key for key in LOSS_KEYS if key not in loss]
+    if missing:
+        raise ConfigError(f"loss: declare the client's {', '.join(LOSS_KEYS)} (missing "
+                          f"{', '.join(missing)})")
+    for key, (low, high) in LOSS_RANGES.items():
+        value = loss[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                not math.isfinite(value) or not low <= value <= high:
+            raise ConfigError(f"loss[{key!r}] = {value!r}: expected a number in "
+                              f"[{low:g}, {high:g}]")
+
+
+def _check_optional(steps: int, old_log_probs: Any, rewards: Any, split: Any, source: Any
+                    ) -> None:
+    if old_log_probs is not None:
+        logs = _column("old_log_probs", old_log_probs, (steps,))
+        if (logs > 1e-6).any():
+            raise ConfigError("old_log_probs: a log-probability above 0")
+    if rewards is not None:
+        _column("rewards", rewards, (steps,))
+    if split not in SPLITS:
+        raise ConfigError(f"split {split!r}: expected one of {', '.join(SPLITS)}")
+    if not isinstance(source, str):
+        raise ConfigError(f"source {source!r}: expected a string")
 
 
 def _episode_bounds(episode_ids: np.ndarray) -> list[tuple[int, int]]:

@@ -20,7 +20,7 @@ from gradleak.capture.lock import capture_lock
 from gradleak.capture.plan import CaptureJob, CapturePlan, plan_capture
 from gradleak.capture.producer import EpisodeProducer, Produced
 from gradleak.capture.schema import SIDECAR_SUFFIX, step_columns
-from gradleak.capture.writer import CaptureWriter, partial_path
+from gradleak.capture.writer import CaptureWriter, partial_path, refuse_unless_capture
 from gradleak.envs.factory import make_env
 from gradleak.errors import CaptureFileError, GradleakError
 from gradleak.io import (
@@ -39,6 +39,8 @@ def episode_seed(seed: int, shard: int, episode: int) -> int:
 
 def run_capture(job: CaptureJob) -> dict[str, Any]:
     plan = plan_capture(job)
+    if job.overwrite:
+        refuse_unless_capture(plan.out)  # before the engine starts
     with created_directories(plan.out.parent), capture_lock(plan.out, partial_path(plan.out)):
         result = _run_locked(plan, job)
     if result["status"] == "complete":

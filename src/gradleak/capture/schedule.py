@@ -27,11 +27,12 @@ def flags_of(args: argparse.Namespace, actions: list[argparse.Action]) -> list[s
     return flags
 
 
-def shard_command(args: argparse.Namespace, actions: list[argparse.Action], shard: str
-                  ) -> str:
-    """One shard's `gradleak capture`; --resume so a preempted or retried task continues."""
-    return shlex.join(["gradleak", "capture", *flags_of(args, actions), "--shard", shard,
-                       "--resume", "--quiet"])
+def shard_command(args: argparse.Namespace, actions: list[argparse.Action], shard: str,
+                  shell: bool = False) -> str:
+    """One shard's `gradleak capture`; --resume so a preempted or retried task continues.
+    `shell`: `shard` is shell text to expand (a job array's task id), not quoted."""
+    head = shlex.join(["gradleak", "capture", *flags_of(args, actions), "--shard"])
+    return f"{head} {shard if shell else shlex.quote(shard)} --resume --quiet"
 
 
 def merge_command(out: Path, shards: int) -> str:
@@ -47,8 +48,7 @@ def job_lines(args: argparse.Namespace, actions: list[argparse.Action], shards: 
 
 
 def slurm_script(args: argparse.Namespace, actions: list[argparse.Action], shards: int) -> str:
-    command = shard_command(args, actions, "SHARD").replace(
-        "SHARD", f'"${{SLURM_ARRAY_TASK_ID}}/{shards}"')
+    command = shard_command(args, actions, f'"${{SLURM_ARRAY_TASK_ID}}/{shards}"', shell=True)
     return "\n".join([
         "#!/bin/bash",
         "#SBATCH --job-name=gradleak-capture",

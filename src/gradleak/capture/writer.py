@@ -51,6 +51,23 @@ def partial_path(path: Path) -> Path:
     return path.with_name(path.name + PARTIAL_SUFFIX)
 
 
+def refuse_unless_capture(path: Path) -> None:
+    """--overwrite replaces a capture (or an interrupted one), never a user's other file."""
+    if not path.exists() and not path.is_symlink():
+        return
+    if path.is_symlink() or not path.is_file():
+        raise CaptureFileError(f"{path} exists and is not a capture file (a folder, link or "
+                               "device): --overwrite replaces only captures; choose another path")
+    try:
+        with h5py.File(path, "r") as existing:
+            ours = existing.attrs.get("format") == FORMAT
+    except OSError:
+        ours = False
+    if not ours:
+        raise CaptureFileError(f"{path} exists and is not a gradleak capture: --overwrite "
+                               "replaces only captures; choose another path")
+
+
 class CaptureWriter:
     def __init__(self, path: Path, attrs: dict[str, Any], columns: tuple[Column, ...],
                  gradient_dim: int, theta0: dict[str, np.ndarray], resume: bool = False,
@@ -61,6 +78,8 @@ class CaptureWriter:
         self.gradient_dtype, self.compression = gradient_dtype, compression
         self.columns = columns
         self.already_complete = False
+        if overwrite:
+            refuse_unless_capture(self.path)
         if self.path.exists() and not overwrite:
             if resume and self._complete_with_same_settings(attrs, steps):
                 self.already_complete = True
