@@ -153,6 +153,21 @@ def test_bad_arguments_are_refused_before_any_work(random_capture: Path, trained
     assert message in capsys.readouterr().err and not out.exists()
 
 
+def test_the_minimal_audit_runs_the_default_grid_on_what_was_given(random_capture: Path,
+                                                                    tmp_path: Path,
+                                                                    capsys) -> None:
+    """`audit --capture FILE --out DIR` alone: the default grid's aggregate needs a learned
+    attacker, so it is left out and named, and every other stage runs or is budgeted."""
+    assert main(["audit", "--capture", str(random_capture), "--out", str(tmp_path / "a"),
+                 *FAST, "--budget-minutes", "0.01", "--json"]) == 0
+    verdict = json.loads(capsys.readouterr().out)
+    assert verdict["skipped"]["defense agg:8"].startswith("needs a learned attacker")
+    assert any(line.startswith("Not run: defense agg:8 (needs a learned attacker")
+               for line in verdict["headline"])
+    assert "defense agg:8" not in next(line for line in verdict["headline"]
+                                       if line.startswith("Not run within the budget"))
+
+
 def test_aggregation_without_a_learned_attacker_is_refused_up_front(random_capture: Path,
                                                                     tmp_path: Path,
                                                                     capsys) -> None:
@@ -181,6 +196,24 @@ def test_a_rerun_on_other_data_at_the_same_path_reuses_nothing(random_capture: P
     err = capsys.readouterr().err
     assert "holds an audit of other data at the same path" in err and "50 rows" in err
     assert [p.read_bytes() for p in stages] == before
+
+
+@pytest.mark.parametrize("damage, fragment", [
+    ({"methods": "oops"}, "'methods' is not an object of method rows"),
+    (None, "'result' is NoneType"),
+])
+def test_a_damaged_stage_file_is_named_not_a_traceback(random_capture: Path, tmp_path: Path,
+                                                       capsys, damage, fragment) -> None:
+    argv = ["audit", "--capture", str(random_capture), "--defenses", "none", "--out",
+            str(tmp_path / "audit"), *FAST, "--optimisation-windows", "0", "--quiet"]
+    assert main(argv) == 0
+    path = tmp_path / "audit" / "stages" / "defense-none.json"
+    saved = json.loads(path.read_text())
+    saved["result"] = damage if damage is None else {**saved["result"], **damage}
+    path.write_text(json.dumps(saved))
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"audit stage file {path}: {fragment}" in err and "Traceback" not in err
 
 
 def test_two_audits_of_one_folder_never_run_together(random_capture: Path, tmp_path: Path,

@@ -46,6 +46,9 @@ RULES = ("odd-sign", "sign-agnostic", "sign-aware")
 OPTIMISATION = ("dlg", "ig")  # the single-step optimisation baselines, on a few frames
 MARKER = "audit.json"  # the settings; its presence says the folder is an audit's own
 LOCK = ".audit.lock"  # held by the audit writing the folder (io.exclusive)
+# why the default grid's aggregates are left out of an audit without learned attackers
+NEEDS_LEARNED = ("needs a learned attacker (--train or --attacker): an aggregate of steps is "
+                 "read only by them")
 TRAIN_SHARE = {"trace": 0.25, "lti": 0.10}  # of the budget, when attackers are trained here
 
 
@@ -68,6 +71,11 @@ class AuditConfig:
     optimisation: list[str] = field(default_factory=lambda: list(OPTIMISATION))
     seed: int = 0
 
+    @property
+    def learned(self) -> bool:
+        """Learned attackers are given or trained here."""
+        return bool(self.attackers or self.train)
+
     def check(self) -> None:
         """Every argument and file, before any compute."""
         if self.clock not in CLOCKS:
@@ -84,7 +92,8 @@ class AuditConfig:
         if not 0 <= self.seed < 2**32:
             raise ConfigError(f"--seed {self.seed}: expected an integer from 0 to 2**32 - 1")
         for spec in self.defenses:  # a ConfigError names a spec it cannot read
-            if parse_defense(spec).span > 1 and not (self.attackers or self.train):
+            if parse_defense(spec).span > 1 and not self.learned and self.defenses != \
+                    list(GRID):  # the default grid leaves it out and says so (`run`)
                 raise ConfigError(f"--defenses {spec}: it aggregates steps, which only learned "
                                   "attackers read; give --attacker or --train, or leave it out")
         from gradleak.attacks.optim.config import BASELINES
@@ -98,7 +107,7 @@ class AuditConfig:
             if capture.attrs["split"] != "heldout":
                 raise ConfigError(f"--capture {self.capture}: a capture of "
                                   f"{capture.attrs['split']!r} scenes; the audit scores "
-                                  "held-out scenes (capture with --split heldout)")
+                                  "held-out scenes (capture with --scenes heldout)")
             rebuildable(capture.victim)  # a model it names must be registered: refused here
         from gradleak.training.checkpoint import META
 
@@ -143,8 +152,8 @@ class Audit:
         do; the core ones always run) that the budget left cannot pay."""
         path = self.out / "stages" / f"{slug(name)}.json"
         if path.is_file():
-            saved = read_json(path, f"audit stage {name}")
-            stage = Stage(name, saved.get("result"), seconds=float(saved.get("seconds", 0.0)))
+            saved = read_stage(path, name)
+            stage = Stage(name, saved["result"], seconds=float(saved.get("seconds", 0.0)))
         elif estimate_minutes is not None and estimate_minutes > self.minutes_left():
             stage = Stage(name, skipped=f"budget: about {estimate_minutes:.1f} min needed, "
                                         f"{max(self.minutes_left(), 0):.1f} left")
@@ -177,6 +186,9 @@ class Audit:
         clean = self.stage("defense none", lambda: self.evaluate("none", attackers))
         estimate = without_optimisation(clean) / 60.0
         for spec in self.config.defenses:
+            if parse_defense(spec).span > 1 and not self.config.learned:
+                self.stages[f"defense {spec}"] = Stage(f"defense {spec}", skipped=NEEDS_LEARNED)
+                continue
             done = self.stage(f"defense {spec}", lambda spec=spec: self.evaluate(spec, attackers),
                               estimate_minutes=estimate)
             estimate = max(estimate, done.seconds / 60.0)
@@ -249,6 +261,26 @@ class Audit:
                           None if attackers else [self.config.capture])
         return {**result, "spec": spec, "eval_dir": str(self.out / "eval" / slug(spec)),
                 "not_applicable": {EXACT: exact_reason} if exact_reason else {}}
+
+
+def read_stage(path: Path, name: str) -> dict[str, Any]:
+    """A finished stage read back, checked as the verdict reads it (the file is the audit's
+    own, but a disk or a hand may have changed it)."""
+    saved = read_json(path, f"audit stage {name}")
+    result, seconds = saved.get("result"), saved.get("seconds", 0.0)
+    problem = None
+    if not isinstance(result, dict):
+        problem = f"'result' is {type(result).__name__}, expected an object"
+    elif "methods" in result and not (isinstance(result["methods"], dict) and all(
+            isinstance(row, dict) and isinstance(row.get("kind"), str)
+            for row in result["methods"].values())):
+        problem = "'methods' is not an object of method rows (each with its 'kind')"
+    elif isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds < 0:
+        problem = f"'seconds' is {seconds!r:.40}, expected a number >= 0"
+    if problem:
+        raise ConfigError(f"audit stage file {path}: {problem}; delete it to run that stage "
+                          "again")
+    return saved
 
 
 def without_optimisation(stage: Stage) -> float:

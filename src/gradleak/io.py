@@ -99,9 +99,13 @@ def first_existing_ancestor(path: Path) -> Path:
 
 def check_output(path: str | os.PathLike[str], what: str, directory: bool = False) -> Path:
     """Refuse, before any compute, an output location that cannot be written: the path is of
-    the wrong kind (a directory where a file goes, or a file where a directory goes), a parent
-    is a file, or the nearest existing folder refuses a new file (read-only, permission)."""
+    the wrong kind (a directory where a file goes, or a file where a directory goes), a
+    dangling symbolic link, a parent that is a file, or a nearest existing folder that refuses
+    a new file (read-only, permission)."""
     path = Path(path)
+    if path.is_symlink() and not path.exists():
+        raise ConfigError(f"{what} {path} is a symbolic link to {os.readlink(path)}, which does "
+                          "not exist: choose another path (a link is never replaced)")
     if path.exists() and path.is_dir() != directory:
         kind = "a directory" if path.is_dir() else "a file"
         raise ConfigError(f"{what} {path} is {kind}; expected "

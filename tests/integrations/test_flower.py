@@ -4,6 +4,7 @@ audited by AuditStrategy: what it records is what the client sent, and it leaks.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -135,3 +136,23 @@ def test_audit_settings_are_checked_before_any_round(tmp_path) -> None:
     with pytest.raises(ConfigError, match="needs truth"):
         AuditStrategy(FedAvg(), model_fn=Net, shape=(1, 16, 16), out=tmp_path / "c",
                       labels="known")
+
+
+@pytest.mark.parametrize("settings, fragment", [
+    ({"shape": "abc"}, "shape='abc': expected (C, H, W)"),
+    ({"shape": (1, 8)}, "shape=(1, 8): expected (C, H, W)"),
+    ({"shape": (0, -8, 8)}, "shape=(0, -8, 8)"),
+    ({"shape": (1, 8, 8)}, "shape=(1, 8, 8): model_fn's Net fails on images of that shape"),
+    ({"input_transform": "normalize"}, "input_transform='normalize'"),
+    ({"clients": -2}, "clients=-2"),
+    ({"clients": "abc"}, "clients='abc'"),
+    ({"clients": []}, "clients=[]"),
+])
+def test_a_strategy_that_would_fail_in_a_round_is_refused_at_construction(
+        tmp_path, settings, fragment) -> None:
+    from flwr.serverapp.strategy import FedAvg
+
+    arguments = {"model_fn": Net, "shape": (1, 16, 16), "out": tmp_path / "a", **settings}
+    with pytest.raises(ConfigError, match=re.escape(fragment)):
+        AuditStrategy(FedAvg(), **arguments)
+    assert not (tmp_path / "a").exists()

@@ -183,3 +183,13 @@ def test_overwrite_replaces_only_a_capture(refused, tmp_path: Path) -> None:
     folder = tmp_path / "folder.h5"
     folder.mkdir()
     refused(capture_argv(folder, "--overwrite"), str(folder))
+
+
+def test_merge_never_replaces_a_dangling_link(refused, tmp_path: Path, random_capture: Path
+                                              ) -> None:
+    link = tmp_path / "merged.h5"
+    link.symlink_to(tmp_path / "elsewhere.h5")  # the user's link, to a file not made yet
+    refused(["merge", str(random_capture), str(random_capture), "--out", str(link)],
+            f"--out {link} is a symbolic link to {tmp_path / 'elsewhere.h5'}, which does not "
+            "exist")
+    assert link.is_symlink() and not (tmp_path / "elsewhere.h5").exists()

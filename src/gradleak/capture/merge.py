@@ -39,7 +39,7 @@ def merge_shards(shards: Sequence[str | os.PathLike[str]], out: str | os.PathLik
     shard once; any order: they are put in shard order)."""
     out = Path(out)
     check_output(out, "--out")
-    if out.exists():
+    if out.exists() or out.is_symlink():
         raise CaptureFileError(f"{out} already exists: merge never replaces a file")
     ordered = _check_shards([Path(s) for s in shards])
     with CaptureFile(ordered[0]) as first:

@@ -151,8 +151,12 @@ def headline(v: dict[str, Any]) -> list[str]:
                      "to the mean-image level and actions to chance.")
     for attack, reason in (v.get("not_applicable") or {}).items():
         lines.append(f"Not applicable to this victim: {attack} ({reason}).")
-    if v["skipped"]:
-        lines.append(f"Not run within the budget: {', '.join(v['skipped'])}.")
+    budget = [name for name, why in v["skipped"].items() if why.startswith("budget")]
+    if budget:
+        lines.append(f"Not run within the budget: {', '.join(budget)}.")
+    for name, why in v["skipped"].items():
+        if name not in budget:
+            lines.append(f"Not run: {name} ({why}).")
     return lines
 
 

@@ -61,6 +61,31 @@ def _picklable(value: Any, name: str) -> None:
                           ) from None
 
 
+def _fits(model: nn.Module, shape: tuple[int, ...], transform: Any) -> None:
+    """The model takes a batch of `shape` images (after `transform`) and returns logits (B, K):
+    checked here, not in the first round, where it would stop the whole federation."""
+    images = torch.rand(2, *shape)
+    try:
+        with torch.no_grad():
+            logits = model.eval()(transform(images) if transform is not None else images)
+    except (RuntimeError, ValueError, TypeError) as error:
+        raise ConfigError(f"shape={shape}: model_fn's {type(model).__name__} fails on images of "
+                          f"that shape ({type(error).__name__}: {str(error).splitlines()[0]})"
+                          ) from None
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or len(logits) != 2:
+        raise ConfigError(f"model_fn's {type(model).__name__} returns "
+                          f"{getattr(logits, 'shape', type(logits).__name__)} for 2 images of "
+                          f"shape {shape}; expected logits (2, classes)")
+
+
+def _node_ids(clients: Any) -> bool:
+    """Is `clients` a non-empty collection of node ids (not a string)?"""
+    if isinstance(clients, (str, bytes)) or not isinstance(clients, Iterable):
+        return False
+    ids = list(clients)
+    return bool(ids) and all(isinstance(n, int) and not isinstance(n, bool) for n in ids)
+
+
 def registered_model(model_fn: Callable[[], nn.Module], name: str | None) -> str | None:
     """The registered factory name the update files give `fedavg-invert` (None: model_fn is
     not registered, so only this process can rebuild the model)."""
@@ -89,6 +114,18 @@ class AuditStrategy(Strategy):
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
             raise ConfigError(f"workers={workers!r}: expected >= 0 (0 audits in this process, "
                               "on the round's critical path)")
+        if not (isinstance(shape, (tuple, list)) and len(shape) == 3 and all(
+                isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in shape)):
+            raise ConfigError(f"shape={shape!r}: expected (C, H, W) of one image, positive "
+                              "integers, e.g. (1, 28, 28)")
+        if input_transform is not None and not callable(input_transform):
+            raise ConfigError(f"input_transform={input_transform!r}: expected None or a "
+                              "callable on image batches, e.g. gradleak.fedavg.Normalize(0.5, "
+                              "0.5)")
+        if not (clients is None or (isinstance(clients, int) and not isinstance(clients, bool)
+                                    and clients >= 1) or _node_ids(clients)):
+            raise ConfigError(f"clients={clients!r}: expected None (every client), a count "
+                              ">= 1, or node ids (integers)")
         if batchnorm not in ("train", "eval"):
             raise ConfigError(f"batchnorm={batchnorm!r}: expected the mode the clients trained "
                               "BatchNorm in, train or eval")
@@ -101,6 +138,7 @@ class AuditStrategy(Strategy):
         if not isinstance(model, nn.Module):
             raise ConfigError(f"model_fn returned a {type(model).__name__}, expected an "
                               "nn.Module")
+        _fits(model, tuple(shape), input_transform)
         if workers:
             _picklable(model_fn, "model_fn")
             _picklable(input_transform, "input_transform")

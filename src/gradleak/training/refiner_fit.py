@@ -2,7 +2,7 @@
 own steps: no victim data.
 
 The attacker knows θ0, the architecture and the client's loss, so it captures its own steps on
-training scenes against the same θ0 (`gradleak capture --split train`) and runs the
+training scenes against the same θ0 (`gradleak capture --scenes train`) and runs the
 training-free attack on every one of them (`ExactAttack`, about a second a frame at 84×84).
 That gives pairs (the attack's frame, the true frame) with the attack's own failure modes in
 them. The refiner learns the residual; the episode-disjoint validation split is the one TRACE
