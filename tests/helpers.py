@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import signal
 import struct
 import subprocess
 from pathlib import Path
@@ -207,3 +208,11 @@ def screenshot_size(report: Path, tmp_path: Path) -> int:
     subprocess.run([*_chromium_flags(tmp_path), f"--screenshot={shot}", report.as_uri()],
                    capture_output=True, timeout=120, check=True)
     return shot.stat().st_size
+
+
+def interruptible() -> None:
+    """A child process's SIGINT back to the default (pass as `preexec_fn`): a shell starts
+    background jobs (`nohup ... &`) with SIGINT ignored, a child inherits that, and Python then
+    keeps it ignored, so a test that interrupts a child would pass or fail by how the suite was
+    started."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import tiny_preset
+from helpers import interruptible
 
 from gradleak.capture.grads import StepBatch, per_step_gradients
 from gradleak.capture.layout import read_gradients
@@ -314,9 +315,9 @@ def cli_capture(out: Path, steps: int, *extra: str) -> subprocess.Popen:
                "--random-init", "--scenes", "heldout", "--steps", str(steps), "--out", str(out),
                "--quiet", "--seed", "5", *TINY_FLAGS, *extra]
     # A session of its own, so the kill below takes the engine process too, as a job
-    # scheduler preempting the job would.
+    # scheduler preempting the job would; SIGINT as a terminal's, however the suite started.
     return subprocess.Popen(command, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=interruptible)
 
 
 def capture_until_written(out: Path, steps: int, size: int

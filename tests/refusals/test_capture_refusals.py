@@ -22,6 +22,8 @@ from gradleak.cli import main
 from gradleak.io import save_victim
 from gradleak.victims import create_victim
 
+from helpers import interruptible
+
 from .conftest import check_refusal, copy_capture, run_unprivileged
 
 TINY = ["--set", "env.doomnav.frame_size=32", "--set", "env.doomnav.max_steps=20",
@@ -149,11 +151,9 @@ def test_two_captures_of_one_output_a_live_one_and_a_second(capsys, tmp_path: Pa
     out = tmp_path / "c.h5"
     # far more steps than run before the SIGINT: the first must still be live when the second
     # starts (4,000 steps could finish first on a fast, idle machine)
-    # a shell starts background jobs with SIGINT ignored and Python keeps an inherited SIG_IGN,
-    # so a suite run as `.ci/run &` would give a capture that Ctrl-C cannot stop: restore it
     first = subprocess.Popen([sys.executable, "-m", "gradleak.cli",
                               *capture_argv(out, steps=200_000), "--quiet"], cwd=tmp_path,
-                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                             preexec_fn=interruptible)
     try:
         deadline = time.monotonic() + 60
         while not (tmp_path / "c.h5.partial").exists() and time.monotonic() < deadline:
