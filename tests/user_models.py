@@ -26,9 +26,9 @@ class ConvPolicy(nn.Module):
 
 
 @gradleak.register_model_factory("conv-policy")
-def build_conv_policy(actions: int = 4) -> nn.Module:
+def build_conv_policy(actions: int = 4, channels: int = 3) -> nn.Module:
     """The factory the capture names: architecture only, θ0 comes from the capture."""
-    return ConvPolicy(actions=actions)
+    return ConvPolicy(channels=channels, actions=actions)
 
 
 class Actor(nn.Module):

@@ -140,6 +140,11 @@ class Audit:
         self.stages: dict[str, Stage] = {}
         with CaptureFile(config.capture) as capture:  # from the architecture, once
             self.exact_reason = not_applicable(capture.victim)
+            transform = capture.roles.transform
+        # what cannot run on these frames is left out up front, and named in the verdict
+        self.learned_reason = None if transform.rgb or not config.learned else (
+            f"frames of {'×'.join(map(str, transform.frame_shape))} (a stack of "
+            f"{transform.stack}): the learned attackers reconstruct square RGB frames")
         self.content = check_folder(self.out, config)  # before any compute
 
     # -- bookkeeping -------------------------------------------------------------------------
@@ -186,7 +191,7 @@ class Audit:
         clean = self.stage("defense none", lambda: self.evaluate("none", attackers))
         estimate = without_optimisation(clean) / 60.0
         for spec in self.config.defenses:
-            if parse_defense(spec).span > 1 and not self.config.learned:
+            if parse_defense(spec).span > 1 and not attackers:
                 self.stages[f"defense {spec}"] = Stage(f"defense {spec}", skipped=NEEDS_LEARNED)
                 continue
             done = self.stage(f"defense {spec}", lambda spec=spec: self.evaluate(spec, attackers),
@@ -217,6 +222,8 @@ class Audit:
     def attackers(self) -> dict[str, str]:
         """The attackers given, or TRACE and LtI trained on --train within their budget share
         (each fit stops at its time limit and keeps its best epoch)."""
+        if self.learned_reason:
+            return {}
         if self.config.attackers or not self.config.train:
             return dict(self.config.attackers)
         from gradleak.training.checkpoint import display_name
@@ -259,8 +266,9 @@ class Audit:
                           baseline_windows=windows, progress=self.progress,
                           reference_data=[self.config.train] if self.config.train else
                           None if attackers else [self.config.capture])
+        reasons = {EXACT: exact_reason, "learned attackers": self.learned_reason}
         return {**result, "spec": spec, "eval_dir": str(self.out / "eval" / slug(spec)),
-                "not_applicable": {EXACT: exact_reason} if exact_reason else {}}
+                "not_applicable": {k: v for k, v in reasons.items() if v}}
 
 
 def read_stage(path: Path, name: str) -> dict[str, Any]:

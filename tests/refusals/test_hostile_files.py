@@ -62,7 +62,7 @@ COMMANDS = {
      "factory = 'os:system' is not a registered model factory"),
     ({"forward": "os:system"}, "forward = 'os:system' is not a registered forward function"),
     ({"factory_kwargs": {"command": "touch MARKER"}},
-     "factory_kwargs: model factory 'conv-policy' takes (actions)"),
+     "factory_kwargs: model factory 'conv-policy' takes (actions, channels)"),
     ({"factory_kwargs": {"actions": "4; touch MARKER"}}, "factory_kwargs['actions']"),
 ])
 def test_a_capture_naming_unregistered_code_is_refused_before_any_call(

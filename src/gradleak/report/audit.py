@@ -16,7 +16,7 @@ from gradleak.errors import ConfigError
 from gradleak.io import read_json
 from gradleak.report.html import figure, page, table, write_page
 from gradleak.report.plots import plot_privacy_utility
-from gradleak.report.scores import psnr_by_t_rows, table_columns, table_rows
+from gradleak.report.scores import lpips_reads, psnr_by_t_rows, table_columns, table_rows
 from gradleak.report.tables import fixed
 
 
@@ -134,7 +134,7 @@ def write_audit_report(out: Path, figures: Sequence[tuple[Path, str]] = ()) -> P
                   f"<p>{html.escape(str(clean['windows']))} held-out windows of T = "
                   f"{html.escape(str(clean['window']))}; mean ± std over frames; the mean "
                   f"image is {html.escape(clean['mean_image_source'])}. LPIPS (AlexNet): "
-                  f"{html.escape(str(clean['lpips']))}.</p>",
+                  f"{html.escape(str(clean['lpips']) + lpips_reads(clean))}.</p>",
                   table(table_rows(clean["methods"]),
                         table_columns(table_rows(clean["methods"])))]
         by_t, columns = psnr_by_t_rows(clean["methods"])

@@ -6,11 +6,35 @@ from pathlib import Path
 from typing import Any
 
 import matplotlib
+import numpy as np
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 from gradleak.io import atomic_path
+from gradleak.metrics.images import frame_count
+
+
+def picture(image: Any) -> tuple[np.ndarray, str | None]:
+    """(what imshow draws, its colour map) for one frame as stored, (H, W, C) uint8 or float in
+    [0, 1], any C: RGB as it is, a grey frame in grey, a stack of frames side by side (oldest
+    first, a dark column between them)."""
+    array = np.asarray(image)
+    if array.dtype != np.uint8:
+        array = (np.clip(array, 0.0, 1.0) * 255).round().astype(np.uint8)
+    frames, per = frame_count(array.shape[-1])
+    parts = [array[..., f * per:(f + 1) * per] for f in range(frames)]
+    gap = np.zeros((array.shape[0], max(1, array.shape[1] // 32), per), np.uint8)
+    tiled = np.concatenate([p for part in parts for p in (part, gap)][:-1], axis=1)
+    return (tiled[..., 0], "gray") if per == 1 else (tiled, None)
+
+
+def show(axis: Any, image: Any) -> None:
+    """One frame (any channel count) on an axis, without ticks."""
+    drawn, cmap = picture(image)
+    axis.imshow(drawn, cmap=cmap, vmin=0, vmax=255, interpolation="nearest")
+    axis.set_xticks([])
+    axis.set_yticks([])
 
 
 def _save(figure: Any, path: Path) -> None:
@@ -39,9 +63,7 @@ def plot_action_recovery(frames: Any, true_actions: Any, recovered: Any,
     count = len(frames)
     figure, axes = plt.subplots(1, count, figsize=(1.45 * count, 2.1))
     for axis, frame, truth, guess in zip(axes, frames, true_actions, recovered, strict=True):
-        axis.imshow(frame, interpolation="nearest")
-        axis.set_xticks([])
-        axis.set_yticks([])
+        show(axis, frame)
         axis.set_title(f"{action_names[truth]}\n→ {action_names[guess]}", fontsize=7,
                        color="tab:green" if truth == guess else "tab:red")
     figure.suptitle(title, fontsize=8)
@@ -61,9 +83,7 @@ def plot_optimisation_history(truth: Any, snapshots: list[tuple[int, Any]], loss
         panels = [("private", truth[f])] + [(f"it {i + 1}", images[row])
                                             for i, images in snapshots]
         for axis, (label, image) in zip(axes[f], panels, strict=False):
-            axis.imshow(image, interpolation="nearest")
-            axis.set_xticks([])
-            axis.set_yticks([])
+            show(axis, image)
             axis.set_title(label, fontsize=7)
         curve = axes[f, -1]
         curve.semilogy(range(1, len(losses) + 1), losses[:, row])
@@ -76,16 +96,15 @@ def plot_optimisation_history(truth: Any, snapshots: list[tuple[int, Any]], loss
 
 def plot_private_vs_reconstructed(private: Any, recovered: Any, path: Path, title: str,
                                   most: int = 16) -> None:
-    """Two rows: the client's images, and the reconstruction matched to each."""
+    """Two rows: the client's images, and the reconstruction matched to each ((N, C, H, W)
+    tensors in [0, 1], any C)."""
     count = min(most, len(private))
-    figure, axes = plt.subplots(2, count, figsize=(0.9 * count + 0.6, 2.2), squeeze=False)
+    frames = frame_count(private.shape[1])[0]
+    figure, axes = plt.subplots(2, count, figsize=((0.9 * frames) * count + 0.6, 2.2),
+                                squeeze=False)
     for row, (label, images) in enumerate((("private", private), ("recovered", recovered))):
         for i in range(count):
-            image = images[i].permute(1, 2, 0).clamp(0, 1).numpy()
-            axes[row, i].imshow(image.squeeze(-1) if image.shape[-1] == 1 else image,
-                                cmap="gray", vmin=0, vmax=1, interpolation="nearest")
-            axes[row, i].set_xticks([])
-            axes[row, i].set_yticks([])
+            show(axes[row, i], images[i].permute(1, 2, 0).numpy())
         axes[row, 0].set_ylabel(label, fontsize=7)
     figure.suptitle(title, fontsize=8)
     _save(figure, path)

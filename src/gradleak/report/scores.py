@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from gradleak.io import atomic_path, write_json
-from gradleak.report.plots import _save, plt
+from gradleak.report.plots import _save, plt, show
 from gradleak.report.tables import markdown_table
 
 TABLE_COLUMNS = ["method", "MSE", "PSNR (dB)", "gain vs mean image", "SSIM", "LPIPS",
@@ -96,7 +96,7 @@ def markdown_report(result: dict[str, Any]) -> str:
         "image, and each frame's own mean colour (an oracle: it reads the true frame). "
         "Optimisation baselines (DLG, IG) score only the frames of the first windows, and "
         "optimise the unobserved advantage and return jointly with the frame. "
-        f"LPIPS: {result['lpips']}.", "",
+        f"LPIPS: {result['lpips']}{lpips_reads(result)}.", "",
         "## PSNR by position in the window", "", markdown_table(by_t, columns), ""])
 
 
@@ -115,14 +115,18 @@ def plot_reconstructions(truth: np.ndarray, samples: dict[str, np.ndarray], path
     for r, (label, frames) in enumerate(labelled):
         for t in range(steps):
             axis = axes[r, t]
-            axis.imshow(frames[t], interpolation="nearest")
-            axis.set_xticks([])
-            axis.set_yticks([])
+            show(axis, frames[t])
             if t == 0:
                 axis.set_ylabel(label, fontsize=6, rotation=0, ha="right", va="center")
             if r == 0:
                 axis.set_title(f"t={t + 1}", fontsize=7)
     _save(figure, path)
+
+
+def lpips_reads(result: dict[str, Any]) -> str:
+    """How LPIPS read frames that are not one RGB frame each ('' for RGB)."""
+    reads = result.get("lpips_reads", "RGB")
+    return "" if reads == "RGB" or result.get("lpips") != "available" else f", on {reads}"
 
 
 def plot_psnr_by_t(methods: dict[str, dict[str, Any]], path: Path) -> None:

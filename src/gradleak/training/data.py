@@ -180,7 +180,10 @@ class WindowDataset(Dataset):
                  part: str = "all", val_fraction: float = 0.05, seed: int = 0,
                  expect_split: str | None = None, defense: Chain | None = None,
                  skip_nonfinite: bool = False, train_fraction: float = 1.0,
-                 files: Sequence[int] | None = None, compact: bool = False) -> None:
+                 files: Sequence[int] | None = None, compact: bool = False,
+                 rgb_only: bool = True) -> None:
+        """`rgb_only`: refuse frames other than square RGB ones, which the learned attackers
+        reconstruct (an evaluation of the single-step attacks alone reads any frames)."""
         if part not in PARTS:
             raise ConfigError(f"part {part!r}: expected one of {', '.join(PARTS)}")
         if window < 1 or stride < 1:
@@ -203,7 +206,8 @@ class WindowDataset(Dataset):
         files = open_captures([self.paths[i] for i in self.file_indices])
         try:
             first = files[0]
-            check_rgb_frames(first)
+            if rgb_only:
+                check_rgb_frames(first)
             self.fingerprint = CaptureFingerprint(first.attrs["theta0_sha256"],
                                                   first.attrs["layer_table"], first.victim)
             self.gradient_dim = int(first.attrs["gradient_dim"])
