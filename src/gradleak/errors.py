@@ -35,6 +35,11 @@ class DataFileError(GradleakError):
     """A dataset file (FEMNIST, EMNIST, CIFAR-100) that is missing or malformed."""
 
 
+class DiskFullError(GradleakError):
+    """The device an output goes to has no room for it: what was written before stays whole
+    (a capture's partial file resumes once there is space)."""
+
+
 def expect(condition: bool, error: type[GradleakError], message: str) -> None:
     """Raise `error(message)` unless `condition` holds (keeps validation code flat)."""
     if not condition:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -17,7 +18,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from gradleak.errors import CheckpointError, ConfigError, GradleakError
+from gradleak.errors import CheckpointError, ConfigError, DiskFullError, GradleakError
 from gradleak.victims.base import Victim, VictimConfig, create_victim
 
 VICTIM_FORMAT = "gradleak-victim"
@@ -28,18 +29,58 @@ MAX_JSON_BYTES = 256 * 2**20  # settings, records and merged results are far sma
 
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
-    """Yield a temporary path beside `path`; rename it over `path` only if the block succeeds."""
+    """Yield a temporary path beside `path`; rename it over `path` only if the block succeeds.
+    A full disk is a DiskFullError naming `path` and the room left, the temporary file gone."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as error:
+        raise disk_full(error, path) from None
     os.close(fd)
     try:
         yield Path(tmp)
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's 0600 would hide results from other users
         os.replace(tmp, path)
+    # h5py reports a failed write as a RuntimeError, safetensors as its own SafetensorError
+    except (OSError, RuntimeError, SafetensorError) as error:
+        raise disk_full(error, path) from None
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def is_disk_full(error: BaseException) -> bool:
+    """An error from a write that found no room (the OS's, or HDF5's text of it)."""
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    return "No space left on device" in str(error) or "errno = 28," in str(error) or \
+        "os error 28" in str(error)
+
+
+def disk_full(error: BaseException, path: Path) -> BaseException:
+    """`error` as a DiskFullError naming `path` and its device's free space when it is one,
+    else `error` itself."""
+    if not is_disk_full(error):
+        return error
+    free = shutil.disk_usage(first_existing_ancestor(path.parent)).free
+    return DiskFullError(f"{path}: no space left on its device ({free / 2**20:.1f} MB free); "
+                         "nothing was half-written: free space and run the command again")
+
+
+# what HDF5 may add beyond the raw bytes a write holds (metadata, chunk indexes)
+SPACE_MARGIN = (1.1, 256 * 2**10)
+
+
+def ensure_space(path: Path, needed: int, what: str) -> None:
+    """Refuse a write of about `needed` bytes under `path`'s folder before it starts, when the
+    device holds less: HDF5 that meets a full disk mid-write leaves its file unusable (and can
+    crash as it closes it), so its writers look first."""
+    free = shutil.disk_usage(first_existing_ancestor(path.parent)).free
+    wanted = int(needed * SPACE_MARGIN[0]) + SPACE_MARGIN[1]
+    if free < wanted:
+        raise DiskFullError(f"{path}: {free / 2**20:.1f} MB free on its device, about "
+                            f"{wanted / 2**20:.1f} MB needed for {what}")
 
 
 def duplicate_file(source: str | os.PathLike[str], path: str | os.PathLike[str]) -> None:

@@ -22,7 +22,7 @@ from gradleak.capture.producer import EpisodeProducer, Produced
 from gradleak.capture.schema import SIDECAR_SUFFIX, step_columns
 from gradleak.capture.writer import CaptureWriter, partial_path, refuse_unless_capture
 from gradleak.envs.factory import make_env
-from gradleak.errors import CaptureFileError, GradleakError
+from gradleak.errors import CaptureFileError, DiskFullError, GradleakError
 from gradleak.io import (
     created_directories,
     write_json,
@@ -68,6 +68,8 @@ def _run_locked(plan: CapturePlan, job: CaptureJob) -> dict[str, Any]:
             return {"out": str(plan.out), "status": "already complete"}
         try:
             timings = _capture_loop(plan, source, writer, job)
+        except DiskFullError:
+            raise  # the partial file stays whole: it resumes once there is room
         except GradleakError:
             writer.discard()  # a deterministic failure: resuming would only repeat it
             raise

@@ -13,6 +13,8 @@ change under SWMR).
 
 from __future__ import annotations
 
+import contextlib
+
 import ctypes
 import json
 import os
@@ -39,12 +41,18 @@ from gradleak.capture.schema import (
     layers_from_json,
 )
 from gradleak.capture.storage import COMPRESSION_ATTR, DEFAULT, compression_options
-from gradleak.errors import CaptureFileError
+from gradleak.errors import CaptureFileError, DiskFullError
+from gradleak.io import ensure_space, is_disk_full
 
 SMALL_CHUNK = 1024
 FACTOR_CHUNK_ROWS = 16
 COMMITTED = "committed_rows"  # the partial file's commit marker: rows after each episode
 READER_WAIT_SECONDS = 30.0  # at the end, for a reader following the capture to close
+
+
+# partial files whose writes met a full disk: HDF5 may crash trying to write them out again
+# at the interpreter's exit, so the command line leaves without it (gradleak.cli.entry)
+ABANDONED: list[Path] = []
 
 
 def partial_path(path: Path) -> Path:
@@ -78,6 +86,7 @@ class CaptureWriter:
         self.gradient_dtype, self.compression = gradient_dtype, compression
         self.columns = columns
         self.already_complete = False
+        self._full = False  # a write met a full disk: close without flushing
         if overwrite:
             refuse_unless_capture(self.path)
         if self.path.exists() and not overwrite:
@@ -117,6 +126,7 @@ class CaptureWriter:
         flushed in SWMR mode: before that HDF5 orders nothing, and a kill mid-creation left a
         `.partial` a resume could not read. A leftover `.new` is overwritten by the next run."""
         fresh = self.partial.with_name(self.partial.name + NEW_SUFFIX)
+        ensure_space(fresh, sum(v.nbytes for v in theta0.values()), "its θ0 and layout")
         handle = h5py.File(fresh, "w", libver="latest")
         try:
             self._lay_out(handle, attrs, gradient_dim, theta0)
@@ -126,6 +136,7 @@ class CaptureWriter:
             raise
         os.replace(fresh, self.partial)
         self._rows = self._episodes = 0
+        self._empty_size = self.partial.stat().st_size
         return handle
 
     def _lay_out(self, handle: h5py.File, attrs: dict[str, Any], gradient_dim: int,
@@ -192,6 +203,7 @@ class CaptureWriter:
         for name in [c.name for c in self.columns] + [GRADIENTS] + factor_datasets(handle):
             handle[name].resize(rows, axis=0)  # drop rows of an episode cut off by the crash
         self._rows, self._episodes = rows, len(committed)
+        self._empty_size = 0  # unknown: the rows' share of the file is overestimated
         handle.swmr_mode = True
         return handle
 
@@ -217,12 +229,29 @@ class CaptureWriter:
                              "factored")
         if factors is not None:
             blocks[FACTORS] = factors
-        for name, values in blocks.items():
-            data = self._file[name]
-            data.resize(start + n, axis=0)
-            data[start:start + n] = values
-        self._file.flush()
-        self._commit(start + n)
+        # a full disk is met here, before HDF5 writes: the partial file keeps every episode
+        # written so far, whole, and resumes once there is room. The bytes an episode takes:
+        # its raw size at first, then what the rows written so far took (compressed), twice
+        raw = sum(np.asarray(v).nbytes for v in blocks.values())
+        grown = self.partial.stat().st_size - self._empty_size
+        ensure_space(self.partial, min(raw, 2 * n * grown // self._rows) if self._rows else raw,
+                     f"the next episode ({n} steps; the {self._rows} written resume with "
+                     "--resume once there is room)")
+        try:
+            for name, values in blocks.items():
+                data = self._file[name]
+                data.resize(start + n, axis=0)
+                data[start:start + n] = values
+            self._file.flush()
+            self._commit(start + n)
+        except (OSError, RuntimeError) as error:  # the disk filled past the estimate
+            if not is_disk_full(error):
+                raise
+            self._full = True
+            raise DiskFullError(f"{self.partial}: its device filled while the capture wrote "
+                                f"(another process, or rows compressed worse than before); the "
+                                f"{self._rows} steps committed resume with --resume once there "
+                                "is room") from None
 
     def _commit(self, rows: int) -> None:
         """The episode counts once its end is in the marker (after its rows are flushed)."""
@@ -266,7 +295,16 @@ class CaptureWriter:
     def close(self) -> None:
         """Leave the partial file resumable (an interrupted capture)."""
         if not self.already_complete and self._file.id.valid:
+            if self._full:  # HDF5 cannot write its cache out: drop it, the commits stand
+                self._abandon()
+                return
             self._file.flush()
+            self._file.close()
+
+    def _abandon(self) -> None:
+        """Close a file whose last writes failed, without the flush that would fail again."""
+        ABANDONED.append(self.partial)
+        with contextlib.suppress(OSError, RuntimeError):
             self._file.close()
 
 

@@ -5,6 +5,7 @@ parser and runs a library function. `main` loads plugins, runs the command, and 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from gradleak.cli import (
@@ -24,6 +25,7 @@ from gradleak.cli import (
     train,
 )
 from gradleak.errors import GradleakError
+from gradleak.io import is_disk_full
 
 # in the order `gradleak --help` lists them
 COMMAND_MODULES = (demo, audit, scenes, train, capture, attackers, evaluate, experiment, defend,
@@ -50,6 +52,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gradleak: error: {err}", file=sys.stderr)
         return 2
     except OSError as err:
+        if is_disk_full(err):
+            print(f"gradleak: error: no space left on the device of "
+                  f"{err.filename or getattr(args, 'out', None) or 'an output'}", file=sys.stderr)
+            return 2
         if err.filename is None:  # not about a path the user gave: a real bug, keep its trace
             raise
         print(f"gradleak: error: {err.filename}: {err.strerror}", file=sys.stderr)
@@ -59,3 +65,17 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 130
     return status or 0
+
+
+def entry() -> None:
+    """The console script: exits with main's status. A capture whose HDF5 file met a full disk
+    mid-write leaves without the interpreter's exit, which would crash in HDF5 as it tried
+    once more to write that file's cache (everything of ours is closed by then)."""
+    status = main()
+    from gradleak.capture.writer import ABANDONED
+
+    if ABANDONED:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    sys.exit(status)

@@ -1,7 +1,5 @@
 """`python -m gradleak.cli ...`: the same as the `gradleak` command."""
 
-import sys
+from gradleak.cli import entry
 
-from gradleak.cli import main
-
-sys.exit(main())
+entry()
