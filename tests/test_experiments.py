@@ -545,3 +545,20 @@ def test_what_is_read_and_built_from_a_users_numbers_is_bounded(tmp_path, capsys
                  "--out", str(tmp_path / "b")]) == 2
     assert "--seeds 1000000000: expected an integer from 1 to 1000" in capsys.readouterr().err
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_an_import_with_a_broken_record_is_refused_before_any_cell(tmp_path, capsys) -> None:
+    """A merged result's record without its minutes or with no result was imported and then
+    broke the merge: it is refused at import, naming the cell."""
+    _, results = half_a_grid_merged(tmp_path)
+    merged = json.loads((results / "toy.json").read_text())
+    for change, fragment in (({"result": None}, "result None"),
+                             ({"cpu_minutes": None}, "cpu_minutes None")):
+        broken = tmp_path / "broken.json"
+        broken.write_text(json.dumps({**merged, "cells": [{**merged["cells"][0], **change},
+                                                          *merged["cells"][1:]]}))
+        capsys.readouterr()
+        assert main(["experiment", "toy", *PLUGIN, "--seeds", "2", "--out",
+                     str(tmp_path / "later"), "--import-cells", str(broken)]) == 2
+        assert fragment in capsys.readouterr().err
+        assert not (tmp_path / "later").exists()

@@ -8,10 +8,12 @@ state-dict names, and a metadata entry `gradleak` holding JSON:
      "num_examples": 8, "config": {...sent with the round...},
      "metrics": {...the client's reply...}, "hyperparameters": {...declared...},
      "shape": [1, 28, 28], "input_transform": {"kind": "normalize", "mean": [0.5],
-     "std": [0.5]}, "batchnorm": "train", "model": "my_package.models:Net"}
+     "std": [0.5]}, "batchnorm": "train", "model": "net"}
 
-Integer buffers (BatchNorm's counter) keep their dtype. Nothing in it is executable: `model`
-names code the reader must have loaded itself (--plugin).
+Integer buffers (BatchNorm's counter) keep their dtype. Nothing in it is executable: `model` is
+the name of a factory registered by a plugin the reader loaded itself (victims/factories.py),
+and every field is checked, with the sizes an inversion would allocate bounded, before any
+work.
 """
 
 from __future__ import annotations
