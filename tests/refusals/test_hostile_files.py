@@ -4,6 +4,7 @@ among registered factories, and anything else is refused, naming the entry, befo
 from __future__ import annotations
 
 import json
+import re
 import tempfile
 from pathlib import Path
 
@@ -165,3 +166,25 @@ def test_update_metadata_is_checked_before_any_work(refused, update_file: Path, 
     save_tensors(update_file, tensors, {"gradleak": json.dumps({**update.meta, **change})})
     refused(["fedavg-invert", "--update", str(update_file), "--iters", "2",
              "--out", str(tmp_path / "out")], str(update_file), fragment)
+
+
+@pytest.mark.parametrize("change, fragment", [
+    ({"net_arch": [10**9]}, "a layer size 1000000000"),
+    ({"activation": "Linear"}, "unknown policy, extractor or activation"),
+    ({"observation_space": {"type": "box", "shape": [4096, 4096, 3], "low": 0, "high": 255,
+                            "dtype": "uint8"}}, "at most 16,777,216 values"),
+    ({"observation_space": "x"}, "SB3 cannot build it"),
+])
+def test_an_sb3_description_is_bounded_before_anything_is_built(change: dict,
+                                                                fragment: str) -> None:
+    pytest.importorskip("stable_baselines3")
+    from gradleak.integrations.sb3 import rebuild
+
+    description = {"policy": "ActorCriticPolicy", "extractor": "FlattenExtractor",
+                   "activation": "Tanh", "net_arch": [8],
+                   "observation_space": {"type": "box", "shape": [4], "low": -1.0,
+                                         "high": 1.0, "dtype": "float32"},
+                   "action_space": {"type": "discrete", "n": 2}}
+    assert isinstance(rebuild(**description), torch.nn.Module)
+    with pytest.raises(ConfigError, match=re.escape(fragment)):
+        rebuild(**{**description, **change})

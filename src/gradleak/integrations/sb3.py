@@ -36,6 +36,7 @@ EXTRACTORS = ("NatureCNN", "FlattenExtractor", "CombinedExtractor")
 KWARGS = ("net_arch", "share_features_extractor", "normalize_images", "ortho_init")
 ACTIVATIONS = tuple(nn.modules.activation.__all__)  # the classes a description may name
 MAX_OBSERVATION = 1 << 24  # values in one observation a description may declare
+MAX_WIDTH = 1 << 16  # units in one layer of a description's net_arch or extractor
 FACTORY = "sb3-policy"  # the registered names a wrapped SB3 victim's capture holds
 
 
@@ -116,6 +117,17 @@ def rebuild(**description: Any) -> nn.Module:
             EXTRACTORS or description.get("activation") not in ACTIVATIONS:
         raise ConfigError(f"SB3 policy description {str(description)[:200]}: unknown policy, "
                           "extractor or activation")
+    widths = [description.get("net_arch"), description.get("extractor_kwargs")]
+    while widths:  # a description's layer sizes: bounded before anything is built
+        value = widths.pop()
+        if isinstance(value, dict):
+            widths += list(value.values())
+        elif isinstance(value, list):
+            widths += value
+        elif isinstance(value, int) and not isinstance(value, bool) and not 0 < value <= \
+                MAX_WIDTH:
+            raise ConfigError(f"SB3 policy description: a layer size {value} (expected 1 to "
+                              f"{MAX_WIDTH:,})")
     try:
         spaces = (_space_from_dict(description["observation_space"]),
                   _space_from_dict(description["action_space"]))
