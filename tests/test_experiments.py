@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from urllib.parse import quote
 
 import pytest
 
@@ -225,14 +226,14 @@ def test_context_under_noise_trains_adaptive_attackers_and_says_whether_t8_beats
     for shard in (9, 10, 11, 12):  # ppo, noise:0.1: TRACE T = 1 and 8, decoder T = 1 and 8
         assert main([*run, "--shard", f"{shard}/34", "--resume"]) == 0
     for window in (1, 8):
-        (attacker,) = (out / "attackers").glob(f"*defense=noise_0.1,attacker=trace,"
+        (attacker,) = (out / "attackers").glob(f"*defense=noise%3A0.1,attacker=trace,"
                                                 f"window={window},*")
         meta = json.loads((attacker / "attacker.json").read_text())
         text = json.dumps(meta)
         assert '"noise:0.1"' in text and '"structured"' in text
         assert meta["model"]["window"] == window
     for window, context in ((1, "none"), (8, "warp")):  # the decoder's motion-aware context
-        (attacker,) = (out / "attackers").glob(f"*defense=noise_0.1,attacker=decoder,"
+        (attacker,) = (out / "attackers").glob(f"*defense=noise%3A0.1,attacker=decoder,"
                                                 f"window={window},*")
         meta = json.loads((attacker / "attacker.json").read_text())
         assert meta["model"]["context"] == context and meta["fit"]["defense"] == "noise:0.1"
@@ -259,11 +260,11 @@ def test_defense_figure_draws_the_best_adapted_attacker_per_defense(tmp_path) ->
            "--out", str(out), "--quiet"]
     assert main([*run, "--shard", "0/5"]) == 0  # no defense
     assert main([*run, "--shard", "1/5", "--resume"]) == 0  # quant:8
-    for defense in ("none", "quant_8"):
+    for defense in ("none", "quant:8"):
         for method in ("trace", "lti"):
-            (attacker,) = (out / "attackers").glob(f"*defense={defense},*/{method}")
+            (attacker,) = (out / "attackers").glob(f"*defense={quote(defense)},*/{method}")
             fit = json.loads((attacker / "attacker.json").read_text())["fit"]
-            assert fit["defense"] == defense.replace("_", ":")
+            assert fit["defense"] == defense
     for cell in (out / "cells").iterdir():
         result = json.loads(cell.read_text())["result"]
         assert set(result["attacks"]) == {"TRACE", "LtI", "exact (training-free)"}
@@ -284,7 +285,7 @@ def test_defense_figure_draws_the_best_adapted_attacker_per_defense(tmp_path) ->
     assert "mean colour PSNR" in table and "CPU min / cell" in table
     width, height = Image.open(results / "defense-figure.png").size
     assert height > width / 8 * 2  # ground truth and two defenses' rows of 8 frames
-    (samples,) = (out / "eval").glob("*defense=quant_8*/samples.npz")
+    (samples,) = (out / "eval").glob("*defense=quant%3A8*/samples.npz")
     samples.unlink()
     assert main(["experiment", "defense-figure", "--merge", "--allow-partial", "--out",
                  str(out), "--results", str(results), "--quiet"]) == 2
