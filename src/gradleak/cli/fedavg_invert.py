@@ -98,7 +98,12 @@ def run(args: argparse.Namespace) -> None:
     from torch import nn
 
     from gradleak.fedavg.invert import Training, split_state
-    from gradleak.fedavg.update_file import check_meta, read_update, transform_from_dict
+    from gradleak.fedavg.update_file import (
+        check_meta,
+        read_meta,
+        read_update,
+        transform_from_dict,
+    )
     from gradleak.io import check_output, write_json
     from gradleak.report.fedavg import write_fedavg_report
     from gradleak.victims.factories import MODEL_FACTORIES, find
@@ -122,7 +127,7 @@ def run(args: argparse.Namespace) -> None:
                                   ("batch", args.batch), ("steps", args.steps)) if v is not None}
     updates = [Path(u) for u in args.update]
     labels = update_labels(updates)
-    metas = [read_update(u).meta for u in updates]  # every file readable before any work
+    metas = [read_meta(u) for u in updates]  # every file's header, before any work
     for path, meta in zip(updates, metas):
         if shape is not None:
             check_meta({**meta, "shape": list(shape)}, f"{path} with --shape", ConfigError)
@@ -142,7 +147,7 @@ def run(args: argparse.Namespace) -> None:
     factory = find(MODEL_FACTORIES, model_ref, field)  # checked, never called, before any work
     factory.arguments({}, field)
     model_fn = factory.function
-    for path in updates:  # the model fits every file's arrays, before any folder is made
+    for path in updates:  # each file read whole: the model fits its arrays (no folder yet)
         update = read_update(path)
         model = model_fn()
         if not isinstance(model, nn.Module):

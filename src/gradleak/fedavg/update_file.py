@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from gradleak.errors import CheckpointError, ConfigError
-from gradleak.io import load_tensors, save_tensors, tensors_metadata
+from gradleak.io import existing_file, load_tensors, save_tensors, tensors_metadata
 
 UPDATE_FORMAT = "gradleak-fedavg-update"
 UPDATE_VERSION = 1
@@ -69,6 +69,18 @@ def write_update(path: str | os.PathLike[str], w0: Mapping[str, Any], wT: Mappin
 def read_update(path: str | os.PathLike[str]) -> UpdateFile:
     path = Path(path)
     tensors = load_tensors(path, "update file")
+    meta = read_meta(path)
+    w0 = {k[3:]: v for k, v in tensors.items() if k.startswith("w0/")}
+    wT = {k[3:]: v for k, v in tensors.items() if k.startswith("wT/")}
+    if set(w0) != set(wT) or not w0:
+        raise CheckpointError(f"update file {path}: w0 and w_T name different arrays "
+                              f"({len(w0)} and {len(wT)})")
+    return UpdateFile(w0, wT, meta)
+
+
+def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """An update file's metadata, checked, from its header alone (no array is read)."""
+    path = existing_file(path, "update file")
     raw = (tensors_metadata(path) or {}).get("gradleak")
     if raw is None:
         raise CheckpointError(f"update file {path} has no 'gradleak' metadata: it was not "
@@ -86,12 +98,7 @@ def read_update(path: str | os.PathLike[str]) -> UpdateFile:
         raise CheckpointError(f"update file {path}: version {meta.get('version')!r}, this "
                               f"gradleak reads version {UPDATE_VERSION}")
     check_meta(meta, f"update file {path}: metadata", CheckpointError)
-    w0 = {k[3:]: v for k, v in tensors.items() if k.startswith("w0/")}
-    wT = {k[3:]: v for k, v in tensors.items() if k.startswith("wT/")}
-    if set(w0) != set(wT) or not w0:
-        raise CheckpointError(f"update file {path}: w0 and w_T name different arrays "
-                              f"({len(w0)} and {len(wT)})")
-    return UpdateFile(w0, wT, meta)
+    return meta
 
 
 def check_meta(meta: Mapping[str, Any], source: str, error: type[Exception]) -> None:
