@@ -302,6 +302,9 @@ def test_without_attackers_the_reference_is_the_held_out_frames(random_capture: 
     assert str(random_capture) in clean["mean_image_source"]
     assert verdict["frames"]["method"] == "exact (training-free)"
     assert verdict["frames"]["gain"] > 3  # the float32 stream gives frames away, untrained
+    assert clean["mean_image_of"] == "audited frames"  # and the verdict names it so
+    assert "mean of the audited frames" in verdict["reference"]
+    assert any("against the mean of the audited frames" in line for line in verdict["headline"])
 
 
 def test_an_attack_the_victim_does_not_allow_is_named_not_run(tmp_path: Path,
@@ -322,3 +325,71 @@ def test_an_attack_the_victim_does_not_allow_is_named_not_run(tmp_path: Path,
     assert any(line.startswith("Not applicable to this victim: exact") for line in
                verdict["headline"])
     assert verdict["actions"]["accuracy"] >= 0.9 and "frames" not in verdict
+
+
+def _summary(attack: dict, skipped: bool = False) -> dict:
+    """A minimal audit summary: one defense stage (dpsgd) holding one frame attack's row."""
+    reference = {"kind": "reference", "psnr": 22.0, "ssim": 0.49, "lpips": 0.64}
+    methods = {"mean training image": reference,
+               "mean colour (oracle)": {"kind": "reference", "psnr": 24.0},
+               "TRACE": {"kind": "learned", "frames": 256, **attack}}
+    stage = {"result": None, "skipped": "budget: about 3 min needed, 1 left", "seconds": 0} \
+        if skipped else {"skipped": None, "seconds": 1.0, "result": {
+            "methods": methods, "utility": {"cosine": 0.01, "relative_norm_error": 30.0},
+            "defense": {"transforms": [{"name": "dpsgd", "eps": 1.0, "delta": 1e-5, "clip": 1.0,
+                                        "q": 1 / 128, "steps": 1000, "sigma": 1.9,
+                                        "achieved_eps": 0.99}]}}}
+    return {"capture": {"num_actions": 5},
+            "stages": {"defense none": {"result": {"methods": methods}, "skipped": None},
+                       "defense dpsgd:eps=1": stage}}
+
+
+@pytest.mark.parametrize(("attack", "stops"), [
+    ({"psnr": 22.5, "psnr_gain_over_mean_image": 0.5, "ssim": 0.49, "lpips": 0.33}, False),
+    ({"psnr": 22.5, "psnr_gain_over_mean_image": 0.5, "ssim": 0.55, "lpips": 0.64}, False),
+    ({"psnr": 22.5, "psnr_gain_over_mean_image": 0.5, "ssim": 0.50, "lpips": None}, False),
+    ({"psnr": 22.5, "psnr_gain_over_mean_image": 0.5, "ssim": 0.50, "lpips": 0.63}, True)])
+def test_a_defense_stops_an_attack_only_at_the_reference_on_every_metric(attack: dict,
+                                                                         stops: bool) -> None:
+    from gradleak.evaluation.verdict import verdict
+
+    v = verdict(_summary(attack))
+    (outcome,) = v["defenses"]
+    assert outcome["stops"] is stops and (v["weakest_stopping"] == "dpsgd:eps=1") is stops
+    if not stops:  # the headline names what still leaks
+        line = next(line for line in v["headline"] if "not stopped" in line)
+        assert "TRACE" in line and ("LPIPS" in line or "SSIM" in line or "not measured" in line)
+    else:  # ε comes with what it stands on
+        line = next(line for line in v["headline"] if line.startswith("Defense:"))
+        assert all(part in line for part in ("σ = 1.9", "C = 1", "q = 0.00781", "1000 steps"))
+
+
+def test_a_skipped_defense_is_one_the_verdict_cannot_speak_for() -> None:
+    from gradleak.evaluation.verdict import verdict
+
+    v = verdict(_summary({"psnr": 22.5, "psnr_gain_over_mean_image": 0.5, "ssim": 0.5},
+                         skipped=True))
+    assert v["weakest_stopping"] is None
+    assert any(line.startswith("The verdict cannot speak for dpsgd:eps=1") for line in
+               v["headline"])
+
+
+def test_the_demo_runs_its_defense_stages_on_a_clock_that_says_the_budget_is_spent(
+        random_capture: Path, trained_attackers, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from dataclasses import replace
+
+    from gradleak.audit import Audit
+    from gradleak.demo import DEMO_DEFENSES, audit_config
+    from gradleak.presets import load_preset
+    from gradleak.training.loop import Budget
+
+    preset = load_preset("cpu-quick", ["attack.ig.iterations=2"])
+    config = replace(audit_config(random_capture, tmp_path, preset), max_windows=2,
+                     exact_windows=1, optimisation_windows=1,
+                     attackers={"TRACE": str(trained_attackers["trace"])})
+    monkeypatch.setattr(Budget, "minutes_left", lambda self: -60.0)  # an hour over, always
+    summary = Audit(config, progress=False, preset=preset).run()
+    assert not summary["verdict"]["skipped"]
+    assert [o["spec"] for o in summary["verdict"]["defenses"] if not o.get("skipped")] == \
+        DEMO_DEFENSES

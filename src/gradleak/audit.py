@@ -16,7 +16,8 @@ redoing them (a larger --budget-minutes completes what a smaller one skipped):
    trail the training-free attack there, which sees the same single gradients.
 
 A stage the remaining budget cannot pay for (estimated from the stages before it) is skipped,
-and the verdict and the report name it.
+and the verdict and the report name it and say they cannot speak for it; with
+`defenses_within_budget=False` (the demo's small grid) every defense stage runs.
 """
 
 from __future__ import annotations
@@ -70,6 +71,9 @@ class AuditConfig:
     optimisation_windows: int = 1  # windows DLG and IG invert (seconds per frame each)
     optimisation: list[str] = field(default_factory=lambda: list(OPTIMISATION))
     seed: int = 0
+    # False: every defense stage runs whatever the budget has left (a grid sized to finish, as
+    # the demo's: a verdict that skipped its defenses would say nothing about them)
+    defenses_within_budget: bool = True
 
     @property
     def learned(self) -> bool:
@@ -195,7 +199,8 @@ class Audit:
                 self.stages[f"defense {spec}"] = Stage(f"defense {spec}", skipped=NEEDS_LEARNED)
                 continue
             done = self.stage(f"defense {spec}", lambda spec=spec: self.evaluate(spec, attackers),
-                              estimate_minutes=estimate)
+                              estimate_minutes=estimate if self.config.defenses_within_budget
+                              else None)
             estimate = max(estimate, done.seconds / 60.0)
         summary = {"config": asdict(self.config), "capture": self.capture_summary(),
                    "stages": {name: {"result": s.result, "skipped": s.skipped,

@@ -65,7 +65,7 @@ class Evaluation:
                  baseline_windows: int | dict[str, int] = 2, progress: bool = False,
                  defense: Chain | None = None, skip_nonfinite: bool = False,
                  reference_data: Sequence[str | os.PathLike[str]] | None = None) -> None:
-        self.defense = defense
+        self.defense, self.data = defense, list(data)
         for config in (baselines or {}).values():  # a missing prior is named before any work
             if isinstance(config, ExactConfig):
                 check_prior(config)
@@ -110,10 +110,16 @@ class Evaluation:
         captures, so the reference is the same whichever attackers are evaluated and in
         whatever order; a checkpoint's own sampled mean only when those files are gone (and
         `mean_image_source` says so)."""
+        self.mean_image_of = "training frames"
         if reference_data:
             mean, frames = mean_frame(reference_data)
             self.mean_image_source = f"every frame of {', '.join(map(str, reference_data))} " \
                                      f"({frames:,})"
+            if {Path(p).resolve() for p in reference_data} & {Path(p).resolve()
+                                                               for p in self.data}:
+                # the reference has seen the frames it is scored on: closer to them than a
+                # training mean would be, so gains over it understate the leak
+                self.mean_image_of = "audited frames"
             return mean
         files = sorted({str(path) for _, meta in self.models.values()
                         for path in meta.get("train_files", [])})
@@ -281,7 +287,8 @@ def evaluate(data: Sequence[str | os.PathLike[str]], attackers: dict[str, str], 
                                                           max_windows or len(evaluation.dataset)),
               "lpips": evaluation.lpips_note or "available",
               "lpips_reads": lpips_layout(evaluation.roles.transform.channels),
-              "mean_image_source": evaluation.mean_image_source, "methods": summarise(methods)}
+              "mean_image_source": evaluation.mean_image_source,
+              "mean_image_of": evaluation.mean_image_of, "methods": summarise(methods)}
     write_evaluation(out, result, methods, np.concatenate(evaluation.truth_samples))
     return result
 

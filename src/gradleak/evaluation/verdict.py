@@ -1,10 +1,22 @@
 """The audit's verdict: what comes back, how well, and the cheapest defense that stops it.
 
-A defense "stops" the attacks when every frame attack scores within STOP_MARGIN_DB of the mean
-training image (the reference that uses no gradient) and every action read off the gradients
-is at chance (within three binomial standard deviations of 1/K over the frames scored). The
-weakest such defense is the one that costs the update least (highest cosine to the clean
-update). `--fail-if` conditions are read against the clean figures, with a small grammar
+A defense "stops" the attacks only when every frame attack is at the reference on all three
+image metrics and every action read off the gradients is at chance:
+
+- PSNR: a gain over the mean image of at most STOP_MARGIN_DB;
+- SSIM: at most SSIM_MARGIN above the mean image's;
+- LPIPS: at most LPIPS_MARGIN below the mean image's (lower is closer). The margins are the
+  size of the gap between the two references that use no gradient (the mean image and each
+  frame's own mean colour differ by 0.01–0.02 on both in the demo and the paper audit), so a
+  difference within them is not evidence of a leak and one beyond them is. A learned attacker
+  can sit at the mean image in PSNR while its LPIPS is half the mean image's: PSNR alone would
+  call that stopped;
+- actions: within three binomial standard deviations of 1/K over the frames scored.
+
+A metric an attack did not measure cannot clear it (the verdict names the missing one). The
+weakest stopping defense is the one that costs the update least (highest cosine to the clean
+update). A defense stage that did not run is named, and the verdict says it cannot speak for
+it. `--fail-if` conditions are read against the clean figures, with a small grammar
 (`psnr>25 or actions>0.5`), never eval'd.
 """
 
@@ -19,8 +31,15 @@ from gradleak.errors import ConfigError
 from gradleak.evaluation.scoring import MEAN_COLOUR, MEAN_IMAGE
 
 STOP_MARGIN_DB = 1.0
+SSIM_MARGIN = 0.02
+LPIPS_MARGIN = 0.02
 USEFUL_COSINE = 0.5  # below it the defended update points more along noise than the clean one
 ATTACK_KINDS = ("learned", "training-free", "optimisation")
+# what the mean-image reference is the mean of (evaluation.reconstructions.mean_image_of)
+REFERENCES = {"training frames": "the mean training image",
+              "audited frames": "the mean of the audited frames themselves (no training "
+                                "capture was given; it has seen the frames it is scored on, so "
+                                "gains over it understate the leak)"}
 
 
 def attack_rows(methods: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -38,6 +57,24 @@ def at_chance(row: dict[str, Any], chance: float) -> bool:
     return row["action_accuracy"] <= chance + spread
 
 
+def leaks(row: dict[str, Any], reference: dict[str, Any]) -> list[str]:
+    """The image metrics on which a frame attack beats the mean image (empty: at the reference
+    on all three), and "<metric> not measured" for each it could not be cleared on."""
+    found = []
+    gain = row.get("psnr_gain_over_mean_image")
+    if gain is None:
+        found.append("psnr not measured")
+    elif gain > STOP_MARGIN_DB:
+        found.append(f"PSNR {gain:+.2f} dB")
+    for metric, margin, better in (("ssim", SSIM_MARGIN, 1.0), ("lpips", LPIPS_MARGIN, -1.0)):
+        mine, theirs = row.get(metric), reference.get(metric)
+        if mine is None or theirs is None:
+            found.append(f"{metric} not measured")
+        elif better * (mine - theirs) > margin:
+            found.append(f"{metric.upper()} {mine:.3f} against {theirs:.3f}")
+    return found
+
+
 def defense_outcome(spec: str, stage: dict[str, Any], chance: float) -> dict[str, Any]:
     result = stage["result"]
     if result is None:
@@ -47,21 +84,28 @@ def defense_outcome(spec: str, stage: dict[str, Any], chance: float) -> dict[str
     best = max(frames.items(), key=lambda item: item[1].get("psnr", -math.inf), default=None)
     actions = action_rows(methods)
     best_actions = max((row["action_accuracy"] for row in actions.values()), default=None)
-    stops = (all(row.get("psnr_gain_over_mean_image", math.inf) <= STOP_MARGIN_DB
-                 for row in frames.values())
-             and all(at_chance(row, chance) for row in actions.values()))
+    reference = methods[MEAN_IMAGE]
+    leaking = {name: found for name, row in frames.items() if (found := leaks(row, reference))}
+    above_chance = sorted(name for name, row in actions.items() if not at_chance(row, chance))
+    stops = not leaking and not above_chance
     utility = result.get("utility") or {}
-    epsilon = [t["achieved_eps"] for t in (result.get("defense") or {}).get("transforms", [])
-               if "achieved_eps" in t]
+    transforms = (result.get("defense") or {}).get("transforms", [])
+    dp = next((t for t in transforms if "achieved_eps" in t), None)
     return {"spec": spec, "stops": stops, "skipped": None,
             "best_attack": best[0] if best else None,
             "best_psnr": best[1].get("psnr") if best else None,
             "best_gain": best[1].get("psnr_gain_over_mean_image") if best else None,
             "best_action_accuracy": best_actions,
-            "mean_image_psnr": methods[MEAN_IMAGE].get("psnr"),
+            "leaking": leaking, "actions_above_chance": above_chance,
+            "mean_image_psnr": reference.get("psnr"), "mean_image_ssim": reference.get("ssim"),
+            "mean_image_lpips": reference.get("lpips"),
             "cosine": utility.get("cosine"), "relative_norm_error":
                 utility.get("relative_norm_error"),
-            "epsilon": epsilon[0] if epsilon else None,
+            "epsilon": dp["achieved_eps"] if dp else None,
+            # what ε stands on: the noise multiplier, the clipping norm, the sampling rate and
+            # the number of noisy steps the accountant was given
+            "dp": {key: dp[key] for key in ("sigma", "clip", "q", "steps", "delta")}
+            if dp else None,
             "per_attack": {name: {key: row.get(key) for key in
                                   ("psnr", "ssim", "lpips", "psnr_gain_over_mean_image",
                                    "action_accuracy", "frames")}
@@ -72,6 +116,7 @@ def verdict(summary: dict[str, Any]) -> dict[str, Any]:
     stages, capture = summary["stages"], summary["capture"]
     chance = 1.0 / capture["num_actions"]
     result: dict[str, Any] = {"chance": chance, "stop_margin_db": STOP_MARGIN_DB,
+                              "ssim_margin": SSIM_MARGIN, "lpips_margin": LPIPS_MARGIN,
                               "skipped": {name: s["skipped"] for name, s in stages.items()
                                           if s["skipped"]}}
     rules = (stages.get("actions") or {}).get("result") or {}
@@ -99,7 +144,10 @@ def verdict(summary: dict[str, Any]) -> dict[str, Any]:
                                 "gain": row.get("psnr_gain_over_mean_image"),
                                 "frames": row.get("frames"),
                                 "mean_image_psnr": methods[MEAN_IMAGE].get("psnr"),
+                                "mean_image_ssim": methods[MEAN_IMAGE].get("ssim"),
+                                "mean_image_lpips": methods[MEAN_IMAGE].get("lpips"),
                                 "mean_colour_psnr": methods[MEAN_COLOUR].get("psnr")}
+        result["reference"] = REFERENCES[clean.get("mean_image_of", "training frames")]
     outcomes = [defense_outcome(name.removeprefix("defense "), stage, chance)
                 for name, stage in stages.items() if name.startswith("defense ")
                 and name != "defense none"]
@@ -132,23 +180,35 @@ def headline(v: dict[str, Any]) -> list[str]:
         lpips = f" / LPIPS {f['lpips']:.3f}" if f.get("lpips") is not None else ""
         lines.append(f"Frames: the best attack, {f['method']}, reconstructs them at "
                      f"{f['psnr']:.1f} dB / SSIM {f['ssim']:.3f}{lpips}, {f['gain']:+.1f} dB "
-                     f"against the mean training image ({f['mean_image_psnr']:.1f} dB; each "
-                     f"frame's own mean colour, an oracle: {f['mean_colour_psnr']:.1f} dB).")
+                     f"against {v.get('reference', REFERENCES['training frames'])} "
+                     f"({f['mean_image_psnr']:.1f} dB; each frame's own mean colour, an "
+                     f"oracle: {f['mean_colour_psnr']:.1f} dB).")
     outcomes = [o for o in v["defenses"] if not o.get("skipped")]
+    skipped = [o["spec"] for o in v["defenses"] if o.get("skipped")]
     if v["weakest_stopping"]:
         o = next(o for o in outcomes if o["spec"] == v["weakest_stopping"])
         cost = (f"update cosine {o['cosine']:.3f}, relative norm error "
                 f"{o['relative_norm_error']:.3f}" if o["cosine"] is not None else "")
-        eps = f", ε = {o['epsilon']:.2f}" if o["epsilon"] is not None else ""
         useless = (" — at that cost the update keeps little of the clean one: no defense in "
                    "the grid both stops the attacks and leaves a useful update"
                    if o["cosine"] is not None and o["cosine"] < USEFUL_COSINE else "")
         lines.append(f"Defense: the weakest in the grid that brings every attack to the "
-                     f"mean-image level and actions to chance is {o['spec']} ({cost}{eps})"
-                     f"{useless}.")
+                     f"mean-image level (PSNR, SSIM and LPIPS) and actions to chance is "
+                     f"{o['spec']} ({cost}{dp_text(o)}){useless}.")
     elif outcomes:
         lines.append(f"Defense: none of the {len(outcomes)} defenses tried brings every attack "
-                     "to the mean-image level and actions to chance.")
+                     "to the mean-image level (PSNR, SSIM and LPIPS) and actions to chance.")
+    for o in outcomes:
+        if not o["stops"]:
+            lines.append(f"  {o['spec']}{cost_text(o)}: not stopped — " + "; ".join(
+                [f"{name}: {', '.join(found)}" for name, found in o["leaking"].items()]
+                + [f"{name}: actions above chance" for name in o["actions_above_chance"]])
+                + ".")
+    if skipped:
+        lines.append(f"The verdict cannot speak for {', '.join(skipped)}: "
+                     f"{'it was' if len(skipped) == 1 else 'they were'} not run, so whether "
+                     f"{'it stops' if len(skipped) == 1 else 'they stop'} the attacks is "
+                     "unknown.")
     for attack, reason in (v.get("not_applicable") or {}).items():
         lines.append(f"Not applicable to this victim: {attack} ({reason}).")
     budget = [name for name, why in v["skipped"].items() if why.startswith("budget")]
@@ -158,6 +218,19 @@ def headline(v: dict[str, Any]) -> list[str]:
         if name not in budget:
             lines.append(f"Not run: {name} ({why}).")
     return lines
+
+
+def cost_text(o: dict[str, Any]) -> str:
+    return f" (update cosine {o['cosine']:.3f}{dp_text(o)})" if o["cosine"] is not None else ""
+
+
+def dp_text(o: dict[str, Any]) -> str:
+    """ε with what it stands on: σ, the clipping norm C, the sampling rate q and the steps."""
+    dp = o.get("dp")
+    if not dp:
+        return ""
+    return (f", ε = {o['epsilon']:.2f} at δ = {dp['delta']:g} from σ = {dp['sigma']:.3g}, "
+            f"C = {dp['clip']:g}, q = {dp['q']:.3g}, {dp['steps']} steps")
 
 
 # -- --fail-if --------------------------------------------------------------------------------

@@ -35,16 +35,22 @@ def defense_rows(verdict: dict[str, Any]) -> list[dict[str, Any]]:
                      "stops every attack": "yes" if o["stops"] else "no",
                      "best attack": o["best_attack"], "its PSNR": _number(o["best_psnr"], 2),
                      "gain vs mean image": _number(o["best_gain"], 2),
+                     "what still leaks": "; ".join(
+                         f"{n}: {', '.join(f)}" for n, f in (o.get("leaking") or {}).items())
+                     or None,
                      "best action acc.": _number(o["best_action_accuracy"], 3),
                      "update cosine": _number(o["cosine"], 3),
                      "update rel. error": _number(o["relative_norm_error"], 3),
-                     "DP ε": _number(o["epsilon"], 2)})
+                     "DP ε": _number(o["epsilon"], 2),
+                     "DP σ, C, q, steps": (f"{o['dp']['sigma']:.3g}, {o['dp']['clip']:g}, "
+                                           f"{o['dp']['q']:.3g}, {o['dp']['steps']}")
+                     if o.get("dp") else None})
     return rows
 
 
 DEFENSE_COLUMNS = ["defense", "stops every attack", "best attack", "its PSNR",
-                   "gain vs mean image", "best action acc.", "update cosine",
-                   "update rel. error", "DP ε", "note"]
+                   "gain vs mean image", "what still leaks", "best action acc.", "update cosine",
+                   "update rel. error", "DP ε", "DP σ, C, q, steps", "note"]
 
 
 def attack_by_defense(verdict: dict[str, Any], clean: dict[str, Any]
@@ -122,8 +128,9 @@ def write_audit_report(out: Path, figures: Sequence[tuple[Path, str]] = ()) -> P
                             "the level counted as stopped)"))
     parts += ["<h2>Defenses</h2>",
               "<p>Every attack zero-shot under each defense; a defense stops them when every "
-              f"frame attack is within {verdict['stop_margin_db']} dB of the mean training "
-              "image and every action read off the gradients is at chance "
+              f"frame attack is within {verdict['stop_margin_db']} dB of the mean image in "
+              f"PSNR, {verdict['ssim_margin']} in SSIM and {verdict['lpips_margin']} in LPIPS, "
+              "and every action read off the gradients is at chance "
               f"({verdict['chance']:.0%}).</p>",
               table(defense_rows(verdict), DEFENSE_COLUMNS)]
     if clean:
