@@ -74,6 +74,12 @@ def test_the_verdict_follows_from_the_stages(audited) -> None:
     # DLG and IG only on the clean stream; aggregation leaves only the learned attackers
     defended = summary["stages"]["defense quant:4"]["result"]["methods"]
     assert "IG" not in defended and "exact (training-free)" in defended
+    # under each single-step defense the defense-aware attack runs beside the blind one, on
+    # the same frames; it is no row of the clean stream (there it is the exact attack)
+    assert defended["exact (defense-aware)"]["frames"] == defended["exact (training-free)"][
+        "frames"]
+    assert "exact (defense-aware)" in summary["stages"]["defense dpsgd:eps=1"]["result"][
+        "methods"] and "exact (defense-aware)" not in clean
     assert "exact (training-free)" not in summary["stages"]["defense agg:2"]["result"]["methods"]
     stopping = [o for o in outcomes.values() if o["stops"]]
     assert verdict["weakest_stopping"] == (max(stopping, key=lambda o: o["cosine"])["spec"]
@@ -263,7 +269,9 @@ def test_the_report_renders_whole_in_chromium_with_hostile_strings_escaped(
     assert text.index("Verdict") < text.index("<figure")  # the verdict comes first
     attrs, dom = render_in_chromium(report, tmp_path)
     assert int(attrs["tables"]) == text.count("<table>") >= 6
-    assert int(attrs["images"]) == 3 and attrs["images-loaded"] == attrs["images"]
+    # the clean frames, the privacy–utility plot, PSNR by t, and each defense's frames
+    pictures = 3 + len(DEFENSES.split(";"))
+    assert int(attrs["images"]) == pictures and attrs["images-loaded"] == attrs["images"]
     assert attrs["cut-off"] == "0"  # nothing reaches past the right edge at desktop width
     # the strings stayed text: no element came of them
     assert "<script>alert" not in dom and "<img src=\"x\"" not in dom

@@ -29,14 +29,17 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gradleak.attacks.defense_aware import NAME as AWARE
+from gradleak.attacks.defense_aware import channel_of
 from gradleak.attacks.exact import not_applicable
 from gradleak.capture.reader import CaptureFile
-from gradleak.defenses import parse_defense
+from gradleak.defenses import Chain, parse_defense
 from gradleak.errors import ConfigError
 from gradleak.evaluation.actions import evaluate_action_rules
 from gradleak.evaluation.analytic import evaluate_analytic
 from gradleak.io import check_output, exclusive, read_json, write_json
 from gradleak.presets import Preset, load_preset
+from gradleak.threat import declared
 from gradleak.training.loop import CLOCKS, Budget
 from gradleak.victims.base import rebuildable
 
@@ -247,6 +250,7 @@ class Audit:
         return trained
 
     def evaluate(self, spec: str, attackers: dict[str, str]) -> dict[str, Any]:
+        from gradleak.attacks.defense_aware import DefenseAwareRun
         from gradleak.attacks.exact import NAME as EXACT
         from gradleak.attacks.optim.config import baseline_config
         from gradleak.evaluation.reconstructions import evaluate
@@ -255,8 +259,14 @@ class Audit:
         baselines: dict[str, Any] = {}
         windows: dict[str, int] = {}
         exact_reason = self.exact_reason
+        aware_reason = None
         if chain.span == 1 and exact_reason is None:  # single steps, not an aggregate of them
             baselines[EXACT], windows[EXACT] = self.preset.attack.exact, self.config.exact_windows
+            aware_reason = self.defense_aware_reason(chain)
+            if spec != "none" and aware_reason is None:  # beside the blind one, same frames
+                baselines[AWARE] = DefenseAwareRun(self.preset.attack.exact,
+                                                   self.preset.attack.defense_aware)
+                windows[AWARE] = self.config.exact_windows
         if chain.span == 1:
             families = {"ig": self.preset.attack.ig, "dlg": self.preset.attack.dlg}
             optimisation = self.config.optimisation if spec == "none" and \
@@ -271,9 +281,22 @@ class Audit:
                           baseline_windows=windows, progress=self.progress,
                           reference_data=[self.config.train] if self.config.train else
                           None if attackers else [self.config.capture])
-        reasons = {EXACT: exact_reason, "learned attackers": self.learned_reason}
+        reasons = {EXACT: exact_reason, "learned attackers": self.learned_reason,
+                   AWARE: aware_reason if spec != "none" else None}
         return {**result, "spec": spec, "eval_dir": str(self.out / "eval" / slug(spec)),
                 "not_applicable": {k: v for k, v in reasons.items() if v}}
+
+
+    def defense_aware_reason(self, chain: Chain) -> str | None:
+        """Why the defense-aware attack cannot model what the audited stream went through
+        (the capture's own defenses, then this stage's), or None."""
+        with CaptureFile(self.config.capture) as capture:
+            declared_defense = capture.declared_defense()
+        try:
+            channel_of(declared_defense + declared(chain.describe()["transforms"]))
+        except ConfigError as error:
+            return str(error)
+        return None
 
 
 def read_stage(path: Path, name: str) -> dict[str, Any]:

@@ -18,6 +18,7 @@ import typing
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from gradleak.attacks.defense_aware import DefenseAwareConfig
 from gradleak.attacks.exact import ExactConfig
 from gradleak.attacks.feature_decoder import DecoderConfig
 from gradleak.attacks.frame_refiner import RefinerConfig
@@ -57,6 +58,8 @@ class AttackConfig:
     dlg: OptimConfig = field(default_factory=deep_leakage)
     # The training-free attack: the conv stack, then the first conv's own equations.
     exact: ExactConfig = field(default_factory=ExactConfig)
+    # What the defense-aware attack adds to it under a declared defense.
+    defense_aware: DefenseAwareConfig = field(default_factory=DefenseAwareConfig)
     # Its learned prior, fitted on the attack's frames of the attacker's own captures.
     refiner: RefinerConfig = field(default_factory=RefinerConfig)
     refiner_fit: RefinerFitConfig = field(default_factory=RefinerFitConfig)

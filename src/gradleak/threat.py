@@ -31,6 +31,10 @@ class Observation:
     # what each layer does (gradleak.victims.roles): from the capture; None → the registered
     # victim's own
     roles: Roles = None  # type: ignore[assignment]
+    # the defenses the stream went through, as the server that set the policy knows them: each
+    # transform's kind and parameters ({"name": "quant", "bits": 8}, ...), never its random
+    # draws or seed; () for an undefended stream
+    defense: tuple[dict[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
         if self.roles is None:
@@ -56,6 +60,12 @@ class Observation:
         known = ", ".join(layer.name for layer in self.layers)
         raise KeyError(f"layer {layer_name!r} is not in this capture's gradients (it holds: "
                        f"{known})")
+
+
+def declared(transforms: Any) -> tuple[dict[str, Any], ...]:
+    """A chain's transforms as the threat model lets an attack see them: without the seed."""
+    return tuple({key: value for key, value in t.items() if key != "seed"}
+                 for t in transforms or ())
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from gradleak.capture.schema import (
 )
 from gradleak.capture.text import describe_rows, nonfinite_message, roles_text
 from gradleak.errors import CaptureFileError
-from gradleak.threat import Observation, Target
+from gradleak.threat import Observation, Target, declared
 from gradleak.victims.base import LayerInfo, side_by_side
 
 SCAN_ROWS = 256
@@ -172,7 +172,13 @@ class CaptureFile:
                            hyperparameters=self.hyperparameters,
                            episode_ids=self.column("episode_ids", rows),
                            step_in_episode=self.column("step_in_episode", rows),
-                           theta0=self.theta0() if with_theta0 else {}, roles=self.roles)
+                           theta0=self.theta0() if with_theta0 else {}, roles=self.roles,
+                           defense=self.declared_defense())
+
+    def declared_defense(self) -> tuple[dict[str, Any], ...]:
+        """The transforms a defended copy went through (`gradleak defend`), without seeds."""
+        return declared(t for chain in json.loads(self._h5.attrs.get(DEFENSES_ATTR, "[]"))
+                        for t in chain.get("transforms", []))
 
     def target(self, rows: Any = slice(None), images: bool = True) -> Target:
         """Private ground truth: auxiliary training targets and scoring only."""

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from gradleak.attacks.action_rules import policy_weight, recover_actions
+from gradleak.attacks.defense_aware import DefenseAwareAttack, DefenseAwareRun
 from gradleak.attacks.exact import ExactConfig
 from gradleak.attacks.optim.config import OptimConfig
 from gradleak.attacks.optim.solve import GradientMatchingAttack
@@ -42,7 +43,7 @@ from gradleak.evaluation.scoring import (
 from gradleak.io import check_output
 from gradleak.metrics.lpips import LPIPS, unavailable_reason
 from gradleak.metrics.lpips import layout as lpips_layout
-from gradleak.threat import Observation, ObservedWindows
+from gradleak.threat import Observation, ObservedWindows, declared
 from gradleak.training.checkpoint import fingerprint_from_dict, load_attacker
 from gradleak.training.data import WindowDataset, collate
 from gradleak.training.refiner_fit import check_prior, exact_attack
@@ -52,7 +53,9 @@ SINGLE_STEP: dict[type, tuple[str, Callable[..., Any]]] = {
     OptimConfig: ("optimisation", lambda observation, config, progress:
                   GradientMatchingAttack(observation, config, progress)),
     ExactConfig: ("training-free", lambda observation, config, progress:
-                  exact_attack(observation, config))}
+                  exact_attack(observation, config)),
+    DefenseAwareRun: ("training-free", lambda observation, config, progress:
+                      DefenseAwareAttack(observation, config.aware, config.exact))}
 
 RULE = "action rule (odd-sign)"
 
@@ -61,7 +64,7 @@ class Evaluation:
     def __init__(self, data: Sequence[str | os.PathLike[str]], attackers: dict[str, str],
                  window: int | None = None, lpips_weights: str | None = None,
                  max_windows: int | None = None, samples: int = 4,
-                 baselines: dict[str, OptimConfig | ExactConfig] | None = None,
+                 baselines: dict[str, OptimConfig | ExactConfig | DefenseAwareRun] | None = None,
                  baseline_windows: int | dict[str, int] = 2, progress: bool = False,
                  defense: Chain | None = None, skip_nonfinite: bool = False,
                  reference_data: Sequence[str | os.PathLike[str]] | None = None) -> None:
@@ -99,6 +102,9 @@ class Evaluation:
         with CaptureFile(data[0]) as capture:  # θ0 and the loss: what the server knows
             self.theta0 = capture.theta0() if self.baselines else {}
             self.hyperparameters, self.roles = capture.hyperparameters, capture.roles
+            # what the stream went through: the file's own defenses, then this evaluation's
+            self.declared_defense = capture.declared_defense() + declared(
+                defense.describe()["transforms"] if defense is not None else ())
         self.lpips_note = unavailable_reason(lpips_weights)
         self.lpips = None if self.lpips_note else LPIPS(lpips_weights)
         self.max_windows, self.sample_count = max_windows, samples
@@ -227,7 +233,7 @@ class Evaluation:
                            hyperparameters=self.hyperparameters,
                            episode_ids=np.repeat(np.arange(b), t),
                            step_in_episode=np.tile(np.arange(t), b), theta0=self.theta0,
-                           roles=self.roles)
+                           roles=self.roles, defense=self.declared_defense)
 
     def _captures_policy_head(self) -> bool:
         """A capture restricted to other components (`--components cnn`) leaves the rule
@@ -263,7 +269,7 @@ def _to_uint8(frames: torch.Tensor) -> np.ndarray:
 
 def evaluate(data: Sequence[str | os.PathLike[str]], attackers: dict[str, str], out: Path,
              lpips_weights: str | None = None, max_windows: int | None = None,
-             baselines: dict[str, OptimConfig | ExactConfig] | None = None,
+             baselines: dict[str, OptimConfig | ExactConfig | DefenseAwareRun] | None = None,
              baseline_windows: int | dict[str, int] = 2,
              progress: bool = False, defense: Chain | None = None,
              skip_nonfinite: bool = False,

@@ -55,16 +55,24 @@ DEFENSE_COLUMNS = ["defense", "stops every attack", "best attack", "its PSNR",
 
 def attack_by_defense(verdict: dict[str, Any], clean: dict[str, Any]
                       ) -> tuple[list[dict[str, Any]], list[str]]:
-    """PSNR gain (dB) of each attack under each defense, the clean stream first."""
+    """Each frame attack's PSNR gain (dB) and LPIPS under each defense, the clean stream
+    first; an attack that runs only under defenses (the defense-aware one) has its column."""
+    def cell(row: dict[str, Any] | None) -> str | None:
+        if not row or row.get("psnr_gain_over_mean_image") is None:
+            return None
+        lpips = f" / {row['lpips']:.3f}" if row.get("lpips") is not None else ""
+        return f"{row['psnr_gain_over_mean_image']:+.2f}{lpips}"
+
     names = [n for n, row in clean.items() if row.get("psnr_gain_over_mean_image") is not None
              and row["kind"] != "reference"]
-    rows = [{"defense": "none", **{n: _number(clean[n]["psnr_gain_over_mean_image"], 2)
-                                   for n in names}}]
+    for o in verdict["defenses"]:
+        names += [n for n, row in (o.get("per_attack") or {}).items()
+                  if row.get("psnr_gain_over_mean_image") is not None and n not in names]
+    rows = [{"defense": "none", **{n: cell(clean.get(n)) for n in names}}]
     for o in verdict["defenses"]:
         if not o.get("skipped"):
-            rows.append({"defense": o["spec"], **{
-                n: _number((o["per_attack"].get(n) or {}).get("psnr_gain_over_mean_image"), 2)
-                for n in names}})
+            rows.append({"defense": o["spec"], **{n: cell(o["per_attack"].get(n))
+                                                  for n in names}})
     return rows, ["defense", *names]
 
 
@@ -133,9 +141,16 @@ def write_audit_report(out: Path, figures: Sequence[tuple[Path, str]] = ()) -> P
               "and every action read off the gradients is at chance "
               f"({verdict['chance']:.0%}).</p>",
               table(defense_rows(verdict), DEFENSE_COLUMNS)]
+    for name, stage in summary["stages"].items():  # each defense's frames, the blind and
+        folder = (stage.get("result") or {}).get("eval_dir")  # the defense-aware attack
+        if name.startswith("defense ") and name != "defense none" and folder and \
+                (Path(folder) / "reconstructions.png").is_file():
+            parts.append(figure(Path(folder) / "reconstructions.png",
+                                f"Under {name.removeprefix('defense ')}: ground truth (top "
+                                "row) above each attack's reconstruction"))
     if clean:
         rows, columns = attack_by_defense(verdict, clean["methods"])
-        parts += ["<h3>PSNR gain over the mean image (dB), per attack and defense</h3>",
+        parts += ["<h3>PSNR gain over the mean image (dB) / LPIPS, per attack and defense</h3>",
                   table(rows, columns),
                   "<h2>Attacks on the undefended stream</h2>",
                   f"<p>{html.escape(str(clean['windows']))} held-out windows of T = "

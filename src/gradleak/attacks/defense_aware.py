@@ -1,0 +1,359 @@
+"""The training-free attack that knows the defense: each entry's likelihood instead of equalities.
+
+The training-free attack (`attacks.exact`) reads each step's gradient as exact. A defense that
+leaves the update almost whole (pruning to 10%, 8-bit quantisation, a little noise) breaks its
+equalities and its frames fall to the mean image, while the information is still there. This
+attack takes the defense as the server that set the policy knows it — its kind and parameters
+(`Observation.defense`: bits, kept fraction, σ, clipping norm), never its random draws — as a
+`Channel` from the clean gradient g to the observed row y:
+
+- an interval per entry (`cast`, `quant`, `prune`): g lies in y's rounding interval (cast: half
+  the spacing of the dtype at y; quant: half the step, read off the row's range, within its
+  minimum and maximum), or a kept entry is exact and a pruned one is bounded by the smallest
+  kept magnitude (never "missing = 0");
+- Gaussian noise of known σ (`noise`; `dpsgd`: σ·C, with the clipping an unknown positive
+  scale: the direction survives).
+
+Then, per step:
+
+1. every Linear layer's gradient is rank one, δ hᵀ (with its bias gradient δ as one more
+   column): it is fitted as such under the channel — the top singular pair under noise, and
+   alternating projections between rank one and the intervals under cast, quant and prune
+   (completion of the pruned entries within their bounds). h, π, the action, A and R come from
+   the fitted layers by the closed form;
+2. the exact attack runs on that repaired stream; under an interval channel its frames fill
+   the conv layers' entries too (the gradient they imply, projected into each entry's
+   interval), and the attack runs again on the result (`rounds`);
+3. gradient matching finishes it: Adam on the pixels from that start, minimising the channel's
+   negative log-likelihood of the observed row given the gradient the frame, the recovered
+   action and the fitted A and R produce (the victim's exact loss at θ0): squared error over σ²
+   under noise, after fitting the unknown scale under DP-SGD; under an interval channel each
+   entry as uniform on its interval (Gaussian with the interval's variance, w²/12, about its
+   centre), a kept entry of a pruned row as exact up to float32. The start is kept where the
+   finish does not lower that likelihood (the attacker's own criterion; the private frame is
+   never read).
+
+With no defense the exact attack's frames come back unchanged. A chain of several transforms,
+aggregation and 1-bit quantisation (a sign with an unknown scale) are refused up front, named.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+import torch
+from torch.func import vmap
+
+from gradleak.attacks.analytic import linear_layers, recover_analytically
+from gradleak.attacks.exact import ExactAttack, ExactConfig
+from gradleak.attacks.optim.matching import DummyGradient, MatchingConfig, total_variation
+from gradleak.errors import ConfigError
+from gradleak.registry import Registry
+from gradleak.threat import Observation, Reconstruction
+
+NAME = "exact (defense-aware)"
+Bounds = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class Channel:
+    """How an observed row y came from the clean gradient g (per entry)."""
+
+    name: str
+    sigma: float = 0.0  # Gaussian noise on every entry
+    scale_free: bool = False  # an unknown positive scale on g (DP-SGD's clipping)
+    interval: Bounds | None = None  # (N, d) observed rows → (lower, upper) bounds on g
+
+    @property
+    def exact(self) -> bool:
+        return self.interval is None and self.sigma == 0.0 and not self.scale_free
+
+
+CHANNELS: Registry[Callable[[dict[str, Any]], Channel]] = Registry("defense likelihood")
+
+
+@CHANNELS.register("cast")
+def cast_channel(transform: dict[str, Any]) -> Channel:
+    mantissa = {"bfloat16": 7, "float16": 10}[transform["dtype"]]
+    smallest = {"bfloat16": 2.0 ** -133, "float16": 2.0 ** -24}[transform["dtype"]]
+
+    def bounds(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        _, exponent = torch.frexp(y)  # |y| = m·2^e, m in [0.5, 1): its spacing is 2^(e-1-p)
+        spacing = torch.ldexp(torch.ones_like(y), exponent - 1 - mantissa).clamp_min(smallest)
+        return y - spacing / 2, y + spacing / 2
+
+    return Channel("cast", interval=bounds)
+
+
+@CHANNELS.register("quant")
+def quant_channel(transform: dict[str, Any]) -> Channel:
+    if transform["bits"] < 2:
+        raise ConfigError("defense quant:1 (a sign with an unknown scale): not modelled by the "
+                          "defense-aware attack")
+    levels = 2 ** transform["bits"] - 1
+
+    def bounds(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # the row's minimum and maximum are its own (round(0) = 0, round(levels) = levels), so
+        # the step is their distance over the levels; float32 arithmetic pads each bound
+        low, high = y.amin(-1, keepdim=True), y.amax(-1, keepdim=True)
+        step = (high - low) / levels
+        pad = 4 * torch.finfo(torch.float32).eps * y.abs().amax(-1, keepdim=True)
+        return (torch.maximum(y - step / 2, low) - pad, torch.minimum(y + step / 2, high) + pad)
+
+    return Channel("quant", interval=bounds)
+
+
+@CHANNELS.register("prune")
+def prune_channel(transform: dict[str, Any]) -> Channel:
+    def bounds(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        kept = y != 0
+        floor = torch.where(kept, y.abs(), torch.full_like(y, torch.inf)).amin(-1, keepdim=True)
+        floor = torch.where(torch.isfinite(floor), floor, torch.zeros_like(floor))
+        return torch.where(kept, y, -floor), torch.where(kept, y, floor)
+
+    return Channel("prune", interval=bounds)
+
+
+@CHANNELS.register("noise")
+def noise_channel(transform: dict[str, Any]) -> Channel:
+    return Channel("noise", sigma=float(transform["sigma"]))
+
+
+@CHANNELS.register("dpsgd")
+def dpsgd_channel(transform: dict[str, Any]) -> Channel:
+    return Channel("dpsgd", sigma=float(transform["sigma"]) * float(transform["clip"]),
+                   scale_free=True)
+
+
+def channel_of(defense: tuple[dict[str, Any], ...]) -> Channel:
+    """The channel of a declared chain; a ConfigError naming what it cannot model."""
+    if not defense:
+        return Channel("none")
+    if len(defense) > 1:
+        raise ConfigError(f"defense {'+'.join(t['name'] for t in defense)}: a chain of several "
+                          "transforms is not modelled by the defense-aware attack (one "
+                          "transform: cast, quant, prune, noise or dpsgd)")
+    transform = defense[0]
+    if transform["name"] not in CHANNELS:
+        raise ConfigError(f"defense {transform['name']}: not modelled by the defense-aware "
+                          f"attack (it models {', '.join(CHANNELS)}; an aggregate of steps is "
+                          "read only by the learned attackers)")
+    return CHANNELS.get(transform["name"])(transform)
+
+
+# -- 1. rank-one Linear layers -----------------------------------------------------------------
+def top_pair(matrix: torch.Tensor, steps: int = 30) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, m, n) → the leading singular pair as (N, m) u·σ and (N, n) unit v, by power
+    iteration from the columns' norms (a rank-one gradient plus noise has a wide gap)."""
+    v = matrix.pow(2).sum(1).sqrt()
+    v = v / v.norm(dim=-1, keepdim=True).clamp_min(1e-300)
+    for _ in range(steps):
+        u = torch.einsum("bmn,bn->bm", matrix, v)
+        v = torch.einsum("bmn,bm->bn", matrix, u)
+        v = v / v.norm(dim=-1, keepdim=True).clamp_min(1e-300)
+    return torch.einsum("bmn,bn->bm", matrix, v), v
+
+
+def rank_one(observed: torch.Tensor, bounds: tuple[torch.Tensor, torch.Tensor] | None = None,
+             rounds: int = 30, slack: float = 1e-3) -> torch.Tensor:
+    """(N, m, n) observed Linear-layer gradients (bias as the last column) → their rank-one
+    fit: the top singular pair (the fit under Gaussian noise), or, given per-entry bounds, a
+    weighted alternating least-squares fit u vᵀ in which an exact entry (a kept entry of a
+    pruned row) and an entry whose fit leaves its interval weigh 1, pulled to the interval,
+    and every other entry `slack` (it only keeps the rows and columns with no exact entry
+    defined). A synthetic 512 × 3137 rank-one gradient pruned to 10% comes back to 2e-15 on
+    its determined columns in 30 rounds (`tests/attacks/test_defense_aware.py`)."""
+    u, v = top_pair(observed)
+    if bounds is None:
+        return torch.einsum("bm,bn->bmn", u, v)
+    lower, upper = bounds
+    exact = (upper - lower) <= 1e-12 * upper.abs().amax((1, 2), keepdim=True)
+    one = torch.ones((), dtype=observed.dtype)
+    for _ in range(rounds):
+        fit = torch.einsum("bm,bn->bmn", u, v)
+        target = torch.minimum(torch.maximum(fit, lower), upper)
+        weight = torch.where(exact | (target != fit), one, one * slack)
+        u = torch.einsum("bmn,bmn,bn->bm", weight, target, v) \
+            / torch.einsum("bmn,bn->bm", weight, v * v).clamp_min(1e-300)
+        v = torch.einsum("bmn,bmn,bm->bn", weight, target, u) \
+            / torch.einsum("bmn,bm->bn", weight, u * u).clamp_min(1e-300)
+    return torch.einsum("bm,bn->bmn", u, v)
+
+
+def linear_blocks(observation: Observation, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Each closed-form Linear layer's part of (N, d) rows as (N, out, in + 1): the weight
+    gradient with the bias gradient as its last column."""
+    by_name = {layer.name: layer for layer in observation.layers}
+    blocks = {}
+    for module in linear_layers(observation):
+        weight, bias = by_name[f"{module}.weight"], by_name[f"{module}.bias"]
+        blocks[module] = torch.cat(
+            [rows[:, weight.offset:weight.offset + weight.size].reshape(len(rows), *weight.shape),
+             rows[:, bias.offset:bias.offset + bias.size, None]], dim=-1)
+    return blocks
+
+
+def repair_linear(observation: Observation, channel: Channel) -> Observation:
+    """The observation with every closed-form Linear layer replaced by its rank-one fit under
+    the channel (the bounds of an interval channel are the whole row's: a pruned row's bound
+    is its smallest kept magnitude)."""
+    if channel.exact:
+        return observation
+    rows = torch.from_numpy(observation.gradients).double()
+    lower, upper = ((linear_blocks(observation, part) for part in channel.interval(rows))
+                    if channel.interval else ({}, {}))
+    gradients = observation.gradients.copy()
+    by_name = {layer.name: layer for layer in observation.layers}
+    for module, block in linear_blocks(observation, rows).items():
+        fit = rank_one(block, (lower[module], upper[module]) if lower else None)
+        weight, bias = by_name[f"{module}.weight"], by_name[f"{module}.bias"]
+        gradients[:, weight.offset:weight.offset + weight.size] = \
+            fit[..., :-1].flatten(1).float().numpy()
+        gradients[:, bias.offset:bias.offset + bias.size] = fit[..., -1].float().numpy()
+    return replace(observation, gradients=gradients)
+
+
+def noise_estimate(observation: Observation) -> np.ndarray:
+    """(N,) σ per step from the residual of the largest Linear layer's rank-one fit: what is
+    left off rank one is noise (m·n − m − n + 1 degrees of freedom)."""
+    blocks = linear_blocks(observation, torch.from_numpy(observation.gradients).double())
+    block = max(blocks.values(), key=lambda b: b[0].numel())
+    u, v = top_pair(block)
+    residual = block - torch.einsum("bm,bn->bmn", u, v)
+    m, n = block.shape[1:]
+    return (residual.pow(2).sum((1, 2)) / (m * n - m - n + 1)).sqrt().numpy()
+
+
+# -- the attack -----------------------------------------------------------------------------------
+@dataclass
+class DefenseAwareConfig:
+    """What this attack adds to the exact attack it starts from (whose settings stay
+    `ExactConfig`'s: `DefenseAwareRun` pairs the two)."""
+
+    iterations: int = 50  # L-BFGS iterations of the likelihood finish (0: none)
+    history: int = 30  # its memory
+    tv: float = 0.0  # anisotropic total variation, times the likelihood per entry
+    batch: int = 16  # frames finished together
+
+    def check(self) -> None:
+        if self.iterations < 0 or self.history < 1 or self.batch < 1 or not self.tv >= 0:
+            raise ConfigError("defense_aware: expected iterations >= 0, history >= 1, batch >= 1 "
+                              "and tv >= 0")
+
+
+@dataclass
+class DefenseAwareRun:
+    """The defense-aware attack as a baseline of an evaluation: its settings and the exact
+    attack's it starts from."""
+
+    exact: ExactConfig = field(default_factory=ExactConfig)
+    aware: DefenseAwareConfig = field(default_factory=DefenseAwareConfig)
+
+
+class DefenseAwareAttack:
+    name = NAME
+
+    def __init__(self, observation: Observation, config: DefenseAwareConfig | None = None,
+                 exact: ExactConfig | None = None) -> None:
+        self.config, self.exact = config or DefenseAwareConfig(), exact or ExactConfig()
+        self.config.check()
+        self.exact.check()
+        self.observation = observation
+        self.channel = channel_of(observation.defense)  # refuses what it cannot model, first
+
+    def reconstruct(self) -> Reconstruction:
+        start = time.perf_counter()
+        if self.channel.exact:  # nothing to model: the exact attack as it is
+            return ExactAttack(self.observation, self.exact).reconstruct()
+        closed = recover_analytically(repair_linear(self.observation, self.channel))
+        started = ExactAttack(self.observation, self.exact).reconstruct()
+        matcher = Matcher(self.observation, self.channel, closed)
+        images, likelihood, improved = matcher.finish(started.images, self.config)
+        seconds = time.perf_counter() - start
+        return Reconstruction(actions=closed.actions, images=images, extras={
+            "advantages": closed.extras["advantages"], "returns": closed.extras["returns"],
+            "negative_log_likelihood": likelihood, "finished": improved,
+            "channel": self.channel.name, "seconds": seconds,
+            "seconds_per_frame": seconds / max(1, len(self.observation))})
+
+
+class Matcher:
+    """The channel's negative log-likelihood of each observed row given a frame, with the
+    action, A and R the closed form reads off the rank-one fits (the victim's exact loss at
+    θ0), and L-BFGS on the frames against it."""
+
+    def __init__(self, observation: Observation, channel: Channel, closed: Reconstruction
+                 ) -> None:
+        self.channel = channel
+        self.dummy = DummyGradient(observation, MatchingConfig(distance="l2"))
+        if [layer.name for layer in self.dummy.layers] != [l.name for l in observation.layers]:
+            raise ConfigError("defense-aware matching needs every observed layer's gradient")
+        observed = torch.from_numpy(observation.gradients)
+        if channel.interval is None:
+            self.centre, self.weight = observed.float(), torch.ones_like(observed)
+        else:
+            lower, upper = channel.interval(observed.double())
+            # float32's own rounding: the floor under an entry's spread (a kept entry is exact)
+            floor = 1e-6 * observed.double().abs().amax(1, keepdim=True).clamp_min(1e-30)
+            self.centre = ((lower + upper) / 2).float()
+            self.weight = (1.0 / ((upper - lower).pow(2) / 12 + floor.pow(2))).float()
+        self.weight = self.weight / self.weight.mean(1, keepdim=True)
+        self.actions = torch.from_numpy(closed.actions)
+        self.advantages = torch.from_numpy(closed.extras["advantages"]).float()
+        self.returns = torch.from_numpy(closed.extras["returns"]).float()
+        self.shape = observation.roles.transform.frame_shape
+
+    def loss(self, pixels: torch.Tensor, centre: torch.Tensor, weight: torch.Tensor,
+             action: torch.Tensor, advantage: torch.Tensor, ret: torch.Tensor, tv: float
+             ) -> torch.Tensor:
+        """One frame's (flat, in [0, 1]) negative log-likelihood, per entry and relative to
+        the observed row's own weighted size, plus `tv` times its total variation."""
+        image = pixels.clamp(0.0, 1.0).view(self.shape)
+        g = torch.cat([part.flatten() for part in self.dummy(image, action, advantage, ret)])
+        if self.channel.scale_free:  # the clipping's unknown scale, fitted in closed form
+            g = g * ((weight * g * centre).sum() / (weight * g * g).sum().clamp_min(1e-30)
+                     ).clamp_min(0.0)
+        size = (weight * centre * centre).mean().clamp_min(1e-30)
+        return (weight * (g - centre).pow(2)).mean() / size + tv * total_variation(image)
+
+    def finish(self, images: np.ndarray, config: DefenseAwareConfig
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """L-BFGS from the frames; each frame keeps its start unless the finish is more likely
+        (the attacker's own criterion). Returns the frames, their negative log-likelihood and
+        which were changed."""
+        out, scores = images.copy(), np.zeros(len(images))
+        changed = np.zeros(len(images), dtype=bool)
+        for begin in range(0, len(images), config.batch):
+            rows = torch.arange(begin, min(begin + config.batch, len(images)))
+            given = (self.centre[rows], self.weight[rows], self.actions[rows],
+                     self.advantages[rows], self.returns[rows])
+            per_frame = vmap(lambda *a: self.loss(*a, config.tv))
+            start = torch.from_numpy(images[rows.numpy()]).float().flatten(1) / 255.0
+            pixels = start.clone().requires_grad_(True)
+            if config.iterations:
+                optimiser = torch.optim.LBFGS([pixels], lr=1.0, max_iter=config.iterations,
+                                              history_size=config.history,
+                                              line_search_fn="strong_wolfe")
+
+                def closure() -> torch.Tensor:
+                    optimiser.zero_grad()
+                    total = per_frame(pixels, *given).sum()
+                    total.backward()
+                    return total
+
+                optimiser.step(closure)
+            finished = pixels.detach().clamp(0.0, 1.0)
+            finished = (finished * 255).round() / 255  # as it will be stored
+            with torch.no_grad():
+                before, after = per_frame(start, *given), per_frame(finished, *given)
+            better = after < before
+            chosen = torch.where(better[:, None], finished, start)
+            out[rows.numpy()] = (chosen.view(-1, *self.shape) * 255).round().to(
+                torch.uint8).numpy()
+            scores[rows.numpy()] = torch.minimum(before, after).numpy()
+            changed[rows.numpy()] = better.numpy()
+        return out, scores, changed

@@ -1,0 +1,143 @@
+"""The defense-aware attack: exact where there is no defense, the clean gradient inside every
+interval a defense leaves, rank-one completion, the noise estimate, and a threat model that
+never includes the defense's random draws."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from gradleak.attacks.defense_aware import (
+    DefenseAwareAttack,
+    DefenseAwareConfig,
+    channel_of,
+    noise_estimate,
+    prune_channel,
+    rank_one,
+)
+from gradleak.attacks.exact import ExactAttack
+from gradleak.capture.reader import CaptureFile
+from gradleak.defenses import parse_defense
+from gradleak.defenses.base import row_keys
+from gradleak.errors import ConfigError
+from gradleak.metrics.images import psnr
+from gradleak.threat import declared
+
+ROWS = np.arange(0, 48, 6)  # 8 steps spread over the 50-step capture
+
+
+def under(capture: Path, spec: str, rows: np.ndarray = ROWS, seed: int = 0):
+    """(the defended observation, as the server that set the policy sees it; the clean one;
+    the private target)."""
+    with CaptureFile(capture) as file:
+        clean, target = file.observation(rows), file.target(rows)
+        keys = row_keys(dict(file.attrs), 0, file.num_rows)[rows]
+    chain = parse_defense(spec, seed=seed)
+    defended = chain.gradients(torch.from_numpy(clean.gradients), keys).numpy()
+    return (replace(clean, gradients=defended, defense=declared(chain.describe()["transforms"])),
+            clean, target)
+
+
+def mean_psnr(images: np.ndarray, truth: np.ndarray) -> float:
+    as_float = [torch.from_numpy(x).permute(0, 3, 1, 2).float() / 255 for x in (images, truth)]
+    return float(np.mean([float(psnr(as_float[0][i:i + 1], as_float[1][i:i + 1]))
+                          for i in range(len(images))]))
+
+
+def test_without_a_defense_the_frames_are_the_exact_attacks_bit_for_bit(random_capture: Path
+                                                                       ) -> None:
+    observation, _, _ = under(random_capture, "none")
+    assert observation.defense == ()
+    exact = ExactAttack(observation).reconstruct()
+    aware = DefenseAwareAttack(observation).reconstruct()
+    assert np.array_equal(aware.images, exact.images)
+    assert np.array_equal(aware.actions, exact.actions)
+
+
+@pytest.mark.parametrize("spec", ["cast:bfloat16", "cast:float16", "quant:4", "quant:8",
+                                  "quant:12", "prune:0.1", "prune:0.5"])
+def test_the_clean_gradient_lies_in_every_interval_the_defense_leaves(random_capture: Path,
+                                                                     spec: str) -> None:
+    defended, clean, _ = under(random_capture, spec)
+    lower, upper = channel_of(defended.defense).interval(
+        torch.from_numpy(defended.gradients).double())
+    truth = torch.from_numpy(clean.gradients).double()
+    assert bool(((lower <= truth) & (truth <= upper)).all())
+    # and the intervals say something: most are far narrower than the row's range
+    width = (upper - lower) / (truth.amax(1, keepdim=True) - truth.amin(1, keepdim=True))
+    assert float(width.median()) < 0.1
+
+
+def test_rank_one_completion_recovers_h_from_a_gradient_pruned_to_ten_percent() -> None:
+    generator = torch.Generator().manual_seed(0)
+    delta = torch.randn(3, 512, generator=generator, dtype=torch.float64)
+    h = torch.rand(3, 3137, generator=generator, dtype=torch.float64)
+    h[:, :-1] *= torch.rand(3, 3136, generator=generator, dtype=torch.float64) > 0.4  # ReLU
+    h[:, -1] = 1.0  # the bias column
+    gradient = torch.einsum("bm,bn->bmn", delta, h)
+    flat = gradient.flatten(1)
+    kept = torch.zeros_like(flat, dtype=torch.bool).scatter_(
+        1, flat.abs().topk(round(0.1 * flat.shape[1]), 1).indices, True)
+    pruned = torch.where(kept, flat, torch.zeros_like(flat))
+    lower, upper = (part.view_as(gradient) for part in
+                    prune_channel({"name": "prune", "keep": 0.1}).interval(pruned))
+    fit = rank_one(pruned.view_as(gradient), (lower, upper))
+    bias = fit[..., -1]
+    recovered = torch.einsum("bmn,bm->bn", fit, bias) / bias.pow(2).sum(1, keepdim=True)
+    determined = kept.view_as(gradient).any(1)  # a column with a kept entry
+    assert float(determined.float().mean()) > 0.4
+    error = (recovered - h).abs() / h.abs().amax(1, keepdim=True)
+    assert float(error[determined].max()) <= 1e-6
+    # every entry of the fit within its bound: the pruned ones below the smallest kept
+    assert bool(((fit >= lower - 1e-12) & (fit <= upper + 1e-12)).all())
+    # "missing = 0" (the plain closed form) is far off on the same columns
+    naive = torch.einsum("bmn,bm->bn", pruned.view_as(gradient),
+                         pruned.view_as(gradient)[..., -1])
+    naive = naive / pruned.view_as(gradient)[..., -1].pow(2).sum(1, keepdim=True)
+    assert float(((naive - h).abs() / h.abs().amax(1, keepdim=True))[determined].max()) > 1e-2
+
+
+@pytest.mark.parametrize("sigma", [1e-4, 1e-3])
+def test_the_noise_estimate_is_within_ten_percent_of_the_noise_added(random_capture: Path,
+                                                                    sigma: float) -> None:
+    defended, _, _ = under(random_capture, f"noise:{sigma}")
+    estimate = noise_estimate(defended)
+    assert np.all(np.abs(estimate / sigma - 1) < 0.1), estimate
+
+
+def test_the_attack_reads_the_defense_but_never_its_seed(random_capture: Path,
+                                                         tmp_path: Path) -> None:
+    from gradleak.defenses.files import defend_capture
+
+    out = tmp_path / "defended.h5"
+    defend_capture(random_capture, parse_defense("noise:1e-5", seed=123), out)
+    with CaptureFile(out) as file:
+        seen = file.observation(ROWS).defense
+    assert seen == ({"name": "noise", "sigma": 1e-5},)  # kind and σ; no seed
+    # the same σ drawn with two seeds: the attack knows neither, and does as well on both
+    scores = []
+    for seed in (0, 1):
+        defended, _, target = under(random_capture, "noise:1e-5", ROWS[:4], seed=seed)
+        assert "seed" not in str(defended.defense)
+        result = DefenseAwareAttack(defended, DefenseAwareConfig(iterations=10)).reconstruct()
+        scores.append(mean_psnr(result.images, target.images))
+    assert abs(scores[0] - scores[1]) < 1.0, scores
+
+
+@pytest.mark.parametrize(("spec", "named"), [("quant:1", "quant:1"),
+                                             ("prune:0.1+noise:0.01", "prune+noise"),
+                                             ("agg:4", "agg")])
+def test_what_it_cannot_model_is_refused_up_front(random_capture: Path, spec: str,
+                                                  named: str) -> None:
+    chain = parse_defense(spec)
+    with pytest.raises(ConfigError, match=named.replace("+", r"\+")):
+        channel_of(declared(chain.describe()["transforms"]))
+    with CaptureFile(random_capture) as file:
+        observation = replace(file.observation(ROWS[:2]),
+                              defense=declared(chain.describe()["transforms"]))
+    with pytest.raises(ConfigError, match="not modelled"):
+        DefenseAwareAttack(observation)
