@@ -511,6 +511,23 @@ def audit_paper() -> tuple[str, str]:
             f"{verdict['weakest_stopping'] or 'none in the grid'}")
 
 
+def defense_aware() -> tuple[str, str]:
+    data = load("defense_aware.json")
+    name, case = next(iter(data["victims"].items()))
+    mean = case["references"]["mean of the held-out frames"]
+
+    def cell(row: dict[str, Any]) -> str:
+        return f"{row['psnr']:.2f}" + (f" / {row['lpips']:.3f}" if row.get("lpips") is not None
+                                       else "")
+
+    pairs = "; ".join(f"{spec}: {cell(row['blind'])} → {cell(row['aware'])}"
+                      for spec, row in case["defenses"].items() if "aware" in row)
+    return (f"the training-free attack blind → defense-aware, {name} ({data['frames']} held-out "
+            "frames, float32 wire; PSNR dB / LPIPS)",
+            f"none: {cell(case['defenses']['none']['blind'])}; {pairs}; mean of the held-out "
+            f"frames {cell(mean)}")
+
+
 def demo() -> tuple[str, str]:
     data = load("demo.json")
     methods = data["evaluation"]["methods"]
@@ -522,6 +539,7 @@ def demo() -> tuple[str, str]:
 ROWS: dict[str, Callable[[], tuple[str, str]]] = {
     "demo.json": demo,
     "audit_paper.json": audit_paper,
+    "defense_aware.json": defense_aware,
     "action_recovery.json": action_recovery, "capture.json": capture,
     "recovery_speed.json": recovery_speed,
     **({"gpu_check.json": gpu_check} if (RESULTS / "gpu_check.json").exists() else {}),

@@ -80,6 +80,8 @@ def test_the_verdict_follows_from_the_stages(audited) -> None:
         "frames"]
     assert "exact (defense-aware)" in summary["stages"]["defense dpsgd:eps=1"]["result"][
         "methods"] and "exact (defense-aware)" not in clean
+    # each learned attacker has its control, fed other steps' gradients
+    assert clean["LtI on other steps' gradients (control)"]["kind"] == "control"
     assert "exact (training-free)" not in summary["stages"]["defense agg:2"]["result"]["methods"]
     stopping = [o for o in outcomes.values() if o["stops"]]
     assert verdict["weakest_stopping"] == (max(stopping, key=lambda o: o["cosine"])["spec"]
@@ -335,12 +337,18 @@ def test_an_attack_the_victim_does_not_allow_is_named_not_run(tmp_path: Path,
     assert verdict["actions"]["accuracy"] >= 0.9 and "frames" not in verdict
 
 
-def _summary(attack: dict, skipped: bool = False) -> dict:
-    """A minimal audit summary: one defense stage (dpsgd) holding one frame attack's row."""
+def _summary(attack: dict, skipped: bool = False, control: dict | None = None) -> dict:
+    """A minimal audit summary: one defense stage (dpsgd) holding one frame attack's row, and
+    the attacker's control (itself on other steps' gradients) when given."""
+    from gradleak.evaluation.scoring import control_name
+
     reference = {"kind": "reference", "psnr": 22.0, "ssim": 0.49, "lpips": 0.64}
     methods = {"mean training image": reference,
                "mean colour (oracle)": {"kind": "reference", "psnr": 24.0},
                "TRACE": {"kind": "learned", "frames": 256, **attack}}
+    if control is not None:
+        methods[control_name("TRACE")] = {"kind": "control", "frames": 256,
+                                          "action_accuracy": 0.9, **control}
     stage = {"result": None, "skipped": "budget: about 3 min needed, 1 left", "seconds": 0} \
         if skipped else {"skipped": None, "seconds": 1.0, "result": {
             "methods": methods, "utility": {"cosine": 0.01, "relative_norm_error": 30.0},
@@ -370,6 +378,20 @@ def test_a_defense_stops_an_attack_only_at_the_reference_on_every_metric(attack:
     else:  # ε comes with what it stands on
         line = next(line for line in v["headline"] if line.startswith("Defense:"))
         assert all(part in line for part in ("σ = 1.9", "C = 1", "q = 0.00781", "1000 steps"))
+
+
+@pytest.mark.parametrize(("lpips", "stops"), [(0.60, True), (0.55, False)])
+def test_a_learned_attackers_own_prior_is_no_leak(lpips: float, stops: bool) -> None:
+    """TRACE's sharp typical frame beats the mean image's LPIPS (0.64) with no information:
+    set against itself fed other steps' gradients (LPIPS 0.60, actions it reads there do not
+    count), it is stopped at 0.60 and not at 0.55."""
+    from gradleak.evaluation.verdict import verdict
+
+    attack = {"psnr": 21.8, "psnr_gain_over_mean_image": -0.2, "ssim": 0.48, "lpips": lpips}
+    control = {"psnr": 21.7, "psnr_gain_over_mean_image": -0.3, "ssim": 0.47, "lpips": 0.60}
+    (outcome,) = verdict(_summary(attack, control=control))["defenses"]
+    assert outcome["stops"] is stops
+    assert verdict(_summary(attack))["defenses"][0]["stops"] is False  # no control: it leaks
 
 
 def test_a_skipped_defense_is_one_the_verdict_cannot_speak_for() -> None:

@@ -18,7 +18,14 @@ def test_the_server_view_types_hold_nothing_private() -> None:
     assert [f.name for f in dataclasses.fields(ObservedWindows)] == ["gradients"]
     assert {f.name for f in dataclasses.fields(Observation)} == {
         "gradients", "layers", "victim", "hyperparameters", "episode_ids", "step_in_episode",
-        "theta0", "roles"}
+        "theta0", "roles", "defense"}
+    # the defense as the server that set it knows it: kinds and parameters, never the seed
+    # that drew its noise
+    from gradleak.defenses import parse_defense
+    from gradleak.threat import declared
+
+    told = declared(parse_defense("prune:0.1+noise:0.01", seed=7).describe()["transforms"])
+    assert told == ({"name": "prune", "keep": 0.1}, {"name": "noise", "sigma": 0.01})
 
 
 def test_evaluation_gives_the_attacks_captured_gradients_and_nothing_else(

@@ -17,7 +17,7 @@ from gradleak.cli import main
 from gradleak.defenses import parse_defense
 from gradleak.errors import CaptureFileError
 from gradleak.evaluation.reconstructions import evaluate
-from gradleak.evaluation.scoring import MEAN_COLOUR, MEAN_IMAGE
+from gradleak.evaluation.scoring import MEAN_COLOUR, MEAN_IMAGE, control_name
 from gradleak.metrics.lpips import PIP_COMMAND, package_weights
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -37,8 +37,11 @@ def evaluation(trained_attackers, random_capture: Path, tmp_path_factory) -> Pat
 def test_every_method_and_both_reference_rows_are_scored(evaluation: Path) -> None:
     result = json.loads((evaluation / "metrics.json").read_text())
     methods = result["methods"]
+    controls = {control_name("TRACE"), control_name("LtI")}  # each fed other steps' gradients
     assert set(methods) == {"TRACE", "LtI", "IG", "DLG (probe loss)", "action rule (odd-sign)",
-                            MEAN_IMAGE, MEAN_COLOUR}
+                            MEAN_IMAGE, MEAN_COLOUR} | controls
+    assert all(methods[c]["kind"] == "control" and methods[c]["frames"] == methods["TRACE"][
+        "frames"] for c in controls)
     for name in ("IG", "DLG (probe loss)"):  # slow: only the first window's 4 frames
         assert methods[name]["kind"] == "optimisation" and methods[name]["frames"] == 4
         assert methods[name]["ms_per_frame"] > 0 and 0 <= methods[name]["action_accuracy"] <= 1
@@ -164,7 +167,8 @@ def test_report_compares_evaluations_side_by_side(evaluation: Path, trained_atta
     assert page.count("<table>") == 1 and (out / "comparison.png").stat().st_size > 1000
     for label in (evaluation.name, "defended"):  # each run's rows, labelled
         assert f"<td>{label}</td>" in page
-    assert "quant:4" in page and page.count("<tr>") == 1 + 7 + 4  # head, both runs' methods
+    # the head, then both runs' methods (each learned attacker with its control)
+    assert "quant:4" in page and page.count("<tr>") == 1 + 9 + 5
     assert main(["report", str(evaluation), str(other), "--out", str(out), "--quiet"]) == 0
     foreign = tmp_path / "foreign"
     foreign.mkdir()

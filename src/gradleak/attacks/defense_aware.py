@@ -17,21 +17,19 @@ attack takes the defense as the server that set the policy knows it — its kind
 Then, per step:
 
 1. every Linear layer's gradient is rank one, δ hᵀ (with its bias gradient δ as one more
-   column): it is fitted as such under the channel — the top singular pair under noise, and
-   alternating projections between rank one and the intervals under cast, quant and prune
-   (completion of the pruned entries within their bounds). h, π, the action, A and R come from
-   the fitted layers by the closed form;
-2. the exact attack runs on that repaired stream; under an interval channel its frames fill
-   the conv layers' entries too (the gradient they imply, projected into each entry's
-   interval), and the attack runs again on the result (`rounds`);
-3. gradient matching finishes it: Adam on the pixels from that start, minimising the channel's
-   negative log-likelihood of the observed row given the gradient the frame, the recovered
-   action and the fitted A and R produce (the victim's exact loss at θ0): squared error over σ²
-   under noise, after fitting the unknown scale under DP-SGD; under an interval channel each
-   entry as uniform on its interval (Gaussian with the interval's variance, w²/12, about its
-   centre), a kept entry of a pruned row as exact up to float32. The start is kept where the
-   finish does not lower that likelihood (the attacker's own criterion; the private frame is
-   never read).
+   column): it is fitted as such under the channel — the top singular pair under noise, a
+   weighted alternating least-squares fit within the intervals under cast, quant and prune
+   (completion of the pruned entries within their bound). The action, A and R come from the
+   fitted heads by the closed form;
+2. the frames start from the exact attack on the observed stream (its recursion estimates its
+   own noise from each layer's residual, which a rank-one-fitted stream would hide);
+3. L-BFGS finishes them on the channel's negative log-likelihood of the whole observed row
+   given the gradient the frame, the action and the fitted A and R produce (the victim's exact
+   loss at θ0): squared error over σ² under noise, after fitting the unknown scale under
+   DP-SGD; under an interval channel each entry as uniform on its interval (Gaussian with the
+   interval's variance, w²/12, about its centre), a kept entry of a pruned row as exact up to
+   float32. A frame keeps its start unless the finish is more likely (the attacker's own
+   criterion; the private frame is never read).
 
 With no defense the exact attack's frames come back unchanged. A chain of several transforms,
 aggregation and 1-bit quantisation (a sign with an unknown scale) are refused up front, named.

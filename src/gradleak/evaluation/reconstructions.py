@@ -34,6 +34,7 @@ from gradleak.evaluation.scoring import (
     MEAN_IMAGE,
     UNIFORM,
     MethodScores,
+    control_name,
     frame_scores,
     mean_frame,
     score_actions,
@@ -148,6 +149,8 @@ class Evaluation:
                                       parameters=trainable_parameters(model),
                                       defense_mode=self._defense_mode(meta))
                    for name, (model, meta) in self.models.items()}
+        methods.update({control_name(name): MethodScores(control_name(name), "control")
+                        for name in self.models})
         methods.update({name: MethodScores(name, SINGLE_STEP[type(config)][0])
                         for name, config in self.baselines.items()})
         if self._captures_policy_head():
@@ -169,12 +172,21 @@ class Evaluation:
     def _score_batch(self, batch: Any, methods: dict[str, MethodScores]) -> None:
         truth, actions = batch.images, batch.actions.numpy()
         observed = ObservedWindows(batch.observed.gradients)
+        # each learned attacker's control: the same windows read with the next window's
+        # gradients (other steps, same stream and defense): what its training alone gives
+        others = ObservedWindows(batch.observed.gradients.roll(1, dims=0)) \
+            if len(truth) > 1 else None
         for name, (model, _) in self.models.items():
             tick = time.perf_counter()
             images, probs = reconstruct_in_spans(model, observed)
             self._add(methods[name], torch.from_numpy(images).permute(0, 1, 4, 2, 3)
                       .float() / 255.0, truth, None, time.perf_counter() - tick)
             score_actions(methods[name], probs, actions)
+            if others is not None:
+                images, probs = reconstruct_in_spans(model, others)
+                self._add(methods[control_name(name)], torch.from_numpy(images).permute(
+                    0, 1, 4, 2, 3).float() / 255.0, truth, None, 0.0)
+                score_actions(methods[control_name(name)], probs, actions)
         if RULE in methods:
             self._add_rule(methods[RULE], observed, actions)
         if UNIFORM in methods:

@@ -24,6 +24,10 @@ MEAN_IMAGE = "mean training image"
 MEAN_COLOUR = "mean colour (oracle)"
 
 
+def control_name(attacker: str) -> str:
+    """The row of a learned attacker fed other steps' gradients (`Evaluation._score_batch`)."""
+    return f"{attacker} on other steps' gradients (control)"
+
 
 UNIFORM = "uniform 1/K histogram"
 
@@ -34,7 +38,9 @@ class MethodScores:
     """Per-frame scores of one method, shape (N, T) each, plus timing."""
 
     name: str
-    kind: str  # "learned", "optimisation", "rule", "reference"
+    # "learned", "training-free", "optimisation", "rule", "control" (a learned attacker fed
+    # other steps' gradients), "reference"
+    kind: str
     mse: list[np.ndarray] = field(default_factory=list)
     psnr: list[np.ndarray] = field(default_factory=list)
     ssim: list[np.ndarray] = field(default_factory=list)

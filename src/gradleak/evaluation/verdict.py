@@ -28,7 +28,7 @@ import re
 from typing import Any
 
 from gradleak.errors import ConfigError
-from gradleak.evaluation.scoring import MEAN_COLOUR, MEAN_IMAGE
+from gradleak.evaluation.scoring import MEAN_COLOUR, MEAN_IMAGE, control_name
 
 STOP_MARGIN_DB = 1.0
 SSIM_MARGIN = 0.02
@@ -47,9 +47,11 @@ def attack_rows(methods: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def action_rows(methods: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Every method that reads actions off the gradients (the references guess none)."""
+    """Every method that reads actions off the gradients (the references guess none, and a
+    control reads other steps' gradients)."""
     return {name: row for name, row in methods.items()
-            if row["kind"] != "reference" and row.get("action_accuracy") is not None}
+            if row["kind"] not in ("reference", "control")
+            and row.get("action_accuracy") is not None}
 
 
 def at_chance(row: dict[str, Any], chance: float) -> bool:
@@ -57,21 +59,30 @@ def at_chance(row: dict[str, Any], chance: float) -> bool:
     return row["action_accuracy"] <= chance + spread
 
 
-def leaks(row: dict[str, Any], reference: dict[str, Any]) -> list[str]:
-    """The image metrics on which a frame attack beats the mean image (empty: at the reference
-    on all three), and "<metric> not measured" for each it could not be cleared on."""
+def leaks(row: dict[str, Any], reference: dict[str, Any],
+          control: dict[str, Any] | None = None) -> list[str]:
+    """The image metrics on which a frame attack beats the reference (empty: at it on all
+    three), and "<metric> not measured" for each it could not be cleared on. A learned
+    attacker's `control` (itself fed other steps' gradients) is a reference too: what its
+    training alone reconstructs is no leak of these gradients (a sharp typical frame beats the
+    mean image's blur on LPIPS with no information at all), so each metric is set against the
+    better of the two."""
     found = []
     gain = row.get("psnr_gain_over_mean_image")
+    if gain is not None and control and control.get("psnr") is not None:
+        gain = min(gain, row["psnr"] - control["psnr"])
     if gain is None:
         found.append("psnr not measured")
     elif gain > STOP_MARGIN_DB:
         found.append(f"PSNR {gain:+.2f} dB")
     for metric, margin, better in (("ssim", SSIM_MARGIN, 1.0), ("lpips", LPIPS_MARGIN, -1.0)):
-        mine, theirs = row.get(metric), reference.get(metric)
-        if mine is None or theirs is None:
+        mine = row.get(metric)
+        theirs = [r[metric] for r in (reference, control) if r and r.get(metric) is not None]
+        best = None if not theirs else (max(theirs) if better > 0 else min(theirs))
+        if mine is None or best is None:
             found.append(f"{metric} not measured")
-        elif better * (mine - theirs) > margin:
-            found.append(f"{metric.upper()} {mine:.3f} against {theirs:.3f}")
+        elif better * (mine - best) > margin:
+            found.append(f"{metric.upper()} {mine:.3f} against {best:.3f}")
     return found
 
 
@@ -85,7 +96,8 @@ def defense_outcome(spec: str, stage: dict[str, Any], chance: float) -> dict[str
     actions = action_rows(methods)
     best_actions = max((row["action_accuracy"] for row in actions.values()), default=None)
     reference = methods[MEAN_IMAGE]
-    leaking = {name: found for name, row in frames.items() if (found := leaks(row, reference))}
+    leaking = {name: found for name, row in frames.items()
+               if (found := leaks(row, reference, methods.get(control_name(name))))}
     above_chance = sorted(name for name, row in actions.items() if not at_chance(row, chance))
     stops = not leaking and not above_chance
     utility = result.get("utility") or {}

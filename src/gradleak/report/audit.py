@@ -64,7 +64,7 @@ def attack_by_defense(verdict: dict[str, Any], clean: dict[str, Any]
         return f"{row['psnr_gain_over_mean_image']:+.2f}{lpips}"
 
     names = [n for n, row in clean.items() if row.get("psnr_gain_over_mean_image") is not None
-             and row["kind"] != "reference"]
+             and row["kind"] not in ("reference", "control")]
     for o in verdict["defenses"]:
         names += [n for n, row in (o.get("per_attack") or {}).items()
                   if row.get("psnr_gain_over_mean_image") is not None and n not in names]
@@ -128,7 +128,8 @@ def write_audit_report(out: Path, figures: Sequence[tuple[Path, str]] = ()) -> P
     parts += [figure(path, caption) for path, caption in figures if path.is_file()]
     if clean:
         plot = out / "privacy_utility.png"
-        attacks = {n: row for n, row in clean["methods"].items() if row["kind"] != "reference"}
+        attacks = {n: row for n, row in clean["methods"].items()
+                   if row["kind"] not in ("reference", "control")}
         plot_privacy_utility(verdict["defenses"], attacks, verdict["stop_margin_db"], plot)
         parts.append(figure(plot, "Privacy–utility: each attack's PSNR gain over the mean "
                             "training image against what the defense costs the update (1 − its "

@@ -15,7 +15,8 @@ from gradleak.report.tables import markdown_table
 TABLE_COLUMNS = ["method", "MSE", "PSNR (dB)", "gain vs mean image", "SSIM", "LPIPS",
                  "action acc.", "hist. TV", "ms / frame", "parameters", "frames"]
 OPTIONAL_COLUMNS = ("hist. TV",)  # shown only when some row has it (aggregated streams)
-KIND_ORDER = {"training-free": 0, "learned": 1, "optimisation": 2, "rule": 3, "reference": 4}
+KIND_ORDER = {"training-free": 0, "learned": 1, "optimisation": 2, "rule": 3, "control": 4,
+              "reference": 5}
 
 
 def _pm(row: dict[str, Any], metric: str, digits: int) -> str | None:
