@@ -30,7 +30,8 @@ from gradleak.report.tables import fixed, markdown_table
 from host import machine
 
 RESULTS = Path(__file__).parent / "results" / "audit_paper.json"
-DEFENSES = "cast:bfloat16;noise:1e-06;noise:1e-05;quant:8;prune:0.1;dpsgd:eps=10;dpsgd:eps=1"
+DEFENSES = ("cast:bfloat16;quant:12;prune:0.5;noise:1e-05;prune:0.1;noise:0.0001;quant:8;"
+            "noise:0.001;dpsgd:eps=10;dpsgd:eps=1")
 
 
 def markdown(result: dict[str, Any]) -> str:

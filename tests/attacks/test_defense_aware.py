@@ -141,3 +141,16 @@ def test_what_it_cannot_model_is_refused_up_front(random_capture: Path, spec: st
                               defense=declared(chain.describe()["transforms"]))
     with pytest.raises(ConfigError, match="not modelled"):
         DefenseAwareAttack(observation)
+
+
+@pytest.mark.parametrize(("dtype", "smallest"), [("bfloat16", 2.0 ** -133),
+                                                 ("float16", 2.0 ** -24)])
+def test_a_cast_interval_is_half_the_spacing_at_the_value_and_tight_at_zero(
+        dtype: str, smallest: float) -> None:
+    values = torch.tensor([[0.0, 1.0, -3.0, 1e-3, smallest]], dtype=torch.float64)
+    cast = values.to(getattr(torch, dtype)).double()
+    lower, upper = channel_of(({"name": "cast", "dtype": dtype},)).interval(cast)
+    next_up = torch.nextafter(cast.to(getattr(torch, dtype)), torch.tensor(
+        torch.inf, dtype=getattr(torch, dtype))).double()
+    assert torch.allclose(upper - cast, (next_up - cast) / 2)  # half a step up
+    assert float(upper[0, 0] - lower[0, 0]) == smallest  # a zero: within a subnormal

@@ -82,6 +82,8 @@ def cast_channel(transform: dict[str, Any]) -> Channel:
     def bounds(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         _, exponent = torch.frexp(y)  # |y| = m·2^e, m in [0.5, 1): its spacing is 2^(e-1-p)
         spacing = torch.ldexp(torch.ones_like(y), exponent - 1 - mantissa).clamp_min(smallest)
+        # a zero came of an entry under half the smallest subnormal (frexp(0) says nothing)
+        spacing = torch.where(y == 0, torch.full_like(y, smallest), spacing)
         return y - spacing / 2, y + spacing / 2
 
     return Channel("cast", interval=bounds)
