@@ -9,7 +9,7 @@ paper's hours), DLG and IG invert one window. Writes benchmarks/results/audit_pa
 and leaves the audit itself (report.html) in --out.
 
     python benchmarks/audit_paper.py [--work runs/exact-frames] [--out runs/audit-paper]
-        [--budget-minutes 60] [--defenses "cast:bfloat16;noise:1e-06;..."]
+        [--budget-minutes 60] [--defenses "cast:bfloat16;quant:12;..."]
 """
 
 from __future__ import annotations
@@ -84,7 +84,8 @@ def main() -> None:
               "machine": machine(),
               "minutes": summary["minutes"], "verdict": summary["verdict"],
               "clean": {name: row.get("psnr_gain_over_mean_image")
-                        for name, row in clean.items() if row["kind"] != "reference"
+                        for name, row in clean.items()
+                        if row["kind"] not in ("reference", "control")
                         and row.get("psnr") is not None},
               "clean_methods": clean}
     with atomic_path(RESULTS) as temporary:

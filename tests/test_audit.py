@@ -394,6 +394,21 @@ def test_a_learned_attackers_own_prior_is_no_leak(lpips: float, stops: bool) -> 
     assert verdict(_summary(attack))["defenses"][0]["stops"] is False  # no control: it leaks
 
 
+@pytest.mark.parametrize(("accuracy", "stops"), [(0.62, True), (0.85, False)])
+def test_actions_a_learned_attacker_reads_are_set_against_its_control(accuracy: float,
+                                                                      stops: bool) -> None:
+    """Its control predicts 60% of 256 actions (a skewed marginal: chance is 20%); reading
+    62% under the defense is that prior, 85% is the gradients."""
+    from gradleak.evaluation.verdict import verdict
+
+    attack = {"psnr": 21.8, "psnr_gain_over_mean_image": -0.2, "ssim": 0.48, "lpips": 0.65,
+              "action_accuracy": accuracy}
+    control = {"psnr": 21.7, "psnr_gain_over_mean_image": -0.3, "ssim": 0.47, "lpips": 0.65,
+               "action_accuracy": 0.60}
+    (outcome,) = verdict(_summary(attack, control=control))["defenses"]
+    assert outcome["stops"] is stops and (outcome["actions_above_chance"] == []) is stops
+
+
 def test_a_skipped_defense_is_one_the_verdict_cannot_speak_for() -> None:
     from gradleak.evaluation.verdict import verdict
 

@@ -25,12 +25,12 @@ from __future__ import annotations
 import copy
 import json
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from gradleak.attacks.defense_aware import NAME as AWARE
-from gradleak.attacks.defense_aware import channel_of
+from gradleak.attacks.defense_aware import check_applicable
 from gradleak.attacks.exact import not_applicable
 from gradleak.capture.reader import CaptureFile
 from gradleak.defenses import Chain, parse_defense
@@ -291,9 +291,10 @@ class Audit:
         """Why the defense-aware attack cannot model what the audited stream went through
         (the capture's own defenses, then this stage's), or None."""
         with CaptureFile(self.config.capture) as capture:
-            declared_defense = capture.declared_defense()
+            seen = capture.observation(rows=slice(0, 0))  # the layout and θ0, no rows
         try:
-            channel_of(declared_defense + declared(chain.describe()["transforms"]))
+            check_applicable(replace(seen, defense=seen.defense + declared(
+                chain.describe()["transforms"])))
         except ConfigError as error:
             return str(error)
         return None

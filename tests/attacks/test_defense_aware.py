@@ -154,3 +154,12 @@ def test_a_cast_interval_is_half_the_spacing_at_the_value_and_tight_at_zero(
         torch.inf, dtype=getattr(torch, dtype))).double()
     assert torch.allclose(upper - cast, (next_up - cast) / 2)  # half a step up
     assert float(upper[0, 0] - lower[0, 0]) == smallest  # a zero: within a subnormal
+
+
+def test_an_observation_missing_a_layer_is_refused_before_any_work(random_capture: Path
+                                                                   ) -> None:
+    with CaptureFile(random_capture) as file:
+        names = [layer.name for layer in file.layers]
+        partial = file.observation(ROWS[:2], layers=names[1:])  # without the first conv
+    with pytest.raises(ConfigError, match=names[0].replace(".", r"\.")):
+        DefenseAwareAttack(replace(partial, defense=({"name": "noise", "sigma": 1e-4},)))

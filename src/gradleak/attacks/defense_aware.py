@@ -46,12 +46,18 @@ import numpy as np
 import torch
 from torch.func import vmap
 
-from gradleak.attacks.analytic import linear_layers, recover_analytically
+from gradleak.attacks.analytic import check_supported, linear_layers, recover_analytically
 from gradleak.attacks.exact import ExactAttack, ExactConfig
-from gradleak.attacks.optim.matching import DummyGradient, MatchingConfig, total_variation
+from gradleak.attacks.optim.matching import (
+    DummyGradient,
+    MatchingConfig,
+    coefficients_from,
+    total_variation,
+)
 from gradleak.errors import ConfigError
 from gradleak.registry import Registry
 from gradleak.threat import Observation, Reconstruction
+from gradleak.victims.base import victim_at_theta0
 
 NAME = "exact (defense-aware)"
 Bounds = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -263,7 +269,7 @@ class DefenseAwareAttack:
         self.config.check()
         self.exact.check()
         self.observation = observation
-        self.channel = channel_of(observation.defense)  # refuses what it cannot model, first
+        self.channel = check_applicable(observation)  # refuses what it cannot do, first
 
     def reconstruct(self) -> Reconstruction:
         start = time.perf_counter()
@@ -279,6 +285,24 @@ class DefenseAwareAttack:
             "negative_log_likelihood": likelihood, "finished": improved,
             "channel": self.channel.name, "seconds": seconds,
             "seconds_per_frame": seconds / max(1, len(self.observation))})
+
+
+def check_applicable(observation: Observation) -> Channel:
+    """The channel of the observation's defense, once everything the attack reads is known
+    to be there (a ConfigError naming what is not): a defense it models, the closed form's
+    heads, the declared loss and every layer's gradient for the likelihood."""
+    channel = channel_of(observation.defense)
+    if not channel.exact:
+        check_supported(observation)
+        coefficients_from(observation.hyperparameters)
+        held = {layer.name for layer in observation.layers}
+        missing = sorted({name for name, _ in victim_at_theta0(observation).named_parameters()}
+                         - held)
+        if missing:
+            raise ConfigError(f"the defense-aware attack matches every parameter's gradient; "
+                              f"the observation lacks {', '.join(missing[:4])} (capture every "
+                              "component)")
+    return channel
 
 
 class Matcher:

@@ -54,9 +54,15 @@ def action_rows(methods: dict[str, Any]) -> dict[str, dict[str, Any]]:
             and row.get("action_accuracy") is not None}
 
 
-def at_chance(row: dict[str, Any], chance: float) -> bool:
-    spread = 3.0 * math.sqrt(chance * (1.0 - chance) / max(row.get("frames") or 1, 1))
-    return row["action_accuracy"] <= chance + spread
+def at_chance(row: dict[str, Any], chance: float, control: dict[str, Any] | None = None
+              ) -> bool:
+    """Whether the actions a method reads are no better than chance (1/K), or than its own
+    control's (a learned attacker fed other steps' gradients predicts the actions its training
+    made likely: a skewed action marginal is no leak of these gradients), within three
+    binomial standard deviations over the frames scored."""
+    level = max(chance, (control or {}).get("action_accuracy") or 0.0)
+    spread = 3.0 * math.sqrt(level * (1.0 - level) / max(row.get("frames") or 1, 1))
+    return row["action_accuracy"] <= level + spread
 
 
 def leaks(row: dict[str, Any], reference: dict[str, Any],
@@ -98,7 +104,8 @@ def defense_outcome(spec: str, stage: dict[str, Any], chance: float) -> dict[str
     reference = methods[MEAN_IMAGE]
     leaking = {name: found for name, row in frames.items()
                if (found := leaks(row, reference, methods.get(control_name(name))))}
-    above_chance = sorted(name for name, row in actions.items() if not at_chance(row, chance))
+    above_chance = sorted(name for name, row in actions.items()
+                          if not at_chance(row, chance, methods.get(control_name(name))))
     stops = not leaking and not above_chance
     utility = result.get("utility") or {}
     transforms = (result.get("defense") or {}).get("transforms", [])
