@@ -286,7 +286,6 @@ class Audit:
         return {**result, "spec": spec, "eval_dir": str(self.out / "eval" / slug(spec)),
                 "not_applicable": {k: v for k, v in reasons.items() if v}}
 
-
     def defense_aware_reason(self, chain: Chain) -> str | None:
         """Why the defense-aware attack cannot model what the audited stream went through
         (the capture's own defenses, then this stage's), or None."""

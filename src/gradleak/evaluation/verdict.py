@@ -13,7 +13,10 @@ image metrics and every action read off the gradients is at chance:
   call that stopped;
 - actions: within three binomial standard deviations of 1/K over the frames scored.
 
-A metric an attack did not measure cannot clear it (the verdict names the missing one). The
+A learned attacker is also set against its control, itself fed other steps' gradients: on each
+metric and on its actions, the better of the control and the reference is what it must beat
+(what its training alone gives is no leak of these gradients). A metric an attack did not
+measure cannot clear it (the verdict names the missing one). The
 weakest stopping defense is the one that costs the update least (highest cosine to the clean
 update). A defense stage that did not run is named, and the verdict says it cannot speak for
 it. `--fail-if` conditions are read against the clean figures, with a small grammar
