@@ -163,3 +163,29 @@ def test_an_observation_missing_a_layer_is_refused_before_any_work(random_captur
         partial = file.observation(ROWS[:2], layers=names[1:])  # without the first conv
     with pytest.raises(ConfigError, match=names[0].replace(".", r"\.")):
         DefenseAwareAttack(replace(partial, defense=({"name": "noise", "sigma": 1e-4},)))
+
+
+@pytest.mark.parametrize(("record", "refused_by"), [
+    ('{"not": "a list"}', "reader"), ('[{"transforms": [{"sigma": 1}]}]', "reader"),
+    ('[{"transforms": [{"name": "noise", "sigma": "loud"}]}]', "attack")])
+def test_a_hostile_defense_record_is_refused_naming_it(random_capture: Path, tmp_path: Path,
+                                                       record: str, refused_by: str) -> None:
+    import shutil
+
+    import h5py
+
+    from gradleak.capture.schema import DEFENSES_ATTR
+    from gradleak.errors import CaptureFileError
+
+    copy = tmp_path / "hostile.h5"
+    shutil.copy(random_capture, copy)
+    with h5py.File(copy, "r+") as file:
+        file.attrs[DEFENSES_ATTR] = record
+    with CaptureFile(copy) as file:
+        if refused_by == "reader":
+            with pytest.raises(CaptureFileError, match=DEFENSES_ATTR):
+                file.observation(ROWS[:2])
+            return
+        observation = file.observation(ROWS[:2])
+    with pytest.raises(ConfigError, match="declared parameters"):
+        DefenseAwareAttack(observation)

@@ -140,15 +140,21 @@ def channel_of(defense: tuple[dict[str, Any], ...]) -> Channel:
     if not defense:
         return Channel("none")
     if len(defense) > 1:
-        raise ConfigError(f"defense {'+'.join(t['name'] for t in defense)}: a chain of several "
+        names = "+".join(str(t.get("name")) for t in defense)
+        raise ConfigError(f"defense {names}: a chain of several "
                           "transforms is not modelled by the defense-aware attack (one "
                           "transform: cast, quant, prune, noise or dpsgd)")
     transform = defense[0]
-    if transform["name"] not in CHANNELS:
-        raise ConfigError(f"defense {transform['name']}: not modelled by the defense-aware "
+    if transform.get("name") not in CHANNELS:
+        raise ConfigError(f"defense {transform.get('name')}: not modelled by the defense-aware "
                           f"attack (it models {', '.join(CHANNELS)}; an aggregate of steps is "
                           "read only by the learned attackers)")
-    return CHANNELS.get(transform["name"])(transform)
+    try:
+        return CHANNELS.get(transform["name"])(transform)
+    except (KeyError, TypeError, ValueError):
+        raise ConfigError(f"defense {transform['name']}: its declared parameters "
+                          f"{transform!r:.120} are not the ones `gradleak defend` records") \
+            from None
 
 
 # -- 1. rank-one Linear layers -----------------------------------------------------------------

@@ -176,9 +176,18 @@ class CaptureFile:
                            defense=self.declared_defense())
 
     def declared_defense(self) -> tuple[dict[str, Any], ...]:
-        """The transforms a defended copy went through (`gradleak defend`), without seeds."""
-        return declared(t for chain in json.loads(self._h5.attrs.get(DEFENSES_ATTR, "[]"))
-                        for t in chain.get("transforms", []))
+        """The transforms a defended copy went through (`gradleak defend`), without seeds;
+        a record that is not a list of chains of named transforms is refused, naming the file."""
+        try:
+            chains = json.loads(self._h5.attrs.get(DEFENSES_ATTR, "[]"))
+            transforms = [t for chain in chains for t in chain.get("transforms", [])]
+            if not all(isinstance(t, dict) and isinstance(t.get("name"), str)
+                       for t in transforms):
+                raise TypeError
+        except (ValueError, TypeError, AttributeError):
+            raise CaptureFileError(f"{self.path}: attribute {DEFENSES_ATTR!r} is not the list "
+                                   "of defense chains `gradleak defend` writes") from None
+        return declared(transforms)
 
     def target(self, rows: Any = slice(None), images: bool = True) -> Target:
         """Private ground truth: auxiliary training targets and scoring only."""
