@@ -40,7 +40,7 @@ from gradleak.defenses.base import row_keys
 from gradleak.io import atomic_path
 from gradleak.metrics.scores import image_scores
 from gradleak.report.tables import fixed, markdown_table
-from gradleak.threat import declared
+from gradleak.threat import Observation, declared
 
 from exact_frames import Case, capture
 from host import machine
@@ -92,6 +92,19 @@ def attack(observation: Any, kind: str, actions: np.ndarray, truth: np.ndarray
     return row, result.images
 
 
+def defended(clean: Observation, keys: np.ndarray, spec: str
+             ) -> tuple[Observation, float, dict[str, Any]]:
+    """The stream through `spec` as the audit defends it (the rows' keys seed the noise), the
+    defense declared without its seed; the update's mean cosine to the clean one; the chain's
+    description."""
+    chain = parse_defense(spec, seed=0)
+    gradients = chain.gradients(torch.from_numpy(clean.gradients), keys).numpy()
+    cosine = float(torch.nn.functional.cosine_similarity(
+        torch.from_numpy(gradients).double(), torch.from_numpy(clean.gradients).double()).mean())
+    return (replace(clean, gradients=gradients, defense=declared(chain.describe()["transforms"])),
+            cosine, chain.describe())
+
+
 def run_case(path: Path, defenses: list[str], frames: int, picture: list[str]
              ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     with CaptureFile(path) as file:
@@ -103,14 +116,8 @@ def run_case(path: Path, defenses: list[str], frames: int, picture: list[str]
                               "references": references(path, rows, truth), "defenses": {}}
     shown = {"ground truth": truth[:6]}
     for spec in ["none", *defenses]:
-        chain = parse_defense(spec, seed=0)
-        defended = chain.gradients(torch.from_numpy(clean.gradients), keys).numpy()
-        cosine = float(torch.nn.functional.cosine_similarity(
-            torch.from_numpy(defended).double(), torch.from_numpy(clean.gradients).double()
-        ).mean())
-        observation = replace(clean, gradients=defended,
-                              defense=declared(chain.describe()["transforms"]))
-        row: dict[str, Any] = {"update_cosine": cosine, "defense": chain.describe()}
+        observation, cosine, description = defended(clean, keys, spec)
+        row: dict[str, Any] = {"update_cosine": cosine, "defense": description}
         for kind in ("blind", "aware") if spec != "none" else ("blind",):
             row[kind], images = attack(observation, kind, target.actions, truth)
             if spec in picture:
@@ -124,8 +131,6 @@ def run_case(path: Path, defenses: list[str], frames: int, picture: list[str]
 def bottleneck(path: Path, spec: str, frames: int) -> dict[str, Any]:
     """Why the frames fall short under `spec` (an oracle analysis: it reads the private
     frames, actions and advantages to form the true maps and output gradients)."""
-    import torch.nn.functional as F
-
     from gradleak.attacks.conv_blocks import bn_affine, conv_blocks, solve_input
     from gradleak.attacks.conv_recovery import observed_conv_inputs
     from gradleak.attacks.optim.matching import coefficients_from

@@ -528,6 +528,21 @@ def defense_aware() -> tuple[str, str]:
             f"frames {cell(mean)}")
 
 
+def vit_frames() -> tuple[str, str]:
+    data = load("vit_frames.json")
+
+    def cell(name: str, case: dict[str, Any]) -> str:
+        clean = case["defenses"]["none"]
+        mean = case["references"]["mean of the held-out frames"]["psnr"]
+        return (f"{name}: {clean['psnr']:.2f} dB (largest pixel error {clean['max_pixel_error']}"
+                f"), actions {pct(clean['action_accuracy'])}, cast:bfloat16 "
+                f"{case['defenses']['cast:bfloat16']['psnr']:.2f} (mean image {mean:.2f})")
+
+    return (f"a ViT's frames from its position embedding, training-free ({data['steps']} "
+            "held-out steps each, float32 wire; PSNR capped at 100)",
+            "; ".join(cell(name, case) for name, case in data["victims"].items()))
+
+
 def demo() -> tuple[str, str]:
     data = load("demo.json")
     methods = data["evaluation"]["methods"]
@@ -539,7 +554,7 @@ def demo() -> tuple[str, str]:
 ROWS: dict[str, Callable[[], tuple[str, str]]] = {
     "demo.json": demo,
     "audit_paper.json": audit_paper,
-    "defense_aware.json": defense_aware,
+    "defense_aware.json": defense_aware, "vit_frames.json": vit_frames,
     "action_recovery.json": action_recovery, "capture.json": capture,
     "recovery_speed.json": recovery_speed,
     **({"gpu_check.json": gpu_check} if (RESULTS / "gpu_check.json").exists() else {}),

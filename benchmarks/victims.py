@@ -5,7 +5,8 @@ For each victim: a short PPO training on DoomNav (training maps), then captures 
 gradient dimension and MB per 1,000 steps; the accuracy of each action rule; what the closed
 form recovers and its error (h, the FC input, the goal, the GRU's pre-step state); the deepest
 conv input the recursion recovers and the frames beneath it from the first conv's own equations
-(the training-free attack, `score_conv_stack`), or why it does not apply; and the learned
+(the training-free attack, `score_conv_stack`), the frames from the patch embedding where that
+is the attack's route (a ViT), or why neither applies; and the learned
 attackers (LtI, and the analytic decoder where the victim has conv features), each given the
 same CPU budget, against the mean training image; PSNR, SSIM and LPIPS.
 
@@ -35,10 +36,16 @@ from typing import Any
 import numpy as np
 import torch
 
+from gradleak.attacks.exact import ExactAttack, not_applicable
+from gradleak.capture.reader import CaptureFile
 from gradleak.capture.run import CaptureJob, run_capture
 from gradleak.errors import ConfigError
 from gradleak.evaluation import evaluate_action_rules
-from gradleak.evaluation.analytic import check_attacks_apply, evaluate_analytic
+from gradleak.evaluation.analytic import (
+    check_attacks_apply,
+    evaluate_analytic,
+    mean_image_scores,
+)
 from gradleak.evaluation.reconstructions import evaluate
 from gradleak.io import atomic_path, read_json, write_json
 from gradleak.presets import Preset, load_preset
@@ -163,9 +170,39 @@ def closed_form(heldout: Path, config: VictimConfig, frames: int) -> dict[str, A
                                  stack.get("lpips_of_their_mean_image"),
                              "ms_per_frame": 1000 * (stack["recovery_seconds_per_frame"]
                                                      + stack["frame_seconds_per_frame"])}
+    elif not_applicable(config) is None:  # another route of the training-free attack
+        out["conv_stack"] = exact_frames(heldout, frames)
     else:
         out["conv_stack"] = {"refused": reason}
     return out
+
+
+def exact_frames(heldout: Path, count: int) -> dict[str, Any]:
+    """The training-free attack on `count` evenly spaced held-out steps where its route is not
+    the conv recursion (a ViT's patch embedding): the same fields as the recursion's row, the
+    network input standing for the deepest conv input."""
+    from gradleak.metrics.images import to_unit_tensor
+    from gradleak.metrics.scores import image_scores
+
+    with CaptureFile(heldout) as capture:
+        rows = np.linspace(0, len(capture) - 1, count).astype(int)
+        observation, target = capture.observation(rows), capture.target(rows)
+    start = time.perf_counter()
+    attack = ExactAttack(observation)
+    result = attack.reconstruct()
+    seconds = (time.perf_counter() - start) / count
+    transform = observation.roles.transform
+    found, truth = (transform.apply(torch.from_numpy(x).double()) for x in (result.images,
+                                                                           target.images))
+    error = ((found - truth).flatten(1).norm(dim=1) / truth.flatten(1).norm(dim=1)).median()
+    ranks = result.extras["residuals"]
+    return {"route": attack.route,
+            "deepest_input": f"frame via {attack.inverse.embedding.conv} (rank "
+                             f"{int(ranks['rank'].min())} / {int(ranks['tokens'][0])})",
+            "shape": list(truth.shape[1:]), "median_relative_error": float(error),
+            "frames": count, **image_scores(to_unit_tensor(result.images),
+                                            to_unit_tensor(target.images)),
+            **mean_image_scores(target.images), "ms_per_frame": 1000 * seconds}
 
 
 def learned(work: Path, captures: dict[str, Path], preset: Preset, minutes: float

@@ -317,24 +317,40 @@ def test_without_attackers_the_reference_is_the_held_out_frames(random_capture: 
     assert any("against the mean of the audited frames" in line for line in verdict["headline"])
 
 
-def test_an_attack_the_victim_does_not_allow_is_named_not_run(tmp_path: Path,
-                                                             capsys) -> None:
-    """A vision transformer has no conv stack for the training-free attack: the audit runs
-    the rest and says why that one did not run."""
+def audit_of(victim: str, tmp_path: Path, capsys) -> dict:
+    """The verdict of an undefended audit (no optimisation baselines) of 16 held-out steps of
+    a random-init victim."""
     from conftest import tiny_preset
 
     from gradleak.capture.run import CaptureJob, run_capture
 
-    capture = tmp_path / "vit.h5"
-    run_capture(CaptureJob(victim="vit-tiny-small", random_init=True, split="heldout", steps=16,
+    capture = tmp_path / f"{victim}.h5"
+    run_capture(CaptureJob(victim=victim, random_init=True, split="heldout", steps=16,
                            out=capture, preset=tiny_preset(), progress=False, seed=4))
     assert main(["audit", "--capture", str(capture), "--defenses", "none", "--optimisation",
                  "", "--out", str(tmp_path / "a"), "--json"]) == 0
-    verdict = json.loads(capsys.readouterr().out)
-    assert "conv" in verdict["not_applicable"]["exact (training-free)"]
+    return json.loads(capsys.readouterr().out)
+
+
+def test_an_attack_the_victim_does_not_allow_is_named_not_run(tmp_path: Path,
+                                                             capsys) -> None:
+    """IMPALA's GroupNorm and residual blocks have no route for the training-free attack yet:
+    the audit runs the rest and says why that one did not run (each route's reason)."""
+    verdict = audit_of("impala-small", tmp_path, capsys)
+    reason = verdict["not_applicable"]["exact (training-free)"]
+    assert "patch embedding: " in reason and "conv stack: " in reason and "groupnorm" in reason
     assert any(line.startswith("Not applicable to this victim: exact") for line in
                verdict["headline"])
     assert verdict["actions"]["accuracy"] >= 0.9 and "frames" not in verdict
+
+
+def test_a_vit_audit_returns_its_frames_training_free(tmp_path: Path, capsys) -> None:
+    """A vision transformer's frames come back from its patch embedding's gradient: the
+    audit's training-free attack is exact on them (float32 wire) and the verdict says so."""
+    verdict = audit_of("vit-tiny-small", tmp_path, capsys)
+    assert "exact (training-free)" not in (verdict.get("not_applicable") or {})
+    assert verdict["frames"]["method"] == "exact (training-free)"
+    assert verdict["frames"]["psnr"] >= 60.0 and verdict["actions"]["accuracy"] == 1.0
 
 
 def _summary(attack: dict, skipped: bool = False, control: dict | None = None) -> dict:

@@ -1,10 +1,11 @@
 """The training-free attack: every step's frame and action from its gradient and θ0 alone.
 
 The action, A and R come from the closed form on the heads (`attacks.analytic`); the frame from
-the recursion down the conv stack (`attacks.conv_recovery`) and then the first conv's own
-equations (`attacks.first_conv`). Nothing is learned and nothing but the observation is read,
-so it is a method like DLG or IG: `gradleak attack exact`, `evaluate --baselines exact`.
-Neighbouring steps that saw the same frame are solved together (an attacker keeps the stream,
+the first route of `attacks.frame_inverse` the victim allows: a ViT's patch embedding in closed
+form (`attacks.patch_embedding`), or the recursion down the conv stack
+(`attacks.conv_recovery`) and then the first conv's own equations (`attacks.first_conv`).
+Nothing is learned and nothing but the observation is read, so it is a method like DLG or IG:
+`gradleak attack exact`, `evaluate --baselines exact`. On the conv stack, neighbouring steps that saw the same frame are solved together (an attacker keeps the stream,
 so a frame may use the next step's gradient): a chunk's last such run waits for the next chunk,
 so only a run longer than a chunk is split. `same_frame_tolerance=0` solves each step from its
 own gradient alone.
@@ -18,6 +19,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from gradleak.attacks import patch_embedding as _patch_embedding  # noqa: F401 (its route)
 from gradleak.attacks.analytic import recover_analytically
 from gradleak.attacks.conv_blocks import ConvBlock, conv_blocks, deepest_inputs
 from gradleak.attacks.conv_recovery import ConvInputs, observed_conv_inputs
@@ -27,6 +29,12 @@ from gradleak.attacks.first_conv import (
     NOISE_REFERENCE,
     NoiseModel,
     first_conv_equations,
+)
+from gradleak.attacks.frame_inverse import (
+    FRAME_INVERSES,
+    FrameInverse,
+    frame_inverse_for,
+    register_frame_inverse,
 )
 from gradleak.attacks.frame_refiner import FrameRefiner
 from gradleak.attacks.frame_solve import (
@@ -105,7 +113,9 @@ NAME, WITH_PRIOR = "exact (training-free)", "exact + learned prior"
 
 class ExactAttack:
     """`prior`: the refiner `config.prior` names, loaded by the caller (a fitted model is read
-    from its checkpoint by `training.refiner_fit.exact_attack`, which checks its θ0)."""
+    from its checkpoint by `training.refiner_fit.exact_attack`, which checks its θ0). The
+    frame comes from the first route of `attacks.frame_inverse` the victim's architecture
+    allows (`route`: its name)."""
 
     name = NAME
 
@@ -117,38 +127,63 @@ class ExactAttack:
             raise ConfigError(f"attack.exact.prior={self.config.prior!r}: the refiner it names "
                               "must be loaded and passed with it (training.refiner_fit."
                               "exact_attack does both)")
-        self.prior = prior
         if prior is not None:
             self.name = WITH_PRIOR
         self.victim = victim_at_theta0(observation).double()
-        self.first = first_block(self.victim)
+        inverse = frame_inverse_for(self.victim)
+        self.route = next(name for name in FRAME_INVERSES if FRAME_INVERSES.get(name) is inverse)
+        self.inverse = inverse(self.victim, self.config, prior)
 
     def reconstruct(self) -> Reconstruction:
         start = time.perf_counter()
         closed = recover_analytically(self.observation)
-        frames, residuals = [], []
-        count, held = len(self.observation), np.empty(0, dtype=np.int64)
-        for begin in range(0, count, self.config.chunk):
-            rows = np.concatenate([held, np.arange(begin, min(begin + self.config.chunk, count))])
-            found, tie = self._recover(rows)
-            solved = len(rows) if begin + self.config.chunk >= count else self._ready(tie)
-            held = rows[solved:]
-            if solved:
-                images, fit = self._frames(rows[:solved], found.steps(torch.arange(solved)),
-                                           Tie.of(tie.group[:solved]))
-                frames.append(images)
-                residuals.append(fit)
-        images = torch.cat(frames).clamp(0, 255).round().to(torch.uint8).numpy()
+        frames, diagnostics = self.inverse.frames(self.observation)
+        images = frames.clamp(0, 255).round().to(torch.uint8).numpy()
         return Reconstruction(actions=closed.actions, images=images, extras={
             "advantages": closed.extras["advantages"], "returns": closed.extras["returns"],
-            "residuals": {key: torch.cat([r[key] for r in residuals]).numpy()
-                          for key in residuals[0]},
+            "route": self.route,
+            "residuals": {key: value.numpy() for key, value in diagnostics.items()},
             "seconds": time.perf_counter() - start,
             "seconds_per_frame": (time.perf_counter() - start) / max(1, len(self.observation))})
 
-    def _recover(self, rows: np.ndarray) -> tuple[ConvInputs, Tie]:
+
+@register_frame_inverse("conv stack")
+class ConvStackFrames(FrameInverse):
+    """Down the conv stack by the recursion, then the first conv's own equations. Neighbouring
+    steps that saw the same frame are solved together: a chunk's last such run waits for the
+    next chunk, so only a run longer than a chunk is split."""
+
+    priority = 20
+
+    def __init__(self, victim: Victim, config: ExactConfig, prior: FrameRefiner | None = None
+                 ) -> None:
+        super().__init__(victim, config, prior)
+        self.first = first_block(victim)
+
+    @classmethod
+    def check(cls, victim: Victim) -> None:
+        first_block(victim)
+
+    def frames(self, observation: Observation) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        frames, residuals = [], []
+        count, held = len(observation), np.empty(0, dtype=np.int64)
+        for begin in range(0, count, self.config.chunk):
+            rows = np.concatenate([held, np.arange(begin, min(begin + self.config.chunk, count))])
+            found, tie = self._recover(observation, rows)
+            solved = len(rows) if begin + self.config.chunk >= count else self._ready(tie)
+            held = rows[solved:]
+            if solved:
+                images, fit = self._frames(observation, rows[:solved],
+                                           found.steps(torch.arange(solved)),
+                                           Tie.of(tie.group[:solved]))
+                frames.append(images)
+                residuals.append(fit)
+        return torch.cat(frames), {key: torch.cat([r[key] for r in residuals])
+                                   for key in residuals[0]}
+
+    def _recover(self, observation: Observation, rows: np.ndarray) -> tuple[ConvInputs, Tie]:
         """The recursion on these steps, and which of them saw one frame."""
-        part = self.observation.steps(rows)
+        part = observation.steps(rows)
         found = observed_conv_inputs(part)
         return found, same_frames(list(found.inputs.values())[-1], part.episode_ids,
                                   part.step_in_episode, self.config.same_frame_tolerance)
@@ -159,9 +194,9 @@ class ExactAttack:
         last = int((tie.group == tie.group[-1]).nonzero()[0])
         return len(tie.group) if len(tie.group) - last > self.config.chunk else last
 
-    def _frames(self, rows: np.ndarray, found: ConvInputs, tie: Tie
+    def _frames(self, observation: Observation, rows: np.ndarray, found: ConvInputs, tie: Tie
                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        part = self.observation.steps(rows)
+        part = observation.steps(rows)
         deepest = list(found.inputs)[-1]
         gradient = torch.from_numpy(part.block(f"{self.first.name}.weight").astype(np.float64))
         equations = first_conv_equations(self.victim, found.inputs[deepest],
@@ -196,9 +231,9 @@ def first_block(victim: Victim) -> ConvBlock:
 
 def not_applicable(config: VictimConfig) -> str | None:
     """Why the training-free attack cannot run on this victim (None: it can), read from its
-    architecture alone, before any gradient."""
+    architecture alone, before any gradient: every route's reason."""
     try:
-        first_block(create_victim(config))
+        frame_inverse_for(create_victim(config))
     except ConfigError as error:
         return str(error)
     return None

@@ -1,0 +1,169 @@
+"""The ViT's frames in closed form, from its patch embedding and learned position embedding.
+
+Per victim (the paper's `vit-tiny` at 84×84 under the `paper` preset, `vit-tiny-small` at
+64×64 under `cpu-quick`), random-init and trained briefly with PPO on DoomNav's training maps
+(--updates), --steps held-out steps are captured (float32, the wire format) and every one is
+attacked by the training-free attack (`exact`), which takes the patch-embedding route
+(`attacks.patch_embedding`). Each row: PSNR / SSIM / LPIPS, the largest pixel error (of 255),
+action accuracy, the rank of Δ against its tokens, its condition number, ms per frame, beside
+the mean of the held-out frames and each frame's own mean colour. The same attack on the same
+steps under a few defenses the audit grids use (told nothing about them) says how much of the
+exactness survives. Writes benchmarks/results/vit_frames.{json,md,png}; the PNG shows the first
+six frames of each capture, ground truth above each attack.
+
+    python benchmarks/vit_frames.py [--work runs/vit-frames] [--updates 6] [--steps 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gradleak.attacks.exact import ExactAttack
+from gradleak.capture.reader import CaptureFile
+from gradleak.capture.run import CaptureJob, run_capture
+from gradleak.defenses.base import row_keys
+from gradleak.io import atomic_path
+from gradleak.presets import load_preset
+from gradleak.report.tables import fixed, markdown_table
+from gradleak.rl.trainer import train_victim
+
+from defense_aware import defended, plot, references, scores
+from host import machine
+
+RESULTS = Path(__file__).parent / "results" / "vit_frames.json"
+DEFENSES = "cast:float16;cast:bfloat16;noise:1e-05;noise:0.0001;prune:0.5"
+
+
+@dataclass(frozen=True)
+class Case:
+    victim: str
+    preset: str
+    size: int
+    trained: bool
+
+    @property
+    def name(self) -> str:
+        return f"{self.victim} {self.size}×{self.size}, {'PPO' if self.trained else 'random init'}"
+
+    @property
+    def slug(self) -> str:
+        return f"{self.victim}-{self.size}-{'ppo' if self.trained else 'random'}"
+
+
+CASES = [Case("vit-tiny", "paper", 84, False), Case("vit-tiny", "paper", 84, True),
+         Case("vit-tiny-small", "cpu-quick", 64, False),
+         Case("vit-tiny-small", "cpu-quick", 64, True)]
+
+
+def capture(case: Case, work: Path, updates: int, steps: int) -> tuple[Path, dict[str, Any]]:
+    preset = load_preset(case.preset, [f"train.victim={case.victim}", f"train.updates={updates}",
+                                       "capture.gradient_dtype=float32"])
+    training: dict[str, Any] = {}
+    victim = case.victim
+    if case.trained:
+        out = work / f"{case.victim}-{case.size}-victim"
+        summary = train_victim(preset, out, resume=out.exists(), progress=False)
+        training = {"updates": summary["updates"], "env_steps": summary["env_steps"]}
+        victim = str(out)
+    path = work / f"{case.slug}.h5"
+    if not path.exists():
+        run_capture(CaptureJob(victim=victim, random_init=not case.trained, split="heldout",
+                               steps=steps, out=path, preset=preset, progress=False, seed=11))
+    return path, training
+
+
+def attack(observation: Any, actions: np.ndarray, truth: np.ndarray
+           ) -> tuple[dict[str, Any], np.ndarray]:
+    start = time.perf_counter()
+    result = ExactAttack(observation).reconstruct()
+    seconds = time.perf_counter() - start
+    diagnostics = result.extras["residuals"]
+    return {**scores(result.images, truth),
+            "max_pixel_error": int(np.abs(result.images.astype(int) - truth.astype(int)).max()),
+            "action_accuracy": float((result.actions == actions).mean()),
+            "route": result.extras["route"],
+            "rank_min": int(diagnostics["rank"].min()), "tokens": int(diagnostics["tokens"][0]),
+            "condition_median": float(np.median(diagnostics["condition"])),
+            "condition_max": float(diagnostics["condition"].max()),
+            "ms_per_frame": 1e3 * seconds / len(truth)}, result.images
+
+
+def run_case(path: Path, defenses: list[str]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    with CaptureFile(path) as file:
+        rows = np.arange(file.num_rows)
+        clean, target = file.observation(rows), file.target(rows)
+        keys = row_keys(dict(file.attrs), 0, file.num_rows)
+    truth = target.images
+    result: dict[str, Any] = {"capture": str(path), "steps": len(rows),
+                              "references": references(path, rows, truth), "defenses": {}}
+    shown = {}
+    for spec in ["none", *defenses]:
+        observation, cosine, _ = defended(clean, keys, spec)
+        row, images = attack(observation, target.actions, truth)
+        result["defenses"][spec] = {"update_cosine": cosine, **row}
+        if spec == "none":
+            shown = {"ground truth": truth[:6], "training-free": images[:6]}
+        print(f"{path.name} {spec}: cos {cosine:.4f} psnr {row['psnr']:.2f} "
+              f"max error {row['max_pixel_error']}", flush=True)
+    return result, shown
+
+
+def markdown(results: dict[str, Any]) -> str:
+    parts = [f"# The ViT's frames from its patch embedding, training-free ({results['machine']})"
+             "\n", f"Every one of {results['steps']} held-out steps per victim (float32 wire). "
+             "PSNR (dB) / SSIM / LPIPS (lower is closer), the largest pixel error (of 255), "
+             "action accuracy, rank of Δ (the position embedding's gradient over the patch "
+             "tokens) against its tokens, its condition number (median / max), ms per frame. "
+             "Defenses: the same attack told nothing of them.\n"]
+    for name, case in results["victims"].items():
+        refs = case["references"]
+        training = case.get("training") or {}
+        parts.append(f"## {name}\n\n" + (
+            f"Trained {training['updates']} PPO updates ({training['env_steps']:,} steps). "
+            if training else "") + "References: " + "; ".join(
+            f"{ref} {r['psnr']:.2f} / {r['ssim']:.3f} / {fixed(r.get('lpips'), 3)}"
+            for ref, r in refs.items()) + ".\n")
+        table = [{"defense": spec, "update cosine": f"{row['update_cosine']:.6f}",
+                  "frames": f"{row['psnr']:.2f} / {row['ssim']:.4f} / "
+                            f"{fixed(row.get('lpips'), 4)}",
+                  "max pixel error": row["max_pixel_error"],
+                  "actions": f"{row['action_accuracy']:.2f}",
+                  "rank / tokens": f"{row['rank_min']} / {row['tokens']}",
+                  "condition": f"{row['condition_median']:.0f} / {row['condition_max']:.0f}",
+                  "ms / frame": f"{row['ms_per_frame']:.1f}"}
+                 for spec, row in case["defenses"].items()]
+        parts.append(markdown_table(table, list(table[0])) + "\n")
+    return "\n".join(parts)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--work", type=Path, default=Path("runs/vit-frames"))
+    parser.add_argument("--updates", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--defenses", default=DEFENSES)
+    parser.add_argument("--results", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {"machine": machine(), "steps": args.steps, "victims": {}}
+    shown: dict[str, np.ndarray] = {}
+    for case in CASES:
+        path, training = capture(case, args.work, args.updates, args.steps)
+        row, pictures = run_case(path, [d for d in args.defenses.split(";") if d])
+        results["victims"][case.name] = {"training": training, **row}
+        shown.update({f"{case.name}: {label}": images for label, images in pictures.items()})
+    with atomic_path(args.results) as temporary:
+        temporary.write_text(json.dumps(results, indent=2) + "\n")
+    with atomic_path(args.results.with_suffix(".md")) as temporary:
+        temporary.write_text(markdown(results))
+    plot(shown, args.results.with_suffix(".png"))
+
+
+if __name__ == "__main__":
+    main()
