@@ -8,7 +8,8 @@ attacked by the training-free attack (`exact`), which takes the patch-embedding 
 action accuracy, the rank of Δ against its tokens, its condition number, ms per frame, beside
 the mean of the held-out frames and each frame's own mean colour. The same attack on the same
 steps under a few defenses the audit grids use (told nothing about them) says how much of the
-exactness survives. Writes benchmarks/results/vit_frames.{json,md,png}; the PNG shows the first
+exactness survives. Two ViTs whose Δ cannot have full rank (more tokens than the width − 1)
+say what the frame keeps then: the minimum-norm solve beside the smoothest frame that fits. Writes benchmarks/results/vit_frames.{json,md,png}; the PNG shows the first
 six frames of each capture, ground truth above each attack.
 
     python benchmarks/vit_frames.py [--work runs/vit-frames] [--updates 6] [--steps 64]
@@ -24,14 +25,21 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 from gradleak.attacks.exact import ExactAttack
+from gradleak.attacks.patch_embedding import find_patch_embedding, solve_patches
+from gradleak.capture.grads import StepBatch, per_step_gradients
 from gradleak.capture.reader import CaptureFile
 from gradleak.capture.run import CaptureJob, run_capture
 from gradleak.defenses.base import row_keys
 from gradleak.io import atomic_path
 from gradleak.presets import load_preset
 from gradleak.report.tables import fixed, markdown_table
+from gradleak.rl.losses import LossCoefficients
 from gradleak.rl.trainer import train_victim
+from gradleak.threat import Observation
+from gradleak.victims import VictimConfig, layer_table
+from gradleak.victims.vit import SmallViT
 
 from defense_aware import defended, plot, references, scores
 from host import machine
@@ -54,6 +62,18 @@ class Case:
     @property
     def slug(self) -> str:
         return f"{self.victim}-{self.size}-{'ppo' if self.trained else 'random'}"
+
+
+class SquareGrid(SmallViT):
+    """8×8 patches of a 64×64 frame and a width of 64: 64 tokens, Δ's rank at most 63."""
+
+    patch, dim, mlp = 8, 64, 128
+
+
+class WideGrid(SmallViT):
+    """8×8 patches and a width of 32: 64 tokens, Δ's rank at most 31."""
+
+    patch, dim, mlp = 8, 32, 64
 
 
 CASES = [Case("vit-tiny", "paper", 84, False), Case("vit-tiny", "paper", 84, True),
@@ -114,6 +134,45 @@ def run_case(path: Path, defenses: list[str]) -> tuple[dict[str, Any], dict[str,
     return result, shown
 
 
+def rank_deficient(path: Path, count: int = 16) -> dict[str, Any]:
+    """ViTs whose Δ cannot have full rank (random init, unregistered), on the first `count`
+    frames of a capture with its actions, A and R: the minimum-norm frame beside the smoothest
+    of those that fit, and the mean of those frames."""
+    with CaptureFile(path) as file:
+        target = file.target(np.arange(count))
+    images = torch.from_numpy(target.images)
+    truth = target.images
+    mean = np.broadcast_to(truth.astype(np.float64).mean(0).round().astype(np.uint8), truth.shape)
+    out: dict[str, Any] = {"frames": count, "mean image": scores(np.ascontiguousarray(mean),
+                                                                  truth)}
+    for variant in (SquareGrid, WideGrid):
+        torch.manual_seed(0)
+        victim = variant(VictimConfig("vit-tiny-small")).eval()
+        coefficients = LossCoefficients()
+        with torch.no_grad():
+            logits = victim(images)[0]
+        actions = torch.from_numpy(target.actions)
+        batch = StepBatch(images, actions, torch.from_numpy(target.advantages).float(),
+                          torch.from_numpy(target.returns).float(),
+                          torch.log_softmax(logits, -1).gather(-1, actions[:, None])[:, 0])
+        layers = layer_table(victim)
+        observation = Observation(
+            gradients=per_step_gradients(victim, batch, coefficients, layers).numpy(),
+            layers=tuple(layers), victim=victim.config,
+            hyperparameters={"algorithm": "ppo", **coefficients.to_dict()},
+            episode_ids=np.zeros(count, np.int64), step_in_episode=np.arange(count),
+            theta0={k: v.numpy() for k, v in victim.state_dict().items()})
+        embedding = find_patch_embedding(victim)
+        row: dict[str, Any] = {}
+        for label, smoothest in (("minimum norm", False), ("smoothest", True)):
+            solved = solve_patches(observation, embedding, smoothest)
+            frames = observation.roles.transform.invert(solved.inputs).clamp(0, 255).round()
+            row[label] = scores(frames.to(torch.uint8).numpy(), truth)
+        row.update(rank=int(solved.rank.max()), tokens=solved.tokens, width=victim.dim)
+        out[variant.__name__] = row
+    return out
+
+
 def markdown(results: dict[str, Any]) -> str:
     parts = [f"# The ViT's frames from its patch embedding, training-free ({results['machine']})"
              "\n", f"Every one of {results['steps']} held-out steps per victim (float32 wire). "
@@ -139,6 +198,22 @@ def markdown(results: dict[str, Any]) -> str:
                   "ms / frame": f"{row['ms_per_frame']:.1f}"}
                  for spec, row in case["defenses"].items()]
         parts.append(markdown_table(table, list(table[0])) + "\n")
+    short = results.get("rank_deficient")
+    if short:
+        parts.append(f"## When Δ cannot have full rank\n\nEvery δ_t leaves a LayerNorm's backward "
+                     "and sums to 0 over the width, so Δ's rank is at most the width − 1. Two "
+                     "random-init ViTs (unregistered) with more tokens than that, on the first "
+                     f"{short['frames']} frames of {results['rank_deficient_capture']} (their "
+                     f"actions, A and R): PSNR / SSIM / LPIPS. Mean of those frames "
+                     f"{short['mean image']['psnr']:.2f} / {short['mean image']['ssim']:.3f} / "
+                     f"{fixed(short['mean image'].get('lpips'), 3)}.\n")
+        table = [{"variant": name, "tokens / width / rank":
+                  f"{row['tokens']} / {row['width']} / {row['rank']}",
+                  **{label: f"{row[label]['psnr']:.2f} / {row[label]['ssim']:.3f} / "
+                            f"{fixed(row[label].get('lpips'), 3)}"
+                     for label in ("minimum norm", "smoothest")}}
+                 for name, row in short.items() if isinstance(row, dict) and "rank" in row]
+        parts.append(markdown_table(table, list(table[0])) + "\n")
     return "\n".join(parts)
 
 
@@ -158,6 +233,9 @@ def main() -> None:
         row, pictures = run_case(path, [d for d in args.defenses.split(";") if d])
         results["victims"][case.name] = {"training": training, **row}
         shown.update({f"{case.name}: {label}": images for label, images in pictures.items()})
+    small = args.work / f"{CASES[-1].slug}.h5"
+    results["rank_deficient_capture"] = small.name
+    results["rank_deficient"] = rank_deficient(small)
     with atomic_path(args.results) as temporary:
         temporary.write_text(json.dumps(results, indent=2) + "\n")
     with atomic_path(args.results.with_suffix(".md")) as temporary:

@@ -10,8 +10,8 @@ P = (Δ Δᵀ)⁻¹ Δ ∇W. This is the leak through learned position embedding
 CVPR 2022). The conv's bias gradient, Σ_t δ_t, checks the stream.
 
 Where the rank condition fails (more tokens than the width, or a degenerate step) the solve
-keeps the part of the frame Δ determines (minimum norm) and each step reports its rank: the
-frame is then only partly exact. On a perturbed stream (a defense, added noise: the fit's
+keeps the part of the frame Δ determines and, of the frames that satisfy the equations as well,
+takes the smoothest; each step reports its rank: the frame is then only partly exact. On a perturbed stream (a defense, added noise: the fit's
 residual says so) the least-squares solve amplifies the errors by Δ's condition number, so the
 smoothest frame that fits within the noise is taken instead (`within_noise`). A position embedding that is fixed (a buffer) or absent gives
 no δ_t: the victim is refused, naming why, before any row is read.
@@ -50,6 +50,7 @@ PERTURBED = 1e-5
 # the smoothness prior's weights tried, times Δ Δᵀ's mean diagonal (`within_noise`)
 PRIOR_WEIGHTS = tuple(10.0 ** k for k in range(-8, 0))
 PRIOR_ITERATIONS = 300  # CG iterations of each weight's solve
+NULL_ITERATIONS = 500  # CG iterations of the smoothest frame along Δᵀ's null space
 
 
 @dataclass(frozen=True)
@@ -191,11 +192,13 @@ class Equations:
         return Equations(self.delta[rows], self.weight[rows], self.embedding, self.channels)
 
 
-def solve_patches(observation: Observation, embedding: PatchEmbedding) -> PatchSolve:
+def solve_patches(observation: Observation, embedding: PatchEmbedding,
+                  smoothest: bool = True) -> PatchSolve:
     """Every step's patches by least squares on Δᵀ P = ∇W, assembled into the frame the conv
-    read (pixels outside the patch grid, if any, repeat the nearest patch's edge); on a
-    perturbed stream (a defense, noise) with a smoothness prior weighed by the noise the fit
-    shows (`within_noise`)."""
+    read (pixels outside the patch grid, if any, repeat the nearest patch's edge); where Δ's
+    rank falls short of its tokens the smoothest of the frames that fit (`smoothest`; off: the
+    minimum-norm one); on a perturbed stream (a defense, noise) with a smoothness prior weighed
+    by the noise the fit shows (`within_noise`)."""
     weight = gradient_of(observation, f"{embedding.conv}.weight")  # (N, D, C, p, p)
     count, width, channels = weight.shape[:3]
     position = gradient_of(observation, embedding.position).reshape(count, -1, width)
@@ -205,8 +208,10 @@ def solve_patches(observation: Observation, embedding: PatchEmbedding) -> PatchS
     inverse = torch.where(kept, 1 / s.clamp_min(1e-300), torch.zeros_like(s))
     # P = (Δᵀ)⁺ ∇W = U S⁻¹ Vᴴ ∇W
     rank = kept.sum(1)
-    image, prior = within_noise(equations, equations.image(
-        u @ (inverse[..., None] * (vh @ equations.weight))), rank)
+    image = equations.image(u @ (inverse[..., None] * (vh @ equations.weight)))
+    if smoothest:
+        image = smoothest_along_null_space(equations, image, rank)
+    image, prior = within_noise(equations, image, rank)
     condition = s[:, 0] / torch.where(kept, s, s[:, :1]).amin(1)
     bias_residual = None
     if f"{embedding.conv}.bias" in {layer.name for layer in observation.layers}:
@@ -218,6 +223,35 @@ def solve_patches(observation: Observation, embedding: PatchEmbedding) -> PatchS
     if below or right:
         image = torch.nn.functional.pad(image, (0, right, 0, below), mode="replicate")
     return PatchSolve(image, rank, equations.delta.shape[1], condition, bias_residual, prior)
+
+
+def smoothest_along_null_space(equations: Equations, image: torch.Tensor, rank: torch.Tensor
+                               ) -> torch.Tensor:
+    """Where Δ's rank r is below its T tokens, Δᵀ P = ∇W fixes the patches only up to
+    P + N Z, N a basis of Δᵀ's null space (T − r mixtures of the patches): of those frames, the
+    smoothest (‖∇x‖² least, by CG over Z). The equations hold as exactly as before."""
+    tokens = equations.delta.shape[1]
+    out = image.clone()
+    for short in sorted(set(rank[rank < tokens].tolist())):
+        rows = (rank == short).nonzero().flatten()
+        part = equations.rows(rows)
+        null = torch.linalg.svd(part.delta, full_matrices=True).U[:, :, short:]  # (n, T, T−r)
+        start = image[rows]
+
+        def along(z: torch.Tensor, null: torch.Tensor = null, part: Equations = part
+                  ) -> torch.Tensor:  # (n, 1, T − r, J) → the image it adds
+            return part.image(null @ z[:, 0])
+
+        def back(x: torch.Tensor, null: torch.Tensor = null, part: Equations = part
+                 ) -> torch.Tensor:  # along's adjoint
+            return (null.transpose(1, 2) @ part.patches(x))[:, None]
+
+        z = conjugate_gradients(lambda z: back(weighted_laplacian(along(z), None)),
+                                -back(weighted_laplacian(start, None)),
+                                start.new_zeros(len(rows), 1, tokens - short,
+                                                part.weight.shape[2]), NULL_ITERATIONS)
+        out[rows] = start + along(z)
+    return out
 
 
 def within_noise(equations: Equations, exact: torch.Tensor, rank: torch.Tensor
