@@ -525,7 +525,7 @@ def complete_from_outputs(block: ConvBlock, fit: InputFit, outputs: KnownOutputs
     # side by side): the many small operations between the solves hold the GIL. The next
     # steps' few large ones (two SVDs and a conv, which release it) run ahead in a thread
     # instead: 0.87× the time on cnn-small, 0.93× on the PPO cnn (medians of per-round ratios,
-    # alternating in one process), every input bit for bit the same (docs/design.md).
+    # alternating in one process), every input bit for bit the same (docs/training-free.md).
     with one_thread(), computed_ahead(
             lambda step: prepare_step(block, fit, outputs, step, read),
             first_unanswered(order, keys)) as prepared:

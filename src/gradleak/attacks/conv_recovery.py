@@ -27,11 +27,6 @@ given a, and keep each undecided unit on where that δ is nearer g_y·γ/σ than
 
 The recursion stops above the first block whose D has too few rows for its unknowns (the frame
 under the strided 8×8 first conv of the paper's CNN): that layer needs a prior.
-
-Measured on the cpu-bench held-out capture (float16 gradients, cnn-small at 64×64, 16 frames):
-a margin of 3 / 12 / 20 standard deviations with 0 / 2 / 3 rounds leaves a relative error
-(median) of 0.55 / 0.023 / 0.031 on the 16×16×16 input of the second conv, 4e-4 on the 8×8
-maps; choosing the margin per step (see `recover_conv_inputs`) brings the first to 9e-4.
 """
 
 from __future__ import annotations

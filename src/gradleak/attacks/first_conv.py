@@ -16,13 +16,11 @@ x they leave free.
 
 When the gradient is not exact (float16 or bfloat16 on the wire, a defense), δ₁ inherits the
 recursion's error and the weight-gradient equations, which the solve otherwise fits exactly,
-bend the frame towards it: 15.0 dB on the trained paper CNN's float16 capture, against 31.1
-without them. ∇b₁ measures that error for free (Σ_p δ₁(p) against the observed ∇b₁ tracks the
-equations' residual at the true frame within a factor 1.4 on the 32 float16 and bfloat16 steps
-checked), so `NoiseModel` weighs those equations down by it and raises the smoothness with the
-on-units' estimated noise; CG starts from the step's mean colour, which ∇W₁ and ∇b₁ give
-without δ₁ (`mean_colour`), and a step whose check says the recursion failed keeps it (30.8 dB
-there; float32 captures of the paper's CNN are unchanged).
+bend the frame towards it. ∇b₁ measures that error for free (Σ_p δ₁(p) against the observed
+∇b₁ tracks the equations' residual at the true frame), so `NoiseModel` weighs those equations
+down by it and raises the smoothness with the on-units' estimated noise; CG starts from the
+step's mean colour, which ∇W₁ and ∇b₁ give without δ₁ (`mean_colour`), and a step whose check
+says the recursion failed keeps it (measured: `docs/training-free.md`).
 
 `frames_from_first_block` is the earlier penalty solve (L-BFGS on the output equations alone),
 kept for comparison.

@@ -9,44 +9,30 @@ the normal equations, then `rounds` reweighting rounds:
   several pixels. Each round weighs an edge between neighbours by ε / max(|x_i − x_j|, ε)
   (|·| over colour channels; ε = `edge_scale` of the input range), the iteratively
   reweighted least-squares form of total variation: flat regions keep the quadratic weight,
-  edges the current frame has cost |∇x| instead of |∇x|². Measured on 16 held-out frames of
-  the paper's cnn at 84×84, float32: 34.78 → 37.38 dB (random init) and 35.21 → 37.16 (PPO),
-  SSIM 0.892 → 0.935 and 0.875 → 0.916; ε = 0.01 chosen from 0.001 / 0.003 / 0.01 / 0.03 /
-  0.1 (36.9 / 37.4 / 37.4 / 37.1 / 35.5 dB).
+  edges the current frame has cost |∇x| instead of |∇x|².
 - *Colour.* The smoothness weighs a difference that changes the colour (a channel minus the
   channels' mean) `chroma` times one shared by every channel: what the equations leave free
-  was filled with colour noise. 16 held-out frames, default solve otherwise, chroma 1 → 5:
-  paper cnn 84×84 random init 37.45 → 39.97 dB, SSIM 0.936 → 0.962; cnn-small 64×64 random
-  init 32.78 → 33.72, 0.824 → 0.850 (10: 39.86 / 33.45; 20: 39.25 / 32.87; PPO victim at 10:
-  36.49 → 40.19, 0.921 → 0.962).
+  would otherwise be filled with colour noise.
 - *Colour axes.* From the first round on, each frame's smoothness works along its own colour
   axes: the eigenvectors of the colour covariance of its current neighbour differences (a
   frame lit in warm light varies along a reddish brightness axis, not along grey), each axis
   weighed (largest variance / its variance)^`colour_power` and given its own edge weights.
-  The axes come from the frame being solved, so nothing is learned: axes from the attacker's
-  training-scene frames were worse than the frame's own (PPO victim 39.37 against 39.83 dB, a
-  shared edge weight, power 0.75), since the trained policy looks at other walls. 16
-  held-out frames of the paper's cnn at 84×84, float32, chroma 5 → axes at power 0.5: PPO
-  victim 39.30 → 39.99 dB, SSIM 0.946 → 0.952; A2C 37.93 → 38.57, 0.938 → 0.945 (power 0.4 /
-  0.6 / 0.75: PPO 40.04 / 39.73 / 39.79; `exact_solve_sweep.py` makes the choice on training
-  scenes). A non-convex edge penalty on the axes (|Δ|^0.8, |Δ|^0.6) was 0.01–0.16 dB worse.
-  A frame solved from noisy equations has axes fitted to its noise: there the prior blends the
-  axes with the chroma weighting by how far the frame's equations are trusted (`round_prior`).
+  The axes come from the frame being solved, so nothing is learned. A frame solved from noisy
+  equations has axes fitted to its noise: there the prior blends the axes with the chroma
+  weighting by how far the frame's equations are trusted (`round_prior`).
 - *Inequalities.* The off-units of the first conv (conv₁(x) + b ≤ 0) and the input range are
   constraints the equations do not state. Each round adds, as equalities at their bound, the
   ones the current frame violates (an active set, the semi-smooth Newton step for their
-  quadratic penalty); 2% of the off-units are violated by the unconstrained solution, and
-  enforcing them adds about 0.1 dB.
+  quadratic penalty).
 
-Steps that saw the same frame (the agent stood still or walked into a wall: 13 of 63 pairs of
-neighbouring steps on the A2C victim's held-out capture) are solved as one (`Tie`, found by
-`same_frames` from the recursion's exact first-block maps): their weight-gradient equations
-differ (each step has its own δ₁), so together they fix more of the frame. 16 held-out frames
-of the paper's cnn at 84×84, float32, A2C victim, 6 of them with a same-frame neighbour: 38.57
-→ 39.84 dB, SSIM 0.945 → 0.957 (40.12 / 0.959 with all 64 steps of the capture solved).
+Steps that saw the same frame (the agent stood still or walked into a wall) are solved as one
+(`Tie`, found by `same_frames` from the recursion's exact first-block maps): their
+weight-gradient equations differ (each step has its own δ₁), so together they fix more of the
+frame.
 
 Each round warm-starts CG from the frame before it. With `rounds` = 0 the solve is the
-quadratic one, clipped to the transform's range.
+quadratic one, clipped to the transform's range. What each choice gained, and the settings it
+beat: `docs/training-free.md`.
 """
 
 from __future__ import annotations
