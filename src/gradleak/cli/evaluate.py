@@ -118,7 +118,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--data", nargs="+", required=True, help="held-out capture files")
     p.add_argument("--baselines", default="",
                    help="single-step attacks on the first windows' frames: exact (training-"
-                   "free, the conv stack and the first conv's equations), dlg, ig, dlg-probe, "
+                   "free: the conv stack and the first conv's equations, or a ViT's patch "
+                   "embedding), dlg, ig, dlg-probe, "
                    "ig-probe (comma-separated; the action rule and the mean-image references "
                    "are always scored)")
     p.add_argument("--out", required=True)

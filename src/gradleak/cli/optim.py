@@ -73,8 +73,8 @@ def run(args: argparse.Namespace) -> None:
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("attack", help="invert single steps: exact (training-free), DLG or IG")
     common_flags(p)
-    p.add_argument("method", help="exact (the conv stack and the first conv's equations, no "
-                   "training), dlg, ig, dlg-probe or ig-probe")
+    p.add_argument("method", help="exact (no training: the conv stack and the first conv's "
+                   "equations, or a ViT's patch embedding), dlg, ig, dlg-probe or ig-probe")
     p.add_argument("--data", required=True, help="a capture file")
     p.add_argument("--index", type=int, action="append", required=True,
                    help="a row of the capture (repeatable)")
