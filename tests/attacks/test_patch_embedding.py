@@ -140,3 +140,46 @@ def test_a_perturbed_stream_gets_the_smoothest_frame_within_its_noise(monkeypatc
 
     better, worse = error(smooth.inputs), error(plain.inputs)  # measured: 0.06-0.11, 0.07-0.27
     assert bool((better < worse).all()) and float(better.mean()) <= 0.5 * float(worse.mean())
+
+
+class UserViT(torch.nn.Module):
+    """A user's own ViT, as `gradleak.wrap` takes it: its own names, the position embedding a
+    2-D parameter of the model itself with no class token, a stack of 4 grayscale frames,
+    torch's TransformerEncoder, the tokens mean-pooled into the heads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.to_patch = torch.nn.Conv2d(4, 48, 12, 12)  # 48×48 frames: 16 tokens
+        self.position_embeddings = torch.nn.Parameter(torch.randn(16, 48) * 0.02)
+        self.encoder = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(
+            48, 4, 96, dropout=0.0, batch_first=True), 1, enable_nested_tensor=False)
+        self.pi, self.v = torch.nn.Linear(48, 3), torch.nn.Linear(48, 1)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = self.to_patch(x).flatten(2).transpose(1, 2) + self.position_embeddings
+        h = self.encoder(tokens).mean(1)
+        return self.pi(h), self.v(h)
+
+
+def test_a_users_own_vit_wrapped_gives_back_every_frame() -> None:
+    """Through `gradleak.wrap`, with nothing named for the attack: the model's own position
+    embedding is the victim's (its per-step gradient is captured), and every frame comes
+    back."""
+    import warnings
+
+    import gradleak
+    from gradleak.victims.transform import InputTransform
+
+    torch.manual_seed(0)
+    victim = gradleak.wrap(UserViT(), policy_head="pi", value_head="v",
+                           transform=InputTransform(48, 48, 4, stack=4))
+    frames = torch.stack([smooth_frame(48, seed) for seed in range(4)]).permute(3, 1, 2, 0)
+    frames = frames.reshape(3, 48, 48, 4)  # 3 stacks of 4 grey frames, from smooth colours
+    with warnings.catch_warnings():  # vmap has no batching rule for CPU flash attention
+        warnings.simplefilter("ignore", UserWarning)
+        observation, _ = observe(victim, frames, torch.tensor([0, 2, 1]),
+                                 torch.tensor([1.0, -0.5, 0.7]), torch.tensor([0.2, 0.1, -0.3]))
+    result = ExactAttack(observation).reconstruct()
+    assert result.extras["route"] == "patch embedding"
+    np.testing.assert_array_equal(result.images, frames.numpy())
+    np.testing.assert_array_equal(result.actions, [0, 2, 1])

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import copy
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -92,14 +93,17 @@ class WrappedVictim(Victim):
                                   f"{type(model).__name__}, expected an nn.Module")
             if forward is None and named_forward is not None:
                 forward = named_forward.function
-        if any(True for _ in model.parameters(recurse=False)):
-            raise ConfigError(f"{type(model).__name__} holds parameters of its own (not in a "
-                              "submodule): move them into a submodule to wrap it")
         seen: set[int] = set()
         for name, child in model.named_children():  # the model's names, once per module
             if id(child) not in seen:
                 seen.add(id(child))
                 self.add_module(name, child)
+        # its own tensors too (a ViT's position embedding and class token), the same objects
+        for name, parameter in model.named_parameters(recurse=False):
+            self.register_parameter(name, parameter)
+        for name, buffer in model.named_buffers(recurse=False):
+            self.register_buffer(name, buffer,
+                                 persistent=name not in model._non_persistent_buffers_set)
         self.__dict__["_model"] = model  # not a submodule: its parameters are already ours
         self.__dict__["_forward"] = forward
         self.policy_head_role = options["policy_head"]
@@ -154,14 +158,32 @@ class WrappedVictim(Victim):
     def forward(self, image: torch.Tensor, goal: torch.Tensor | None = None,
                 hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         model, call = self.__dict__["_model"], self.__dict__["_forward"]
-        outputs = call(model, self.observation(image, goal)) if call else model(
-            self.observation(image, goal))
+        with own_tensors_of(self, model):
+            outputs = call(model, self.observation(image, goal)) if call else model(
+                self.observation(image, goal))
         if not (isinstance(outputs, (tuple, list)) and len(outputs) == 2):
             raise ConfigError(f"{type(model).__name__} returned a {type(outputs).__name__}: a "
                               "wrapped model must return (logits, value); pass forward= "
                               "otherwise")
         logits, value = outputs
         return logits, value.reshape(len(logits))
+
+
+@contextmanager
+def own_tensors_of(victim: nn.Module, model: nn.Module) -> Iterator[None]:
+    """The model's own parameters and buffers (not in a submodule) read through the victim's
+    for one call: the per-step gradients substitute the victim's tensors by name
+    (`torch.func.functional_call`), and the model must see the substitutes."""
+    own = [(store, name) for store in ("_parameters", "_buffers")
+           for name in getattr(model, store) if getattr(model, store)[name] is not None]
+    saved = [getattr(model, store)[name] for store, name in own]
+    for store, name in own:
+        getattr(model, store)[name] = getattr(victim, store)[name]
+    try:
+        yield
+    finally:
+        for (store, name), tensor in zip(own, saved, strict=True):
+            getattr(model, store)[name] = tensor
 
 
 def wrap(model: nn.Module | None = None, *, policy_head: str, value_head: str,
