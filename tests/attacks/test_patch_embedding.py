@@ -183,3 +183,25 @@ def test_a_users_own_vit_wrapped_gives_back_every_frame() -> None:
     assert result.extras["route"] == "patch embedding"
     np.testing.assert_array_equal(result.images, frames.numpy())
     np.testing.assert_array_equal(result.actions, [0, 2, 1])
+
+
+def test_a_capture_without_the_position_embedding_is_refused_before_any_row() -> None:
+    """The route reads two layers' gradients; a capture that left them out is refused at once,
+    naming them."""
+    from dataclasses import replace as replaced
+
+    from gradleak.victims.base import LayerInfo
+
+    _, observation, _ = vit_steps("vit-tiny-small", 64)
+    kept, columns, offset = [], [], 0
+    for layer in observation.layers:
+        if layer.name.startswith(("pos_embed", "patch_embed")):
+            continue
+        kept.append(LayerInfo(layer.name, layer.shape, offset, layer.component))
+        columns.extend(range(layer.offset, layer.offset + layer.size))
+        offset += layer.size
+    partial = replaced(observation, layers=tuple(kept),
+                       gradients=observation.gradients[:, columns])
+    with pytest.raises(ConfigError, match="patch embedding route reads the gradient of "
+                                          "patch_embed.weight, pos_embed"):
+        ExactAttack(partial)

@@ -133,6 +133,12 @@ class ExactAttack:
         inverse = frame_inverse_for(self.victim)
         self.route = next(name for name in FRAME_INVERSES if FRAME_INVERSES.get(name) is inverse)
         self.inverse = inverse(self.victim, self.config, prior)
+        held = {layer.name for layer in observation.layers}
+        missing = [name for name in self.inverse.layers() if name not in held]
+        if missing:
+            raise ConfigError(f"the training-free attack's {self.route} route reads the "
+                              f"gradient of {', '.join(missing)}, which this capture left out: "
+                              "capture every component (the default)")
 
     def reconstruct(self) -> Reconstruction:
         start = time.perf_counter()

@@ -40,6 +40,10 @@ class FrameInverse:
             return str(error)
         return None
 
+    def layers(self) -> list[str]:
+        """The parameters whose gradients the route reads (checked before any row is)."""
+        return []
+
     def frames(self, observation: Observation) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """(N, H, W, C) float frames in frame units, and per-step diagnostics (N, ...)."""
         raise NotImplementedError

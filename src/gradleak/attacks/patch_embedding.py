@@ -159,7 +159,7 @@ def gradient_of(observation: Observation, name: str) -> torch.Tensor:
         return torch.from_numpy(observation.block(name).astype(np.float64))
     except KeyError:
         raise ConfigError(f"the patch embedding's closed form needs the gradient of {name}: "
-                          "capture with --components including 'cnn'") from None
+                          "capture every component (the default)") from None
 
 
 @dataclass(frozen=True)
@@ -317,6 +317,9 @@ class PatchEmbeddingFrames(FrameInverse):
     @classmethod
     def check(cls, victim: Victim) -> None:
         find_patch_embedding(victim)
+
+    def layers(self) -> list[str]:
+        return [f"{self.embedding.conv}.weight", self.embedding.position]
 
     def frames(self, observation: Observation) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         transform = observation.roles.transform
