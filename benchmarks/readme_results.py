@@ -543,6 +543,28 @@ def vit_frames() -> tuple[str, str]:
             "; ".join(cell(name, case) for name, case in data["victims"].items()))
 
 
+def fedavg_span() -> tuple[str, str]:
+    data = load("fedavg_span.json")
+    rows = data["rows"]
+
+    def cell(samples: int, kept: bool) -> str:
+        group = [r for r in rows if r["samples"] == samples and r["span"] == kept]
+        exact = sum(r["exact"] for r in group)
+        best = max(statistics.median(r["psnr"] for r in group if r["method"] == m)
+                   for m in {r["method"] for r in group})
+        return f"{best:.2f} dB, {exact} of {samples * len(group)} exact"
+
+    settings = sorted({(r["epochs"], r["samples"], r["batch"]) for r in rows},
+                      key=lambda s: s[1])
+    mean = {s[1]: statistics.median(r["mean_image"]["psnr"] for r in rows
+                                    if r["samples"] == s[1]) for s in settings}
+    return ("an MLP client's images kept in the span its first layer's update determines "
+            f"(digits, IG / SME / NL-SME, labels inferred, {data['iterations']} iterations; "
+            "best method's median PSNR, images ≥ 40 dB)",
+            "; ".join(f"E/N/B {e}/{n}/{b}: span {cell(n, True)}, without {cell(n, False)} "
+                      f"(mean digit {mean[n]:.2f})" for e, n, b in settings))
+
+
 def demo() -> tuple[str, str]:
     data = load("demo.json")
     methods = data["evaluation"]["methods"]
@@ -574,7 +596,7 @@ ROWS: dict[str, Callable[[], tuple[str, str]]] = {
        if (RESULTS / "exact_solve_sweep.json").exists() else {}),
     "exact_speed.json": exact_speed,
     "fedavg_controls.json": fedavg_controls,
-    "flower_audit.json": flower_audit,
+    "flower_audit.json": flower_audit, "fedavg_span.json": fedavg_span,
     # every merged `gradleak experiment` (src/gradleak/experiments), once it has results
     **{f"{name}.json": experiment(name) for name in
        ("table1", "fewshot", "context", "components", "losses", "auxscale")

@@ -17,7 +17,7 @@ def run(args: argparse.Namespace) -> None:
                           lr=args.client_lr, optimiser=args.optimiser,
                           batchnorm_train=args.batchnorm_train, seed=args.seed)
     attack = FedAttackConfig(method=args.attack, iterations=args.iters, cls=args.cls,
-                             labels=args.labels, seed=args.seed)
+                             labels=args.labels, span=not args.no_span, seed=args.seed)
     result = run_fedavg(args.dataset, args.model, client, attack, Path(args.out),
                         progress=progress(args))
     text = (f"{args.attack} on {result['dataset']} (E={args.epochs}, N={args.samples}, "
@@ -33,7 +33,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     common_flags(p)
     p.add_argument("--dataset", default="digits",
                    help="digits, photos (embedded stand-ins), femnist:PATH or cifar100:PATH")
-    p.add_argument("--model", default="cnn", help="cnn (LEAF/SME), cnn-bn or lenet-sigmoid")
+    p.add_argument("--model", default="cnn",
+                   help="cnn (LEAF/SME), cnn-bn, lenet-sigmoid or mlp (first layer Linear on "
+                   "the image: its update holds the images' span, which the attack keeps to)")
     p.add_argument("--epochs", type=int, default=20)
     p.add_argument("--samples", type=int, default=50)
     p.add_argument("--batch", type=int, default=10)
@@ -47,6 +49,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--labels", default="infer", choices=["infer", "known"],
                    help="infer the client's labels from its output-layer bias update "
                    "(default), or assume them known (stated in the results)")
+    p.add_argument("--no-span", action="store_true",
+                   help="do not keep the dummy images in the span a first Linear layer's update "
+                   "determines (the control for --model mlp)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True)
     p.set_defaults(func=run)

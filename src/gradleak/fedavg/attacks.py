@@ -31,6 +31,7 @@ from torch.func import functional_call, grad
 from gradleak.errors import ConfigError
 from gradleak.fedavg.client import ClientUpdate
 from gradleak.fedavg.forward import ClientForward
+from gradleak.fedavg.span import ImageSpan, project_box
 
 METHODS = ("ig", "sme", "nlsme", "sme-dvec", "nlsme-nod")
 CURVED = {"nlsme", "nlsme-nod"}
@@ -52,6 +53,9 @@ class FedAttackConfig:
     # "infer": from the output layer's bias update (fedavg.labels), the default; "known": the
     # client's true labels, a declared assumption every result states
     labels: str = "infer"
+    # keep the dummy images in the span a first Linear layer's update determines (fedavg.span),
+    # where the model has one; no effect on a model that starts with a convolution
+    span: bool = True
     seed: int = 0
 
     def check(self) -> None:
@@ -141,12 +145,13 @@ class UpdateInversion:
 
     def __init__(self, model: nn.Module, update: ClientUpdate, shape: tuple[int, ...],
                  classes: int, config: FedAttackConfig, *, labels: torch.Tensor | None = None,
-                 client: ClientForward | None = None) -> None:
+                 client: ClientForward | None = None, span: ImageSpan | None = None) -> None:
         """What the server holds: the model (architecture, w0), the update w0 → w_T and the
         client's declared settings. Labels are inferred from the update unless the config
         declares them known (the update then carries them) or they are given here. `client`
         says how the client's forward pass ran (input transform, BatchNorm mode, buffers); by
-        default the model's own buffers with BatchNorm in eval mode, inputs in [0, 1]."""
+        default the model's own buffers with BatchNorm in eval mode, inputs in [0, 1]. `span`:
+        the images' span, which every step projects the dummy images back onto."""
         config.check()
         self.model, self.update, self.config = model.eval(), update, config
         self.client = client or ClientForward(
@@ -157,6 +162,9 @@ class UpdateInversion:
         generator = torch.Generator().manual_seed(config.seed)
         count = len(labels) if labels is not None else update.config.samples
         self.images = torch.randn(count, *shape, generator=generator).clamp(0, 1)
+        self.span = span
+        if span is not None:
+            self.images = project_box(span, self.images)
         self.labels = labels if labels is not None else self._labels(classes)
         self.images.requires_grad_(True)
         self.surrogate = Surrogate(update, config.method)
@@ -238,7 +246,8 @@ class UpdateInversion:
             optimiser.step()
             schedule.step()
             with torch.no_grad():
-                self.images.clamp_(0.0, 1.0)
+                self.images.copy_(project_box(self.span, self.images) if self.span is not None
+                                  else self.images.clamp(0.0, 1.0))
                 self.surrogate.position.clamp_(0.0, 1.0)
                 for d in (self.surrogate.scale or {}).values():
                     d.clamp_(0.1, 10.0)

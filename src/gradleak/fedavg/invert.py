@@ -34,6 +34,7 @@ from gradleak.fedavg.client import ClientUpdate
 from gradleak.fedavg.forward import (BATCHNORM_MODES, ClientForward, Transform, batchnorm_layers,
                                      identity, running_targets)
 from gradleak.fedavg.labels import counts_from_bias, labels_from_counts
+from gradleak.fedavg.span import image_span
 
 # 1 − cosine above this after the optimisation: the dummy data do not explain the update
 POOR_FIT = 0.2
@@ -127,6 +128,8 @@ class InversionResult:
     running_stats: float | None  # the running-statistics mismatch, where matched
     seconds: float
     path_position: float
+    # the first Linear layer's image span the images were kept in, or why there was none
+    span: dict[str, Any] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
@@ -257,8 +260,10 @@ def invert_update(model: nn.Module, w0: Mapping[str, Any], wT: Mapping[str, Any]
                                       client, training, steps, shape, seed)
     update = ClientUpdate(params0, paramsT, None, steps or 0, chosen)
     start = time.perf_counter()
+    span, span_note = image_span(model, params0, paramsT, shape, samples, transform) \
+        if config.span else (None, "off")
     inversion = UpdateInversion(model, update, shape, classes, config, labels=chosen,
-                                client=client)
+                                client=client, span=span)
     result = inversion.run(progress)
     if result["l_sim_raw"] > POOR_FIT:
         notes.append(f"the dummy data explain the update poorly (1 − cosine "
@@ -271,7 +276,8 @@ def invert_update(model: nn.Module, w0: Mapping[str, Any], wT: Mapping[str, Any]
         l_sim=result["l_sim_raw"], method=method,
         training={**training.to_dict(), "steps_used": steps}, batchnorm=batchnorm,
         running_stats=result.get("running_stats"), seconds=time.perf_counter() - start,
-        path_position=result["position"], warnings=notes)
+        path_position=result["position"],
+        span=span.summary() if span is not None else {"unused": span_note}, warnings=notes)
 
 
 def counted_steps(model: nn.Module, before: dict[str, torch.Tensor],

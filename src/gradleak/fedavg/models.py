@@ -49,3 +49,11 @@ def small_cnn_batchnorm(channels: int, size: int, classes: int) -> nn.Module:
                          nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
                          nn.Linear(64 * pooled * pooled, 2048), nn.ReLU(),
                          nn.Linear(2048, classes))
+
+
+@FEDAVG_MODELS.register("mlp")
+def mlp(channels: int, size: int, classes: int) -> nn.Module:
+    """A two-layer perceptron on the flattened image (256 hidden units): its first layer's update
+    spans the client's images exactly (fedavg.span)."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(channels * size * size, 256), nn.ReLU(),
+                         nn.Linear(256, classes))
