@@ -19,7 +19,7 @@ def client():
     images = torch.rand(4, 1, 16, 16, generator=generator)
     labels = torch.tensor([1, 3, 3, 7])
     update = train_client(model, images, labels, ClientConfig(epochs=3, samples=4, batch=2,
-                                                               lr=0.1))
+                                                               lr=0.1), labels_known=True)
     return model, images, labels, update
 
 
@@ -63,7 +63,7 @@ def test_ig_recovers_one_image_from_a_one_step_update() -> None:
     image = torch.nn.functional.interpolate(coarse, size=(16, 16), mode="bilinear")
     label = torch.tensor([4])
     update = train_client(model, image, label, ClientConfig(epochs=1, samples=1, batch=1,
-                                                            lr=0.01))
+                                                            lr=0.01), labels_known=True)
     config = FedAttackConfig(labels="known", method="ig", iterations=400, lr_images=0.1, tv=1e-4)
     result = UpdateInversion(model, update, (1, 16, 16), 10, config).run()
     mse = float((result["images"] - image).pow(2).mean())

@@ -64,9 +64,11 @@ def test_w0_is_left_untouched_and_labels_only_when_known() -> None:
     images, labels = client_data(4)
     model = fresh()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    update = train_client(model, images, labels, ClientConfig(epochs=2, samples=4, batch=2),
-                          labels_known=False)
-    assert update.labels is None
+    update = train_client(model, images, labels, ClientConfig(epochs=2, samples=4, batch=2))
+    assert update.labels is None  # the server's view by default: w0, w_T, declared settings
+    oracle = train_client(fresh(), images, labels, ClientConfig(epochs=2, samples=4, batch=2),
+                          labels_known=True)
+    assert torch.equal(oracle.labels, labels)
     for name, p in model.named_parameters():
         assert torch.equal(p, before[name]) and torch.equal(update.w0[name], before[name])
     assert any(not torch.equal(update.wT[n], before[n]) for n in before)

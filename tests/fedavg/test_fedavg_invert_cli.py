@@ -80,6 +80,11 @@ def test_the_cli_names_what_is_wrong(tmp_path, capsys) -> None:
     assert main(["fedavg-invert", "--update", str(tmp_path / "truth.safetensors"),
                  "--plugin", "user_models", "--out", str(out)]) == 2
     assert "no 'gradleak' metadata" in capsys.readouterr().err
+    # BatchNorm declared frozen: no batch counter, and the file declares no step count
+    assert main(["fedavg-invert", "--update", str(path), "--plugin", "user_models",
+                 "--batchnorm", "eval", "--out", str(out)]) == 2
+    assert "needs the client's local step count: declare --lr and --epochs" in \
+        capsys.readouterr().err
     assert not out.exists()
 
 

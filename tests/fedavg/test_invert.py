@@ -108,7 +108,7 @@ def test_every_wrong_input_gets_one_clear_error() -> None:
         invert_update(TinyClassifier(), w0, wT, **{**run, "labels": None})
     with pytest.raises(ConfigError, match="lacks BatchNorm running statistics"):
         invert_update(TinyClassifier(), {k: v for k, v in w0.items() if "running" not in k},
-                      wT, **run)
+                      wT, **run, batchnorm="eval")
     with pytest.raises(ConfigError, match="batchnorm='training'"):
         invert_update(TinyClassifier(), w0, wT, **run, batchnorm="training")
     with pytest.raises(ConfigError, match="Normalize std"):
@@ -148,3 +148,13 @@ def test_update_files_round_trip_and_foreign_files_are_refused(tmp_path) -> None
         write_update(tmp_path / "v.safetensors", w0, wT, {"round": 1, "node_id": 3,
                                                           "shape": [1, 8, 8]})
     assert not (tmp_path / "v.safetensors").exists()
+
+
+def test_label_counts_have_one_entry_per_class_of_the_model() -> None:
+    from gradleak.fedavg.invert import InversionResult
+
+    result = InversionResult(images=torch.zeros(2, 1, 4, 4), labels=torch.tensor([1, 1]),
+                             labels_inferred=True, l_sim=0.0, method="sme", training={},
+                             batchnorm="train", running_stats=None, seconds=0.0,
+                             path_position=0.5, classes=5)
+    assert result.summary()["label_counts"] == [0, 2, 0, 0, 0]

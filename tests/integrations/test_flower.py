@@ -47,6 +47,21 @@ def audited_run(tmp_path, model_class=Net, count=2, epochs=2, batch=2, rounds=1,
     return out
 
 
+def test_an_audit_that_cannot_run_says_why_at_once_and_is_marked_failed(tmp_path, capsys) -> None:
+    """No epochs or batch size declared (Flower's template keeps them in the run config, which
+    the server never sees): each client is refused when its update arrives, with the reason on
+    the console, and the audit file says failed, not complete."""
+    out = audited_run(tmp_path, hyperparameters={})
+    audit = json.loads((out / "audit.json").read_text())
+    assert audit["status"] == "failed" and not audit["rows"]
+    assert {f["node_id"] for f in audit["failures"]} == {1000, 1001}
+    console = capsys.readouterr().err
+    assert console.count("not audited: labels were not given") == 2
+    assert "needs the client's local step count: the round's config holds ['lr', 'server-round']" in console
+    assert "AuditStrategy(hyperparameters={'local-epochs'" in console
+    assert f"-> {out / 'report.html'}" in console
+
+
 def test_the_recorded_update_is_what_the_client_sent_and_labels_are_inferred(tmp_path) -> None:
     out = audited_run(tmp_path, workers=1)  # the inversion in a worker process
     audit = json.loads((out / "audit.json").read_text())

@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> None:
     from gradleak.fedavg.audit import AuditOptions, audit_update, summarise
     from torch import nn
 
-    from gradleak.fedavg.invert import Training, split_state
+    from gradleak.fedavg.invert import Training, counted_steps, inference_gap, split_state
     from gradleak.fedavg.update_file import (
         check_meta,
         read_meta,
@@ -155,6 +155,18 @@ def run(args: argparse.Namespace) -> None:
                               f"{type(model).__name__}, expected a torch.nn.Module")
         for name, state in (("w0", update.w0), ("wT", update.wT)):
             split_state(model, state, f"{path}: {name}")
+        if options.labels == "infer":
+            training = Training.from_mapping({**update.meta.get("config", {}),
+                                              **update.meta.get("hyperparameters", {}),
+                                              **declared}, f"{path}: hyperparameters")
+            mode = options.batchnorm or update.meta.get("batchnorm", "train")
+            steps = counted_steps(model, update.w0, update.wT) if mode == "train" else None
+            gap = inference_gap(training, steps or training.local_steps(
+                int(update.meta["num_examples"])))
+            if gap is not None:
+                raise ConfigError(f"{path}: labels were not given, and {gap}: declare --lr and "
+                                  "--epochs with --batch (or --steps), or --labels known with "
+                                  "--truth")
     out = check_output(args.out, "--out", directory=True)
     out.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []

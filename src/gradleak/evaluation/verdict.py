@@ -3,14 +3,9 @@
 A defense "stops" the attacks only when every frame attack is at the reference on all three
 image metrics and every action read off the gradients is at chance:
 
-- PSNR: a gain over the mean image of at most STOP_MARGIN_DB;
-- SSIM: at most SSIM_MARGIN above the mean image's;
-- LPIPS: at most LPIPS_MARGIN below the mean image's (lower is closer). The margins are the
-  size of the gap between the two references that use no gradient (the mean image and each
-  frame's own mean colour differ by 0.01–0.02 on both in the demo and the paper audit), so a
-  difference within them is not evidence of a leak and one beyond them is. A learned attacker
-  can sit at the mean image in PSNR while its LPIPS is half the mean image's: PSNR alone would
-  call that stopped;
+- PSNR, SSIM and LPIPS each at the mean image, within the margins of `metrics.leak` (a learned
+  attacker can sit at the mean image in PSNR while its LPIPS is half the mean image's: PSNR
+  alone would call that stopped);
 - actions: within three binomial standard deviations of 1/K over the frames scored.
 
 A learned attacker is also set against its control, itself fed other steps' gradients: on each
@@ -32,10 +27,8 @@ from typing import Any
 
 from gradleak.errors import ConfigError
 from gradleak.evaluation.scoring import MEAN_COLOUR, MEAN_IMAGE, control_name
+from gradleak.metrics.leak import LPIPS_MARGIN, SSIM_MARGIN, STOP_MARGIN_DB, leaks
 
-STOP_MARGIN_DB = 1.0
-SSIM_MARGIN = 0.02
-LPIPS_MARGIN = 0.02
 USEFUL_COSINE = 0.5  # below it the defended update points more along noise than the clean one
 ATTACK_KINDS = ("learned", "training-free", "optimisation")
 # what the mean-image reference is the mean of (evaluation.reconstructions.mean_image_of)
@@ -66,33 +59,6 @@ def at_chance(row: dict[str, Any], chance: float, control: dict[str, Any] | None
     level = max(chance, (control or {}).get("action_accuracy") or 0.0)
     spread = 3.0 * math.sqrt(level * (1.0 - level) / max(row.get("frames") or 1, 1))
     return row["action_accuracy"] <= level + spread
-
-
-def leaks(row: dict[str, Any], reference: dict[str, Any],
-          control: dict[str, Any] | None = None) -> list[str]:
-    """The image metrics on which a frame attack beats the reference (empty: at it on all
-    three), and "<metric> not measured" for each it could not be cleared on. A learned
-    attacker's `control` (itself fed other steps' gradients) is a reference too: what its
-    training alone reconstructs is no leak of these gradients (a sharp typical frame beats the
-    mean image's blur on LPIPS with no information at all), so each metric is set against the
-    better of the two."""
-    found = []
-    gain = row.get("psnr_gain_over_mean_image")
-    if gain is not None and control and control.get("psnr") is not None:
-        gain = min(gain, row["psnr"] - control["psnr"])
-    if gain is None:
-        found.append("psnr not measured")
-    elif gain > STOP_MARGIN_DB:
-        found.append(f"PSNR {gain:+.2f} dB")
-    for metric, margin, better in (("ssim", SSIM_MARGIN, 1.0), ("lpips", LPIPS_MARGIN, -1.0)):
-        mine = row.get(metric)
-        theirs = [r[metric] for r in (reference, control) if r and r.get(metric) is not None]
-        best = None if not theirs else (max(theirs) if better > 0 else min(theirs))
-        if mine is None or best is None:
-            found.append(f"{metric} not measured")
-        elif better * (mine - best) > margin:
-            found.append(f"{metric.upper()} {mine:.3f} against {best:.3f}")
-    return found
 
 
 def defense_outcome(spec: str, stage: dict[str, Any], chance: float) -> dict[str, Any]:

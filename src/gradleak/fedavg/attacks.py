@@ -51,7 +51,7 @@ class FedAttackConfig:
     lambda_scale: float = 1e-4  # λ_d
     cls: float = 0.0  # λ_cls; > 0 uses the labels
     # "infer": from the output layer's bias update (fedavg.labels), the default; "known": the
-    # client's true labels, a declared assumption every result states
+    # client's true labels, an oracle every result names
     labels: str = "infer"
     # keep the dummy images in the span a first Linear layer's update determines (fedavg.span),
     # where the model has one; no effect on a model that starts with a convolution

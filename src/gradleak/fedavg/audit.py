@@ -23,6 +23,8 @@ from gradleak.fedavg.invert import FitWarning, Training, invert_update
 from gradleak.fedavg.scoring import label_agreement, score_recovery
 from gradleak.fedavg.update_file import read_update, transform_from_dict
 from gradleak.io import write_json
+from gradleak.metrics.leak import leaks
+from gradleak.metrics.scores import image_scores
 
 
 @dataclass
@@ -130,6 +132,9 @@ def score_row(images: torch.Tensor, labels: torch.Tensor, truth: Truth,
     if "mean_image" in scores:
         row["mean_image"] = scores["mean_image"]
         row["psnr_gain_over_mean_image"] = row["psnr"] - scores["mean_image"]["psnr"]
+    # each image's own mean colour: an oracle reference (it reads the private image)
+    colour = truth.images.mean((2, 3), keepdim=True).expand_as(truth.images).contiguous()
+    row["mean_colour"] = image_scores(colour, truth.images)
     if truth.labels is not None:
         classes = max(int(truth.labels.max()), int(labels.max())) + 1
         row["labels_right"] = label_agreement(labels, truth.labels, classes)["right"]
@@ -139,8 +144,15 @@ def score_row(images: torch.Tensor, labels: torch.Tensor, truth: Truth,
     return row
 
 
+def averaged(scores: Sequence[dict[str, float]]) -> dict[str, float]:
+    """Mean of each metric every score measured."""
+    keys = [k for k in ("psnr", "ssim", "lpips") if scores and all(k in s for s in scores)]
+    return {k: sum(s[k] for s in scores) / len(scores) for k in keys}
+
+
 def summarise(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Per method: mean scores over audited updates, and the worst leak."""
+    """Per method: mean scores over audited updates, the references beside them, and the
+    metrics on which the method beats the mean image (`metrics.leak`, the RL verdict's rule)."""
     out: dict[str, Any] = {}
     for method in sorted({r["method"] for r in rows}):
         mine = [r for r in rows if r["method"] == method]
@@ -153,9 +165,13 @@ def summarise(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
             values = [r[key] for r in scored if r.get(key) is not None]
             if values:
                 entry[key] = sum(values) / len(values)
-        references = [r["mean_image"]["psnr"] for r in scored if "mean_image" in r]
-        if references:
-            entry["mean_image_psnr"] = sum(references) / len(references)
+        for name in ("mean_image", "mean_colour"):
+            reference = averaged([r[name] for r in scored if name in r])
+            if reference:
+                entry[name] = reference
+        if "mean_image" in entry:
+            entry["mean_image_psnr"] = entry["mean_image"]["psnr"]
+            entry["leaks"] = leaks(entry, entry["mean_image"])
         labelled = [r for r in scored if "labels_right" in r and r["labels_inferred"]]
         if labelled:
             entry["labels_inferred_right"] = sum(r["labels_right"] for r in labelled)

@@ -57,7 +57,7 @@ class ClientUpdate:
     wT: dict[str, torch.Tensor]
     config: ClientConfig | None  # None: the server was not told how the client trained
     steps: int
-    labels: torch.Tensor | None  # only when the experiment declares labels known
+    labels: torch.Tensor | None  # only when the experiment declares labels known (an oracle)
 
     def delta(self) -> dict[str, torch.Tensor]:
         """w0 − w_T: the direction the client's gradients summed to."""
@@ -75,8 +75,10 @@ def batch_order(config: ClientConfig) -> list[np.ndarray]:
 
 
 def train_client(model: nn.Module, images: torch.Tensor, labels: torch.Tensor,
-                 config: ClientConfig, labels_known: bool = True) -> ClientUpdate:
-    """images (N, C, H, W) in [0, 1], labels (N,) → the client's update."""
+                 config: ClientConfig, labels_known: bool = False) -> ClientUpdate:
+    """images (N, C, H, W) in [0, 1], labels (N,) → the client's update: what the server
+    holds (w0, w_T, the declared settings). It carries the labels only where an experiment
+    declares them known, an oracle every result names."""
     config.check()
     if len(images) != config.samples or len(labels) != config.samples:
         raise ConfigError(f"the client holds {len(images)} images and {len(labels)} labels, "

@@ -51,7 +51,7 @@ def run_fedavg(dataset: str, model_name: str, client: ClientConfig, attack: FedA
               "mse": mse(recovered, images).numpy()}
     summary = {"dataset": data.name, "model": model_name, "client": client.to_dict(),
                "attack": attack.to_dict(),
-               "labels": "known (a declared assumption: the client's true labels)"
+               "labels": "known (an oracle: the client's true labels, handed to the attack)"
                if attack.labels == "known" else "inferred from the output layer's bias update",
                "label_count_l1": int(np.abs(np.bincount(used.numpy(), minlength=data.classes)
                                             - np.bincount(labels.numpy(),

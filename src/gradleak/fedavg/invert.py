@@ -130,11 +130,13 @@ class InversionResult:
     path_position: float
     # the first Linear layer's image span the images were kept in, or why there was none
     span: dict[str, Any] = field(default_factory=dict)
+    classes: int = 0  # the model's output count: label_counts has one entry per class
     warnings: list[str] = field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
         data = {k: v for k, v in asdict(self).items() if k not in ("images", "labels")}
-        return {**data, "label_counts": np.bincount(self.labels.numpy()).tolist()}
+        return {**data, "label_counts": np.bincount(self.labels.numpy(),
+                                                    minlength=self.classes).tolist()}
 
 
 def split_state(model: nn.Module, state: Mapping[str, Any], field_name: str
@@ -208,15 +210,16 @@ def invert_update(model: nn.Module, w0: Mapping[str, Any], wT: Mapping[str, Any]
                   samples: int, shape: tuple[int, ...], labels: Any = None,
                   input_transform: Transform | None = None,
                   input_range: tuple[float, float] | None = None,
-                  batchnorm: str = "eval", method: str = "sme",
+                  batchnorm: str = "train", method: str = "sme",
                   hyperparameters: Training | Mapping[str, Any] | None = None,
                   iterations: int = 1000, running_stats: bool = True,
                   running_weight: float = 1.0, seed: int = 0, progress: bool = False,
                   **attack_options: Any) -> InversionResult:
     """Recover the `samples` images of one client's update w0 → w_T (see the module doc).
 
-    batchnorm: the mode the client trained BatchNorm in ("train": per-minibatch statistics,
-    the default of every torch training loop; "eval": frozen running statistics, as SME).
+    batchnorm: the mode the client trained BatchNorm in ("train", the default here and in
+    AuditStrategy: per-minibatch statistics, as every torch training loop; "eval": frozen
+    running statistics, as SME).
     running_stats: in train mode, also match the batch statistics the running buffers reveal.
     attack_options: FedAttackConfig fields (tv, lr_images, cls, ...)."""
     training = hyperparameters if isinstance(hyperparameters, Training) else \
@@ -277,7 +280,8 @@ def invert_update(model: nn.Module, w0: Mapping[str, Any], wT: Mapping[str, Any]
         training={**training.to_dict(), "steps_used": steps}, batchnorm=batchnorm,
         running_stats=result.get("running_stats"), seconds=time.perf_counter() - start,
         path_position=result["position"],
-        span=span.summary() if span is not None else {"unused": span_note}, warnings=notes)
+        span=span.summary() if span is not None else {"unused": span_note}, classes=classes,
+        warnings=notes)
 
 
 def counted_steps(model: nn.Module, before: dict[str, torch.Tensor],
@@ -327,6 +331,19 @@ def count_classes(model: nn.Module, parameters: dict[str, torch.Tensor], client:
     return int(logits.shape[1])
 
 
+def inference_gap(training: Training, steps: int | None) -> str | None:
+    """Why the labels cannot be inferred from what the client declared (each caller says how
+    to declare it), or None."""
+    if training.optimiser not in (None, "sgd"):
+        return f"label inference reads a plain-SGD update, and this client used " \
+               f"{training.optimiser!r}"
+    missing = [what for what, value in (("learning rate", training.lr),
+                                        ("local step count", steps)) if value is None]
+    if missing:
+        return "inferring them from the output bias needs the client's " + " and ".join(missing)
+    return None
+
+
 def resolve_labels(model: nn.Module, labels: Any, samples: int, classes: int,
                    w0: dict[str, torch.Tensor], wT: dict[str, torch.Tensor],
                    client: ClientForward, training: Training, steps: int | None,
@@ -340,14 +357,10 @@ def resolve_labels(model: nn.Module, labels: Any, samples: int, classes: int,
             raise ConfigError(f"labels: values must lie in 0..{classes - 1} (the model has "
                               f"{classes} outputs)")
         return given, False
-    if training.optimiser not in (None, "sgd"):
-        raise ConfigError(f"label inference reads a plain-SGD update; this client used "
-                          f"{training.optimiser!r}: pass labels=")
-    if training.lr is None or steps is None:
-        raise ConfigError("labels were not given, and inferring them from the output bias "
-                          "needs the client's learning rate and local step count: declare "
-                          "hyperparameters={'lr': ..., 'epochs': ..., 'batch': ...} (or "
-                          "'steps'), or pass labels=")
+    gap = inference_gap(training, steps)
+    if gap is not None:
+        raise ConfigError(f"labels were not given, and {gap}: declare hyperparameters={{'lr': "
+                          "..., 'epochs': ..., 'batch': ...}} (or 'steps'), or pass labels=")
     dummy = torch.rand(samples, *shape, generator=torch.Generator().manual_seed(seed))
     counts = counts_from_bias(model, w0, wT, client, dummy, classes, lr=training.lr,
                               steps=steps, samples=samples)

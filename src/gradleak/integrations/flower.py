@@ -7,6 +7,7 @@ API: a ServerApp's strategy with configure_train / aggregate_train).
 
     strategy = AuditStrategy(FedAvg(fraction_train=1.0), model_fn=Net, shape=(1, 28, 28),
                              input_transform=Normalize(0.5, 0.5), methods=("sme",),
+                             hyperparameters={"local-epochs": 1, "batch-size": 32},
                              out="runs/flower-audit")
     strategy.start(grid=grid, initial_arrays=ArrayRecord(Net().state_dict()), num_rounds=3,
                    train_config=ConfigRecord({"lr": 0.05}))
@@ -22,8 +23,10 @@ mods (clipping, LocalDpMod) act before that, and the audit measures what they le
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import pickle
+import sys
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -44,6 +47,7 @@ except ImportError as error:  # pragma: no cover - the extra is installed in CI
                       f"'gradleak[flower]' ({error})") from None
 
 from gradleak.fedavg.audit import AuditOptions, Truth, audit_update, summarise
+from gradleak.fedavg.invert import Training, counted_steps, inference_gap
 from gradleak.fedavg.update_file import write_update
 from gradleak.io import owned_folder, write_json
 from gradleak.victims.factories import MODEL_FACTORIES, find, name_of
@@ -152,6 +156,7 @@ class AuditStrategy(Strategy):
         self.out = self._claim(Path(out))
         self._sent: dict[tuple[int, int], tuple[ArrayRecord, dict[str, Any]]] = {}
         self._jobs: list[tuple[dict[str, Any], Future | list[dict[str, Any]]]] = []
+        self._failures: list[dict[str, Any]] = []
         self._pool: ProcessPoolExecutor | None = None
 
     def _claim(self, out: Path) -> Path:
@@ -223,33 +228,69 @@ class AuditStrategy(Strategy):
                 "hyperparameters": jsonable(self.hyperparameters), "shape": list(self.shape),
                 "input_transform": getattr(self.input_transform, "to_dict", lambda: None)(),
                 "batchnorm": self.batchnorm, "model": self.model_ref}
-        write_update(path, sent.to_torch_state_dict(), received.to_torch_state_dict(), meta)
+        before, after = sent.to_torch_state_dict(), received.to_torch_state_dict()
+        write_update(path, before, after, meta)
         if not self.options.methods:  # recording only: `gradleak fedavg-invert` later
             return
-        truth = self.truth(int(node), reply) if self.truth is not None else None
-        job = (path, self.model_fn, self.options, path.parent, truth, self.reference,
-               self.input_transform)
         row = {"round": server_round, "node_id": int(node), "update": str(path)}
-        if self.workers == 0:
-            self._jobs.append((row, audit_update(*job)))
+        gap = self._cannot_audit(settings, examples, before, after)
+        if gap is not None:  # said now, on the console, not after the last round
+            self._failures.append({**row, "error": gap})
+            say(f"round {server_round}, node {node}: not audited: {gap}")
             return
-        if self._pool is None:
-            self._pool = ProcessPoolExecutor(self.workers,
-                                             mp_context=multiprocessing.get_context("spawn"))
-        self._jobs.append((row, self._pool.submit(audit_update, *job)))
+        truth = self.truth(int(node), reply) if self.truth is not None else None
+        for method in self.options.methods:  # one job per method: a free worker takes the next
+            options = dataclasses.replace(self.options, methods=(method,))
+            job = (path, self.model_fn, options, path.parent, truth, self.reference,
+                   self.input_transform, None, None, f"{path.stem}-{method}")
+            info = {**row, "method": method}
+            if self.workers == 0:
+                say(f"round {server_round}, node {node}: {method} ...")
+                self._jobs.append((info, audit_update(*job)))
+                say(f"round {server_round}, node {node}: {method} done")
+                continue
+            if self._pool is None:
+                self._pool = ProcessPoolExecutor(
+                    self.workers, mp_context=multiprocessing.get_context("spawn"))
+            future = self._pool.submit(audit_update, *job)
+            future.add_done_callback(lambda done, where=f"round {server_round}, node {node}: "
+                                     f"{method}": say(where + (" done" if not done.exception()
+                                                               else " failed")))
+            self._jobs.append((info, future))
+        say(f"round {server_round}, node {node}: update recorded, "
+            f"{len(self.options.methods)} audit(s) queued")
+
+    def _cannot_audit(self, settings: dict[str, Any], examples: int,
+                      before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]
+                      ) -> str | None:
+        """Why an update cannot be audited from what was declared (checked before any work)."""
+        if self.options.labels == "known":
+            return None
+        training = Training.from_mapping({**settings, **self.hyperparameters},
+                                         "the round's config and hyperparameters")
+        steps = counted_steps(self.model_fn(), before, after) \
+            if (self.options.batchnorm or self.batchnorm) == "train" else None
+        gap = inference_gap(training, steps or training.local_steps(examples))
+        return None if gap is None else (
+            f"labels were not given, and {gap}: the round's config holds "
+            f"{sorted(settings) or 'nothing'}; declare the rest with AuditStrategy("
+            "hyperparameters={'local-epochs': ..., 'batch-size': ...}) (what the clients read "
+            "from Flower's run config), or labels='known' with truth=")
 
     def finish(self) -> Path:
         """Wait for the audits still running; write audit.json and report.html."""
         from gradleak.report.fedavg import write_fedavg_report
 
         rows: list[dict[str, Any]] = []
-        failures = []
+        failures = list(self._failures)
         try:
             for info, job in self._jobs:
                 try:
                     found = job.result() if isinstance(job, Future) else job
                 except ConfigError as error:  # a bad update is named, the others still count
                     failures.append({**info, "error": str(error)})
+                    say(f"round {info['round']}, node {info['node_id']}: {info['method']} "
+                        f"failed: {error}")
                     continue
                 rows += [{**r, "update": str(Path(info["update"]).relative_to(self.out))}
                          for r in found]
@@ -257,12 +298,21 @@ class AuditStrategy(Strategy):
             if self._pool is not None:
                 self._pool.shutdown()
                 self._pool = None
-        audit = {"format": AUDIT_FORMAT, "status": "complete", "finished": time.time(),
+        status = "failed" if failures and not rows else "partial" if failures else "complete"
+        audit = {"format": AUDIT_FORMAT, "status": status, "finished": time.time(),
                  "model": self.model_ref, "shape": list(self.shape),
                  "options": self.options.to_dict(), "every": self.every,
                  "summary": summarise(rows), "rows": rows, "failures": failures}
         write_json(self.out / "audit.json", audit)
-        return write_fedavg_report(self.out, audit)
+        report = write_fedavg_report(self.out, audit)
+        say(f"{len({r['update'] for r in rows})} update(s) audited, {len(failures)} audit(s) "
+            f"failed ({status}) -> {report}")
+        return report
+
+
+def say(line: str) -> None:
+    """Progress and failures on the console, as they happen (stderr, beside Flower's log)."""
+    print(f"gradleak audit: {line}", file=sys.stderr, flush=True)
 
 
 def single(records: Any, where: str, kind: str) -> Any:

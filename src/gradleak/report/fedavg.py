@@ -25,22 +25,40 @@ def common_norm(rows: Sequence[dict[str, Any]]) -> float | None:
     return high if high > 0 and (high - low) <= 1e-4 * high else None
 
 
+def scores_text(scores: dict[str, float]) -> str:
+    return ", ".join([f"PSNR {scores['psnr']:.2f} dB"] + [f"{k.upper()} {scores[k]:.3f}"
+                                                         for k in ("ssim", "lpips") if k in scores])
+
+
+def against(entry: dict[str, Any]) -> str:
+    """The method set against the mean image on every metric (`metrics.leak`), and each image's
+    own mean colour beside it."""
+    if "mean_image" not in entry:
+        return ""
+    found = entry.get("leaks", [])
+    verdict = ("beyond it on " + ", ".join(found) + ": the update leaks more than the data's "
+               "average") if found else "at it on PSNR, SSIM and LPIPS: no better than the " \
+        "average image"
+    colour = entry.get("mean_colour")
+    return (f" against the mean image's {scores_text(entry['mean_image'])} (no gradient), "
+            f"{verdict}" + (f"; each image's own mean colour (an oracle) scores "
+                            f"{scores_text(colour)}" if colour else ""))
+
+
 def verdict_lines(audit: dict[str, Any]) -> list[str]:
     rows, summary = audit.get("rows", []), audit.get("summary", {})
     if not rows:
         return ["No client update was audited (see failures below)."]
     lines = [f"{len({r['update'] for r in rows})} client update(s) audited with "
              f"{', '.join(summary)}."]
+    if audit.get("options", {}).get("labels") == "known":
+        lines.append("Labels known: an oracle. The clients' true labels were handed to the "
+                     "attacks; a server infers them from the output bias (labels='infer').")
     for method, entry in summary.items():
         if "psnr" in entry:
-            reference = entry.get("mean_image_psnr")
-            against = "" if reference is None else (
-                f" against {reference:.2f} dB for the mean image (no gradient): "
-                + ("the update leaks more than the data's average"
-                   if entry["psnr"] > reference else "no better than the average image"))
             lines.append(f"{method}: {entry['psnr']:.2f} dB, SSIM {entry['ssim']:.3f}"
                          + (f", LPIPS {entry['lpips']:.3f}" if "lpips" in entry else "")
-                         + against + ".")
+                         + against(entry) + ".")
         else:
             lines.append(f"{method}: matching loss {entry['l_sim']:.4f} (no truth to score).")
         if "labels_inferred_right" in entry:

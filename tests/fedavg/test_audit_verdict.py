@@ -1,0 +1,52 @@
+"""The FedAvg audit's verdict reads SSIM and LPIPS beside PSNR, by the RL verdict's rule
+(`metrics.leak`), and shows each image's own mean colour beside the mean image."""
+
+from __future__ import annotations
+
+import torch
+
+from gradleak.fedavg.audit import Truth, score_row, summarise
+from gradleak.report.fedavg import verdict_lines
+
+
+def row(psnr: float, ssim: float, lpips: float) -> dict:
+    reference = {"psnr": 12.8, "ssim": 0.45, "lpips": 0.11}
+    return {"method": "sme", "update": "node-1.safetensors", "l_sim": 0.1, "seconds": 1.0,
+            "warnings": [], "num_examples": 4, "labels_inferred": True, "psnr": psnr,
+            "ssim": ssim, "lpips": lpips, "psnr_gain_over_mean_image": psnr - reference["psnr"],
+            "mean_image": reference, "mean_colour": {"psnr": 9.9, "ssim": 0.3, "lpips": 0.5}}
+
+
+def test_an_attack_at_the_mean_image_in_psnr_but_far_closer_in_lpips_leaks() -> None:
+    summary = summarise([row(13.0, 0.46, 0.05)])
+    assert summary["sme"]["leaks"] == ["LPIPS 0.050 against 0.110"]
+    text = " ".join(verdict_lines({"rows": [row(13.0, 0.46, 0.05)], "summary": summary}))
+    assert "beyond it on LPIPS 0.050 against 0.110" in text
+    assert "own mean colour (an oracle) scores PSNR 9.90 dB" in text
+
+
+def test_an_attack_at_the_mean_image_on_all_three_metrics_is_said_so() -> None:
+    summary = summarise([row(13.2, 0.46, 0.10)])
+    assert summary["sme"]["leaks"] == []
+    text = " ".join(verdict_lines({"rows": [row(13.2, 0.46, 0.10)], "summary": summary}))
+    assert "at it on PSNR, SSIM and LPIPS" in text
+
+
+def test_each_scored_row_carries_the_per_image_mean_colour(tmp_path) -> None:
+    generator = torch.Generator().manual_seed(0)
+    images = torch.rand(3, 1, 8, 8, generator=generator)
+    colour = images.mean((2, 3), keepdim=True).expand_as(images)
+    scored = score_row(colour.clone(), torch.tensor([0, 1, 2]), Truth(images), None, None,
+                       tmp_path / "p.png", "sme")
+    # the attack returned exactly each image's mean colour: the oracle's scores are its own
+    assert abs(scored["mean_colour"]["psnr"] - scored["psnr"]) < 1e-6
+
+
+def test_a_labels_known_audit_is_named_an_oracle() -> None:
+    rows = [row(13.0, 0.46, 0.05)]
+    text = " ".join(verdict_lines({"rows": rows, "summary": summarise(rows),
+                                   "options": {"labels": "known"}}))
+    assert "Labels known: an oracle" in text
+    assert "oracle. The" not in " ".join(verdict_lines({"rows": rows,
+                                                         "summary": summarise(rows),
+                                                         "options": {"labels": "infer"}}))
