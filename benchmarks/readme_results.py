@@ -546,23 +546,26 @@ def vit_frames() -> tuple[str, str]:
 def fedavg_span() -> tuple[str, str]:
     data = load("fedavg_span.json")
     rows = data["rows"]
+    settings = sorted({(r["model"], r["epochs"], r["samples"], r["batch"]) for r in rows},
+                      key=lambda s: (s[0] != "mlp", s[2]))
 
-    def cell(samples: int, kept: bool) -> str:
-        group = [r for r in rows if r["samples"] == samples and r["span"] == kept]
-        exact = sum(r["exact"] for r in group)
+    def cell(setting: tuple, used: bool) -> str:
+        group = [r for r in rows if (r["model"], r["epochs"], r["samples"], r["batch"])
+                 == setting and r["span"] == used]
         best = max(statistics.median(r["psnr"] for r in group if r["method"] == m)
                    for m in {r["method"] for r in group})
-        return f"{best:.2f} dB, {exact} of {samples * len(group)} exact"
+        return f"{best:.2f} dB, {sum(r['exact'] for r in group)} of {setting[2] * len(group)} " \
+               "exact"
 
-    settings = sorted({(r["epochs"], r["samples"], r["batch"]) for r in rows},
-                      key=lambda s: s[1])
-    mean = {s[1]: statistics.median(r["mean_image"]["psnr"] for r in rows
-                                    if r["samples"] == s[1]) for s in settings}
-    return ("an MLP client's images kept in the span its first layer's update determines "
+    def mean(setting: tuple) -> float:
+        return statistics.median(r["mean_image"]["psnr"] for r in rows if
+                                 (r["model"], r["epochs"], r["samples"], r["batch"]) == setting)
+
+    return ("FedAvg attacks with the spans Linear layers' updates determine, and without "
             f"(digits, IG / SME / NL-SME, labels inferred, {data['iterations']} iterations; "
             "best method's median PSNR, images ≥ 40 dB)",
-            "; ".join(f"E/N/B {e}/{n}/{b}: span {cell(n, True)}, without {cell(n, False)} "
-                      f"(mean digit {mean[n]:.2f})" for e, n, b in settings))
+            "; ".join(f"{s[0]} E/N/B {s[1]}/{s[2]}/{s[3]}: {cell(s, True)}, without "
+                      f"{cell(s, False)} (mean digit {mean(s):.2f})" for s in settings))
 
 
 def demo() -> tuple[str, str]:

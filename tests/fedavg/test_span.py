@@ -10,12 +10,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.func import functional_call
 
 from gradleak.fedavg import Normalize, invert_update
 from gradleak.fedavg.client import ClientConfig, train_client
 from gradleak.fedavg.forward import identity
 from gradleak.fedavg.models import FEDAVG_MODELS
-from gradleak.fedavg.span import first_linear, image_span, project_box
+from gradleak.fedavg.span import feature_spans, first_linear, image_span, off_span, project_box
 
 
 def client(samples: int = 6, epochs: int = 5, batch: int = 2, optimiser: str = "sgd",
@@ -135,3 +136,41 @@ def test_invert_update_keeps_an_mlp_clients_images_in_the_span() -> None:
         if kept:
             assert result.span["rank"] == 4
     assert errors[True] < 1e-4 and errors[False] > 10 * errors[True], errors  # ≥ 40 dB
+
+
+def one_step_cnn(samples: int, steps: int = 1):
+    generator = torch.Generator().manual_seed(2)
+    images = torch.rand(samples, 1, 28, 28, generator=generator, dtype=torch.float64)
+    labels = torch.randint(0, 10, (samples,), generator=generator)
+    torch.manual_seed(0)
+    model = FEDAVG_MODELS.get("flower-cnn")(1, 28, 10).double()
+    config = ClientConfig(epochs=steps, samples=samples, batch=samples, lr=0.05)
+    return model, images, train_client(model, images, labels, config)
+
+
+def test_a_one_step_update_spans_every_linear_layers_inputs_on_the_private_images() -> None:
+    model, images, update = one_step_cnn(3)
+    spans = feature_spans(model, update.w0, update.wT, 3)
+    assert set(spans) == {"7", "9", "11"}  # Flower's template: its three Linear layers
+    seen = {}
+    hooks = [model[int(name)].register_forward_pre_hook(
+        lambda _, inputs, name=name: seen.__setitem__(name, inputs[0])) for name in spans]
+    with torch.no_grad():
+        functional_call(model, update.w0, (images,))
+        truth = {name: float(off_span(seen[name], spans[name])) for name in spans}
+        functional_call(model, update.w0, (torch.rand(3, 1, 28, 28, dtype=torch.float64),))
+        other = {name: float(off_span(seen[name], spans[name])) for name in spans}
+    for hook in hooks:
+        hook.remove()
+    assert max(truth.values()) <= 1e-12
+    assert other["7"] > 1e-3  # the first Linear layer's span rules out other images
+
+
+def test_the_attack_uses_feature_spans_only_for_a_one_step_update() -> None:
+    for steps, expected in ((1, ["11", "7", "9"]), (2, [])):
+        model, images, update = one_step_cnn(2, steps)
+        result = invert_update(model.float(), {k: v.float() for k, v in update.w0.items()},
+                               {k: v.float() for k, v in update.wT.items()}, samples=2,
+                               shape=(1, 28, 28), method="ig", iterations=2,
+                               hyperparameters={"lr": 0.05, "epochs": steps, "batch": 2})
+        assert result.span["feature_spans"] == expected

@@ -17,7 +17,9 @@ def run(args: argparse.Namespace) -> None:
                           lr=args.client_lr, optimiser=args.optimiser,
                           batchnorm_train=args.batchnorm_train, seed=args.seed)
     attack = FedAttackConfig(method=args.attack, iterations=args.iters, cls=args.cls,
-                             labels=args.labels, span=not args.no_span, seed=args.seed)
+                             labels=args.labels, span=not args.no_span,
+                             feature_span=0.0 if args.no_span else FedAttackConfig.feature_span,
+                             seed=args.seed)
     result = run_fedavg(args.dataset, args.model, client, attack, Path(args.out),
                         progress=progress(args))
     text = (f"{args.attack} on {result['dataset']} (E={args.epochs}, N={args.samples}, "
@@ -34,8 +36,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dataset", default="digits",
                    help="digits, photos (embedded stand-ins), femnist:PATH or cifar100:PATH")
     p.add_argument("--model", default="cnn",
-                   help="cnn (LEAF/SME), cnn-bn, lenet-sigmoid or mlp (first layer Linear on "
-                   "the image: its update holds the images' span, which the attack keeps to)")
+                   help="cnn (LEAF/SME), cnn-bn, lenet-sigmoid, flower-cnn (Flower's template) or "
+                   "mlp (first layer Linear on the image: its update holds the images' span, "
+                   "which the attack keeps to)")
     p.add_argument("--epochs", type=int, default=20)
     p.add_argument("--samples", type=int, default=50)
     p.add_argument("--batch", type=int, default=10)
@@ -50,8 +53,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    help="infer the client's labels from its output-layer bias update "
                    "(default), or assume them known (stated in the results)")
     p.add_argument("--no-span", action="store_true",
-                   help="do not keep the dummy images in the span a first Linear layer's update "
-                   "determines (the control for --model mlp)")
+                   help="the control: use no span a Linear layer's update determines (the "
+                   "images' span of a first Linear layer; each Linear layer's input span of a "
+                   "one-step update)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True)
     p.set_defaults(func=run)

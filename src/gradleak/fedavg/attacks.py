@@ -31,7 +31,7 @@ from torch.func import functional_call, grad
 from gradleak.errors import ConfigError
 from gradleak.fedavg.client import ClientUpdate
 from gradleak.fedavg.forward import ClientForward
-from gradleak.fedavg.span import ImageSpan, project_box
+from gradleak.fedavg.span import ImageSpan, off_span, project_box
 
 METHODS = ("ig", "sme", "nlsme", "sme-dvec", "nlsme-nod")
 CURVED = {"nlsme", "nlsme-nod"}
@@ -56,6 +56,9 @@ class FedAttackConfig:
     # keep the dummy images in the span a first Linear layer's update determines (fedavg.span),
     # where the model has one; no effect on a model that starts with a convolution
     span: bool = True
+    # weight of the share of each Linear layer's dummy inputs outside the span its update
+    # determines, for a one-step update (fedavg.span.feature_spans); 0 turns it off
+    feature_span: float = 0.1
     seed: int = 0
 
     def check(self) -> None:
@@ -64,6 +67,8 @@ class FedAttackConfig:
                               f"{', '.join(METHODS)}")
         if self.iterations < 1:
             raise ConfigError(f"iterations {self.iterations}: expected >= 1")
+        if not (math.isfinite(self.feature_span) and self.feature_span >= 0):
+            raise ConfigError(f"feature_span {self.feature_span}: expected a finite weight >= 0")
         if not (math.isfinite(self.cls) and self.cls >= 0):
             raise ConfigError(f"--cls {self.cls}: expected a finite λ_cls >= 0")
         if self.seed < 0:
@@ -145,13 +150,15 @@ class UpdateInversion:
 
     def __init__(self, model: nn.Module, update: ClientUpdate, shape: tuple[int, ...],
                  classes: int, config: FedAttackConfig, *, labels: torch.Tensor | None = None,
-                 client: ClientForward | None = None, span: ImageSpan | None = None) -> None:
+                 client: ClientForward | None = None, span: ImageSpan | None = None,
+                 features: dict[str, torch.Tensor] | None = None) -> None:
         """What the server holds: the model (architecture, w0), the update w0 → w_T and the
         client's declared settings. Labels are inferred from the update unless the config
         declares them known (the update then carries them) or they are given here. `client`
         says how the client's forward pass ran (input transform, BatchNorm mode, buffers); by
         default the model's own buffers with BatchNorm in eval mode, inputs in [0, 1]. `span`:
-        the images' span, which every step projects the dummy images back onto."""
+        the images' span, which every step projects the dummy images back onto. `features`:
+        for a one-step update, the span of each Linear layer's inputs (a penalty term)."""
         config.check()
         self.model, self.update, self.config = model.eval(), update, config
         self.client = client or ClientForward(
@@ -163,6 +170,7 @@ class UpdateInversion:
         count = len(labels) if labels is not None else update.config.samples
         self.images = torch.randn(count, *shape, generator=generator).clamp(0, 1)
         self.span = span
+        self.features = features if features and config.feature_span else {}
         if span is not None:
             self.images = project_box(span, self.images)
         self.labels = labels if labels is not None else self._labels(classes)
@@ -204,6 +212,10 @@ class UpdateInversion:
         if running is not None:
             total = total + self.client.running_weight * running
             extra["running_stats"] = float(running.detach())
+        if self.features:
+            outside = self.feature_gap()
+            total = total + self.config.feature_span * outside
+            extra["feature_span"] = float(outside.detach())
         if self.config.cls:
             with self.client.mode(self.model):
                 logits = functional_call(self.model, (self.update.wT, self.buffers),
@@ -216,6 +228,24 @@ class UpdateInversion:
                 raw_similarity = float(cosine_distance(raw, self.direction, self.direction_norm))
         return total, {"l_sim_raw": raw_similarity, "l_sim_scaled": float(similarity.detach()),
                        **extra}
+
+    def feature_gap(self) -> torch.Tensor:
+        """Σ over the spanned Linear layers of the dummy inputs' share outside the span, at w0
+        (where a one-step update's gradient was taken)."""
+        seen: dict[str, torch.Tensor] = {}
+        modules = dict(self.model.named_modules())
+        hooks = [modules[name].register_forward_pre_hook(
+            lambda _, inputs, name=name: seen.__setitem__(name, inputs[0]))
+            for name in self.features]
+        try:
+            with self.client.mode(self.model):
+                functional_call(self.model, (self.update.w0, self.buffers),
+                                (self.client.transform(self.images),))
+        finally:
+            for hook in hooks:
+                hook.remove()
+        return sum(off_span(seen[name].flatten(1), basis)
+                   for name, basis in self.features.items()).float()
 
     def parameter_groups(self) -> list[dict[str, Any]]:
         groups = [{"params": [self.images], "lr": self.config.lr_images}]

@@ -16,7 +16,7 @@ from gradleak.fedavg.datasets import load_dataset
 from gradleak.fedavg.models import FEDAVG_MODELS
 from gradleak.fedavg.forward import identity
 from gradleak.fedavg.scoring import hungarian_match
-from gradleak.fedavg.span import image_span
+from gradleak.fedavg.span import feature_spans, image_span
 from gradleak.io import check_output, write_json
 from gradleak.metrics.images import mse, psnr, ssim
 
@@ -41,8 +41,10 @@ def run_fedavg(dataset: str, model_name: str, client: ClientConfig, attack: FedA
     rss_before, start = peak_rss_mb(), time.perf_counter()
     span, span_note = image_span(model, update.w0, update.wT, tuple(images.shape[1:]),
                                  client.samples, identity) if attack.span else (None, "off")
+    features = feature_spans(model, update.w0, update.wT, client.samples) \
+        if update.steps == 1 else None
     inversion = UpdateInversion(model, update, tuple(images.shape[1:]), data.classes, attack,
-                                span=span)
+                                span=span, features=features)
     used = inversion.labels
     result = inversion.run(progress)
     seconds = time.perf_counter() - start
@@ -60,7 +62,8 @@ def run_fedavg(dataset: str, model_name: str, client: ClientConfig, attack: FedA
                "l_sim_scaled": result["l_sim_scaled"] if attack.method in ("nlsme", "sme-dvec")
                else None,
                "path_position": result["position"], "seconds": seconds,
-               "span": span.summary() if span is not None else {"unused": span_note},
+               "span": {**(span.summary() if span is not None else {"unused": span_note}),
+                        "feature_spans": sorted(inversion.features)},
                "peak_rss_growth_mb": max(0.0, peak_rss_mb() - rss_before),
                **{k: float(v.mean()) for k, v in scores.items()},
                **{f"{k}_std": float(v.std()) for k, v in scores.items()}}

@@ -34,7 +34,7 @@ from gradleak.fedavg.client import ClientUpdate
 from gradleak.fedavg.forward import (BATCHNORM_MODES, ClientForward, Transform, batchnorm_layers,
                                      identity, running_targets)
 from gradleak.fedavg.labels import counts_from_bias, labels_from_counts
-from gradleak.fedavg.span import image_span
+from gradleak.fedavg.span import feature_spans, image_span
 
 # 1 − cosine above this after the optimisation: the dummy data do not explain the update
 POOR_FIT = 0.2
@@ -265,8 +265,9 @@ def invert_update(model: nn.Module, w0: Mapping[str, Any], wT: Mapping[str, Any]
     start = time.perf_counter()
     span, span_note = image_span(model, params0, paramsT, shape, samples, transform) \
         if config.span else (None, "off")
+    features = feature_spans(model, params0, paramsT, samples) if steps == 1 else None
     inversion = UpdateInversion(model, update, shape, classes, config, labels=chosen,
-                                client=client, span=span)
+                                client=client, span=span, features=features)
     result = inversion.run(progress)
     if result["l_sim_raw"] > POOR_FIT:
         notes.append(f"the dummy data explain the update poorly (1 − cosine "
@@ -280,7 +281,8 @@ def invert_update(model: nn.Module, w0: Mapping[str, Any], wT: Mapping[str, Any]
         training={**training.to_dict(), "steps_used": steps}, batchnorm=batchnorm,
         running_stats=result.get("running_stats"), seconds=time.perf_counter() - start,
         path_position=result["position"],
-        span=span.summary() if span is not None else {"unused": span_note}, classes=classes,
+        span={**(span.summary() if span is not None else {"unused": span_note}),
+              "feature_spans": sorted(inversion.features)}, classes=classes,
         warnings=notes)
 
 

@@ -57,3 +57,14 @@ def mlp(channels: int, size: int, classes: int) -> nn.Module:
     spans the client's images exactly (fedavg.span)."""
     return nn.Sequential(nn.Flatten(), nn.Linear(channels * size * size, 256), nn.ReLU(),
                          nn.Linear(256, classes))
+
+
+@FEDAVG_MODELS.register("flower-cnn")
+def flower_cnn(channels: int, size: int, classes: int) -> nn.Module:
+    """Flower's PyTorch template CNN: 5×5 conv 6 → ReLU → 2×2 max-pool → 5×5 conv 16 → ReLU →
+    max-pool → 120 → 84 → classes (28×28 digits or 32×32 photos)."""
+    pooled = ((size - 4) // 2 - 4) // 2
+    return nn.Sequential(nn.Conv2d(channels, 6, 5), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Conv2d(6, 16, 5), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+                         nn.Linear(16 * pooled * pooled, 120), nn.ReLU(), nn.Linear(120, 84),
+                         nn.ReLU(), nn.Linear(84, classes))

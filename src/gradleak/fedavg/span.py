@@ -153,6 +153,32 @@ def image_span(model: nn.Module, w0: dict[str, torch.Tensor], wT: dict[str, torc
     return ImageSpan(basis, tuple(shape), name, gap), ""
 
 
+def feature_spans(model: nn.Module, w0: dict[str, torch.Tensor], wT: dict[str, torch.Tensor],
+                  samples: int) -> dict[str, torch.Tensor]:
+    """For a one-step update (a gradient): each Linear layer with bias whose update shows a
+    rank-N gap, and the orthonormal rows (N, inputs + 1) spanning {[input_n, 1]}, the layer's
+    inputs on the N private images. After several steps the layers below have moved between
+    them, so the span holds only for the first layer (`image_span`)."""
+    spans = {}
+    for name, module in model.named_modules():
+        if not (isinstance(module, nn.Linear) and module.bias is not None
+                and min(module.out_features, module.in_features + 1) > samples):
+            continue
+        update = torch.cat([(w0[f"{name}.weight"] - wT[f"{name}.weight"]).double(),
+                            (w0[f"{name}.bias"] - wT[f"{name}.bias"]).double()[:, None]], 1)
+        values = torch.linalg.svdvals(update)
+        if values[samples - 1] >= MIN_GAP * values[samples]:
+            spans[name] = torch.linalg.svd(update, full_matrices=False).Vh[:samples]
+    return spans
+
+
+def off_span(features: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
+    """The share of ‖[features, 1]‖² outside the span (0 for the private images' own)."""
+    full = torch.cat([features.double(), features.new_ones(len(features), 1).double()], 1)
+    outside = full - (full @ basis.T) @ basis
+    return (outside ** 2).sum() / (full ** 2).sum()
+
+
 def project_box(span: ImageSpan, images: torch.Tensor, rounds: int = 3) -> torch.Tensor:
     """Alternate the span and the box [0, 1]: both are convex and hold every private image, so
     no projection moves an estimate farther from any of them."""
