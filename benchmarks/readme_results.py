@@ -568,6 +568,15 @@ def fedavg_span() -> tuple[str, str]:
                       f"{cell(s, False)} (mean digit {mean(s):.2f})" for s in settings))
 
 
+def record_memory() -> tuple[str, str]:
+    rows = load("record_memory.json")["rows"]
+    return ("`record()`'s peak memory against the rollout's length (paper `cnn` 84×84, one "
+            "episode)",
+            "; ".join(f"{r['steps']} steps: {r['peak_rss_mb'] / 1024:.2f} GB peak RSS (all rows "
+                      f"in memory would take {r['all_rows_in_memory_mb'] / 1024:.1f} GB)"
+                      for r in rows))
+
+
 def demo() -> tuple[str, str]:
     data = load("demo.json")
     methods = data["evaluation"]["methods"]
@@ -581,6 +590,7 @@ ROWS: dict[str, Callable[[], tuple[str, str]]] = {
     "audit_paper.json": audit_paper,
     "defense_aware.json": defense_aware, "vit_frames.json": vit_frames,
     "action_recovery.json": action_recovery, "capture.json": capture,
+    "record_memory.json": record_memory,
     "recovery_speed.json": recovery_speed,
     **({"gpu_check.json": gpu_check} if (RESULTS / "gpu_check.json").exists() else {}),
     "victim_training_ppo.json": victim_training("ppo"),

@@ -8,6 +8,8 @@
 Each row's gradient is the victim's loss on that step alone at its current θ (θ0), with the
 advantages as given: they are what the client's loss used, and `advantage_norm` says how they
 were normalised (stored, never assumed). Rows must come grouped by episode, in step order.
+Gradients are computed and written in chunks (CHUNK_BYTES), so memory does not grow with the
+rollout.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from gradleak.rl.losses import LOSS_KEYS, LossCoefficients, parse_advantage_norm
 from gradleak.victims.base import Victim, layer_table
 
 SPLITS = ("train", "heldout")
+CHUNK_BYTES = 64 * 2 ** 20  # gradient rows held in memory at once (the rest is on disk)
 
 
 def record(victim: Victim, out: str | os.PathLike[str], *, images: np.ndarray,
@@ -56,14 +59,16 @@ def record(victim: Victim, out: str | os.PathLike[str], *, images: np.ndarray,
                       torch.as_tensor(returns, dtype=torch.float32), torch.zeros(steps),
                       None if goals is None else torch.as_tensor(goals, dtype=torch.float32),
                       None if hidden is None else torch.as_tensor(hidden, dtype=torch.float32))
-    with torch.no_grad():
-        logits, values = victim(batch.images, batch.goals, batch.hidden)
-    log_pi = logits.log_softmax(-1)
+    layers = layer_table(victim)
+    chunk = rows_per_chunk(sum(layer.size for layer in layers))
+    with torch.no_grad():  # in chunks: a long rollout's activations need not fit at once
+        outputs = [victim(part.images, part.goals, part.hidden) for part in
+                   (batch.slice(a, a + chunk) for a in range(0, steps, chunk))]
+    log_pi = torch.cat([logits for logits, _ in outputs]).log_softmax(-1)
+    values = torch.cat([value for _, value in outputs])
     batch.old_log_probs = (log_pi.gather(-1, batch.actions[:, None])[:, 0]
                            if old_log_probs is None
                            else torch.as_tensor(old_log_probs, dtype=torch.float32))
-    layers = layer_table(victim)
-    gradients = per_step_gradients(victim, batch, coefficients, layers, ppo=algorithm == "ppo")
     columns = {"images": np.asarray(images), "actions": np.asarray(actions, np.int64),
                "advantages": np.asarray(advantages, np.float32),
                "advantages_raw": np.asarray(advantages, np.float32),
@@ -92,8 +97,14 @@ def record(victim: Victim, out: str | os.PathLike[str], *, images: np.ndarray,
                                overwrite=overwrite, gradient_dtype="float32")
         try:
             for number, (start, stop) in enumerate(episodes):
-                writer.append_episode(_episode_rows(columns, start, stop, number),
-                                      gradients[start:stop].numpy())
+                for first in range(start, stop, chunk):  # each chunk's gradients, then the next
+                    last = min(first + chunk, stop)
+                    gradients = per_step_gradients(victim, batch.slice(first, last),
+                                                   coefficients, layers, algorithm == "ppo",
+                                                   chunk=chunk)
+                    writer.append_rows(_episode_rows(columns, first, last, number, start, stop),
+                                       gradients.numpy())
+                writer.end_episode()
         finally:
             writer.close()
         writer.finish()
@@ -189,6 +200,12 @@ def _check_optional(steps: int, old_log_probs: Any, rewards: Any, split: Any, so
         raise ConfigError(f"source {source!r}: expected a string")
 
 
+def rows_per_chunk(gradient_dim: int) -> int:
+    """Steps whose gradients are held at once: CHUNK_BYTES of float32, 1 to 32 steps, so the
+    memory `record` needs does not grow with the rollout."""
+    return max(1, min(32, CHUNK_BYTES // (4 * gradient_dim)))
+
+
 def _episode_bounds(episode_ids: np.ndarray) -> list[tuple[int, int]]:
     starts = np.flatnonzero(np.r_[True, episode_ids[1:] != episode_ids[:-1]])
     if len(np.unique(episode_ids)) != len(starts):
@@ -197,11 +214,13 @@ def _episode_bounds(episode_ids: np.ndarray) -> list[tuple[int, int]]:
     return [(int(a), int(b)) for a, b in zip(starts, stops, strict=True)]
 
 
-def _episode_rows(columns: dict[str, np.ndarray], start: int, stop: int, number: int
-                  ) -> dict[str, np.ndarray]:
-    n = stop - start
+def _episode_rows(columns: dict[str, np.ndarray], first: int, last: int, number: int,
+                  start: int, stop: int) -> dict[str, np.ndarray]:
+    """Rows first..last of the episode that runs start..stop."""
+    n = last - first
     dones = np.zeros(n, bool)
-    dones[-1] = True
-    return {**{name: values[start:stop] for name, values in columns.items()}, "dones": dones,
+    dones[-1] = last == stop
+    return {**{name: values[first:last] for name, values in columns.items()}, "dones": dones,
             "terminated": np.zeros(n, bool), "episode_ids": np.full(n, number, np.int64),
-            "scene_ids": np.zeros(n, np.int32), "step_in_episode": np.arange(n, dtype=np.int32)}
+            "scene_ids": np.zeros(n, np.int32),
+            "step_in_episode": np.arange(first - start, last - start, dtype=np.int32)}

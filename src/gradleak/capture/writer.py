@@ -87,6 +87,7 @@ class CaptureWriter:
         self.columns = columns
         self.already_complete = False
         self._full = False  # a write met a full disk: close without flushing
+        self._pending = 0  # rows of the episode being written, not yet committed
         if overwrite:
             refuse_unless_capture(self.path)
         if self.path.exists() and not overwrite:
@@ -220,8 +221,15 @@ class CaptureWriter:
                        factors: np.ndarray | None = None) -> None:
         """`gradients`: the rows' stored columns; `factors`: the rows of `gradient_factors`,
         when the file keeps weights factored (gradleak.capture.layout)."""
+        self.append_rows(steps, gradients, factors)
+        self.end_episode()
+
+    def append_rows(self, steps: dict[str, np.ndarray], gradients: np.ndarray,
+                    factors: np.ndarray | None = None) -> None:
+        """Part of an episode, written but not yet counted: a crash before `end_episode`
+        drops it whole, so an episode far larger than memory is written in pieces."""
         n = len(gradients)
-        start = self.num_rows
+        start = self._rows + self._pending
         blocks = {**{column.name: steps[column.name] for column in self.columns},
                   GRADIENTS: gradients}
         if (factors is not None) != bool(factor_datasets(self._file)):
@@ -243,7 +251,7 @@ class CaptureWriter:
                 data.resize(start + n, axis=0)
                 data[start:start + n] = values
             self._file.flush()
-            self._commit(start + n)
+            self._pending += n
         except (OSError, RuntimeError) as error:  # the disk filled past the estimate
             if not is_disk_full(error):
                 raise
@@ -252,6 +260,11 @@ class CaptureWriter:
                                 f"(another process, or rows compressed worse than before); the "
                                 f"{self._rows} steps committed resume with --resume once there "
                                 "is room") from None
+
+    def end_episode(self) -> None:
+        """Count the rows written since the last episode's end as one episode."""
+        self._commit(self._rows + self._pending)
+        self._pending = 0
 
     def _commit(self, rows: int) -> None:
         """The episode counts once its end is in the marker (after its rows are flushed)."""
