@@ -225,3 +225,14 @@ def test_a_callback_records_what_the_client_sends_during_learn(capsys, tmp_path:
     layers = layer_table(integration.victim(model))
     flat = torch.cat([reference[layer.name].flatten() for layer in layers])
     assert float((row - flat).norm() / flat.norm()) <= 1e-5
+
+
+def test_frames_are_reordered_with_one_copy_and_the_same_rows() -> None:
+    from gradleak.integrations.sb3_capture import frames_in_order
+
+    rng = np.random.default_rng(0)
+    frames = rng.integers(0, 256, (5, 3, 4, 6, 7), dtype=np.uint8)  # (T, N, C, H, W)
+    order = rng.permutation(15)
+    expected = frames.transpose(0, 1, 3, 4, 2).reshape(15, 6, 7, 4)[order]
+    found = frames_in_order(frames, order, chunk=4)
+    assert found.flags["C_CONTIGUOUS"] and np.array_equal(found, expected)
