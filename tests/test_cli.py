@@ -234,3 +234,17 @@ def test_attack_exact_checks_its_settings_before_reading_or_writing(capsys, tmp_
                  str(tmp_path / "exact"), "--set", "attack.exact.iterations=0"]) == 2
     assert "attack.exact.iterations=0" in capsys.readouterr().err
     assert not (tmp_path / "exact").exists()
+
+
+def test_experiment_help_lists_every_registered_experiment_and_preset(capsys) -> None:
+    from gradleak.cli.experiment import NAMES
+    from gradleak.experiments import EXPERIMENTS
+
+    assert sorted(NAMES) == sorted(EXPERIMENTS.names())
+    with pytest.raises(SystemExit):
+        main(["experiment", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert all(name in text for name in NAMES)
+    from gradleak.presets import PRESETS
+
+    assert all(name in text for name in PRESETS)  # --preset's choices, named too

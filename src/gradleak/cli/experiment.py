@@ -8,6 +8,9 @@ from pathlib import Path
 from gradleak.cli.common import common_flags, emit, progress, set_flag
 
 RESULTS = Path("benchmarks") / "results"
+# the registered experiments, named in --help without importing them (a second per call);
+# tests/test_cli.py checks this against gradleak.experiments.EXPERIMENTS
+NAMES = ("table1", "fewshot", "context", "components", "losses", "auxscale", "defense-figure")
 
 
 def run(args: argparse.Namespace) -> None:
@@ -40,14 +43,16 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("experiment", help="run a registered experiment grid cell by cell "
                        "(--resume, --shard I/N), or --merge it into benchmarks/results")
     common_flags(p)
-    p.add_argument("name", help="the experiment (see docs/experiments.md)")
+    p.add_argument("name", help=f"the experiment: {', '.join(NAMES)}, or one a --plugin "
+                   "registers (see docs/experiments.md)")
     p.add_argument("--out", required=True, help="the run folder, e.g. runs/exp/NAME")
     p.add_argument("--seeds", type=int, default=2)
     p.add_argument("--budget-minutes", type=float, default=5.0,
                    help="per cell, for what it trains (default 5)")
     p.add_argument("--clock", choices=["cpu", "wall"], default="cpu",
                    help="what the budget counts: this process's CPU time (default), or wall")
-    p.add_argument("--preset", default="cpu-bench")
+    p.add_argument("--preset", default="cpu-bench",
+                   help="cpu-quick, cpu-bench (default) or paper")
     set_flag(p)
     p.add_argument("--resume", action="store_true", help="run only the missing cells")
     p.add_argument("--import-cells", metavar="RESULTS_JSON",
