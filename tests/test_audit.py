@@ -68,6 +68,11 @@ def test_the_verdict_follows_from_the_stages(audited) -> None:
     frames = {n: r for n, r in clean.items() if r["kind"] != "reference" and "psnr" in r}
     assert verdict["frames"]["psnr"] == max(r["psnr"] for r in frames.values())
     assert {"DLG", "IG", "exact (training-free)", HOSTILE, "LtI"} <= set(frames)
+    # DLG and IG run last, in their own stage, so they never take the defense stages' budget;
+    # their rows join the clean stage's in results.json
+    assert list(summary["stages"])[-1] == "optimisation baselines"
+    saved = json.loads((out / "stages" / "defense-none.json").read_text())["result"]["methods"]
+    assert "IG" not in saved and "exact (training-free)" in saved
     outcomes = {o["spec"]: o for o in verdict["defenses"]}
     assert list(outcomes) == DEFENSES.split(";")
     assert outcomes["dpsgd:eps=1"]["epsilon"] == pytest.approx(1.0, abs=0.05)
@@ -271,8 +276,9 @@ def test_the_report_renders_whole_in_chromium_with_hostile_strings_escaped(
     assert text.index("Verdict") < text.index("<figure")  # the verdict comes first
     attrs, dom = render_in_chromium(report, tmp_path)
     assert int(attrs["tables"]) == text.count("<table>") >= 6
-    # the clean frames, the privacy–utility plot, PSNR by t, and each defense's frames
-    pictures = 3 + len(DEFENSES.split(";"))
+    # the clean frames, DLG's and IG's, the privacy–utility plot, PSNR by t, and each
+    # defense's frames
+    pictures = 4 + len(DEFENSES.split(";"))
     assert int(attrs["images"]) == pictures and attrs["images-loaded"] == attrs["images"]
     assert attrs["cut-off"] == "0"  # nothing reaches past the right edge at desktop width
     # the strings stayed text: no element came of them

@@ -9,13 +9,15 @@ redoing them (a larger --budget-minutes completes what a smaller one skipped):
 3. `attackers`: the learned attackers given, or trained on a training capture within their
    share of the budget;
 4. `clean`: every attack on the undefended stream (the training-free frames, the learned
-   attackers, DLG and IG on a few frames) beside the mean-image and mean-colour references;
-5. one stage per defense of the grid: the training-free and the learned attackers zero-shot
-   under it and the action rule, with the defense's cost to the update (cosine, relative norm
-   error, DP-SGD's ε). DLG and IG run on the clean stream only: they cost seconds per frame and
-   trail the training-free attack there, which sees the same single gradients.
+   attackers) beside the mean-image and mean-colour references;
+5. one stage per defense of the grid: the same attacks zero-shot under it and the action rule,
+   with the defense's cost to the update (cosine, relative norm error, DP-SGD's ε);
+6. `optimisation baselines`: DLG and IG on a few clean frames, last: they cost seconds per frame
+   and trail the training-free attack, which sees the same single gradients, so they never
+   take the defense stages' budget. Their rows join the clean stage's in results.json.
 
-A stage the remaining budget cannot pay for (estimated from the stages before it) is skipped,
+A defense stage the remaining budget cannot pay for (the clean stage's time on the same clock
+is the estimate) is skipped,
 and the verdict and the report name it and say they cannot speak for it; with
 `defenses_within_budget=False` (the demo's small grid) every defense stage runs.
 """
@@ -54,6 +56,7 @@ LOCK = ".audit.lock"  # held by the audit writing the folder (io.exclusive)
 NEEDS_LEARNED = ("needs a learned attacker (--train or --attacker): an aggregate of steps is "
                  "read only by them")
 TRAIN_SHARE = {"trace": 0.25, "lti": 0.10}  # of the budget, when attackers are trained here
+OPTIMISATION_STAGE = "optimisation baselines"
 
 
 @dataclass
@@ -196,7 +199,7 @@ class Audit:
         self.stage("closed form", self.closed_form)
         attackers = self.stage("attackers", self.attackers).result or {}
         clean = self.stage("defense none", lambda: self.evaluate("none", attackers))
-        estimate = without_optimisation(clean) / 60.0
+        estimate = clean.seconds / 60.0  # a defense stage runs what the clean one ran
         for spec in self.config.defenses:
             if parse_defense(spec).span > 1 and not attackers:
                 self.stages[f"defense {spec}"] = Stage(f"defense {spec}", skipped=NEEDS_LEARNED)
@@ -205,11 +208,15 @@ class Audit:
                               estimate_minutes=estimate if self.config.defenses_within_budget
                               else None)
             estimate = max(estimate, done.seconds / 60.0)
+        if self.config.optimisation and self.config.optimisation_windows:
+            # last: seconds per frame each, so they never starve the defense stages
+            self.stage(OPTIMISATION_STAGE, lambda: self.optimisation_baselines(attackers))
         summary = {"config": asdict(self.config), "capture": self.capture_summary(),
                    "stages": {name: {"result": s.result, "skipped": s.skipped,
                                      "seconds": s.seconds} for name, s in self.stages.items()},
                    # the stages' own time, over every run that resumed this audit
                    "minutes": round(sum(s.seconds for s in self.stages.values()) / 60.0, 2)}
+        with_optimisation(summary["stages"])
         summary["verdict"] = verdict(summary)
         write_json(self.out / "results.json", summary)
         return summary
@@ -252,7 +259,6 @@ class Audit:
     def evaluate(self, spec: str, attackers: dict[str, str]) -> dict[str, Any]:
         from gradleak.attacks.defense_aware import DefenseAwareRun
         from gradleak.attacks.exact import NAME as EXACT
-        from gradleak.attacks.optim.config import baseline_config
         from gradleak.evaluation.reconstructions import evaluate
 
         chain = parse_defense(spec, seed=self.config.seed)
@@ -267,24 +273,41 @@ class Audit:
                 baselines[AWARE] = DefenseAwareRun(self.preset.attack.exact,
                                                    self.preset.attack.defense_aware)
                 windows[AWARE] = self.config.exact_windows
-        if chain.span == 1:
-            families = {"ig": self.preset.attack.ig, "dlg": self.preset.attack.dlg}
-            optimisation = self.config.optimisation if spec == "none" and \
-                self.config.optimisation_windows else ()
-            for name in optimisation:
-                display = name.upper().replace("-PROBE", " (probe loss)")
-                baselines[display] = baseline_config(name, families)
-                windows[display] = self.config.optimisation_windows
         result = evaluate([self.config.capture], attackers,
                           self.out / "eval" / slug(spec), max_windows=self.config.max_windows,
                           defense=None if spec == "none" else chain, baselines=baselines,
                           baseline_windows=windows, progress=self.progress,
-                          reference_data=[self.config.train] if self.config.train else
-                          None if attackers else [self.config.capture])
+                          reference_data=self.reference_data(attackers))
         reasons = {EXACT: exact_reason, "learned attackers": self.learned_reason,
                    AWARE: aware_reason if spec != "none" else None}
         return {**result, "spec": spec, "eval_dir": str(self.out / "eval" / slug(spec)),
                 "not_applicable": {k: v for k, v in reasons.items() if v}}
+
+    def optimisation_baselines(self, attackers: dict[str, str]) -> dict[str, Any]:
+        """DLG and IG on the undefended stream, on their own few windows (seconds per frame
+        each)."""
+        from gradleak.attacks.optim.config import baseline_config
+        from gradleak.evaluation.reconstructions import evaluate
+
+        families = {"ig": self.preset.attack.ig, "dlg": self.preset.attack.dlg}
+        baselines = {name.upper().replace("-PROBE", " (probe loss)"):
+                     baseline_config(name, families) for name in self.config.optimisation}
+        out = self.out / "eval" / slug(OPTIMISATION_STAGE)
+        # the attackers too, on these few windows only: the same mean image as the clean stage
+        # (theirs when no training capture is named); only DLG's and IG's rows are kept
+        windows = self.config.optimisation_windows
+        result = evaluate([self.config.capture], attackers, out, max_windows=windows,
+                          baselines=baselines,
+                          baseline_windows=dict.fromkeys(baselines, windows),
+                          progress=self.progress,
+                          reference_data=self.reference_data(attackers))
+        return {**result, "spec": "none", "eval_dir": str(out)}
+
+    def reference_data(self, attackers: dict[str, str]) -> list[str] | None:
+        """What the mean image is the mean of: the training capture, else the attackers'
+        (None), else the audited frames themselves."""
+        return [self.config.train] if self.config.train else \
+            None if attackers else [self.config.capture]
 
     def defense_aware_reason(self, chain: Chain) -> str | None:
         """Why the defense-aware attack cannot model what the audited stream went through
@@ -319,13 +342,14 @@ def read_stage(path: Path, name: str) -> dict[str, Any]:
     return saved
 
 
-def without_optimisation(stage: Stage) -> float:
-    """Seconds the stage would have taken without DLG and IG (what a defense stage runs)."""
-    if stage.result is None:
-        return 0.0
-    spent = sum((row.get("ms_per_frame") or 0.0) * row["frames"] / 1e3
-                for row in stage.result["methods"].values() if row["kind"] == "optimisation")
-    return max(stage.seconds - spent, 0.0)
+def with_optimisation(stages: dict[str, dict[str, Any]]) -> None:
+    """DLG's and IG's rows join the clean stage's methods, where every table reads them."""
+    optimisation = (stages.get(OPTIMISATION_STAGE) or {}).get("result")
+    clean = (stages.get("defense none") or {}).get("result")
+    if optimisation and clean:
+        clean["methods"] = {**clean["methods"],
+                            **{name: row for name, row in optimisation["methods"].items()
+                               if row["kind"] == "optimisation"}}
 
 
 def slug(text: str) -> str:

@@ -125,6 +125,11 @@ def write_audit_report(out: Path, figures: Sequence[tuple[Path, str]] = ()) -> P
         parts.append(figure(eval_dir / "reconstructions.png",
                             "Held-out frames: ground truth (top row) above each attack's "
                             "reconstruction from the gradients, no defense"))
+    optimisation = (summary["stages"].get("optimisation baselines") or {}).get("result")
+    if optimisation and (Path(optimisation["eval_dir"]) / "reconstructions.png").is_file():
+        parts.append(figure(Path(optimisation["eval_dir"]) / "reconstructions.png",
+                            "DLG and IG on their own clean frames: ground truth (top row) "
+                            "above each reconstruction"))
     parts += [figure(path, caption) for path, caption in figures if path.is_file()]
     if clean:
         plot = out / "privacy_utility.png"
