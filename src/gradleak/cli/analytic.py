@@ -4,6 +4,7 @@ through the conv stack."""
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 from gradleak.cli.common import common_flags, emit, nonfinite_flag
@@ -54,7 +55,8 @@ def run(args: argparse.Namespace) -> None:
     from gradleak.evaluation.analytic import evaluate_analytic
 
     results = evaluate_analytic(args.files, args.max_rows, args.invert, args.conv,
-                                args.skip_nonfinite)
+                                args.skip_nonfinite, say=lambda line: None if args.quiet else
+                                print(f"analytic: {line}", file=sys.stderr, flush=True))
     emit(args, results, "\n".join(line for path, r in results.items()
                                   for line in summary_lines(path, r)))
 

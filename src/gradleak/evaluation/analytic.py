@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -134,7 +134,8 @@ def score_inversion(observation: Observation, target: Target, count: int) -> dic
 def score_conv_stack(observation: Observation, target: Target, count: int,
                      frame_threshold: float = 3.0, rank_frames: int = 0,
                      rows: np.ndarray | None = None,
-                     same_frame_tolerance: float = SAME_FRAME_TOLERANCE) -> dict[str, Any]:
+                     same_frame_tolerance: float = SAME_FRAME_TOLERANCE,
+                     say: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
     """Recovery through the conv stack on `count` evenly spaced steps (or the given `rows` of
     the observation): each determined conv input against the truth, then frames from the
     first conv's own equations (its outputs and its weight gradient), against the same solve
@@ -152,6 +153,7 @@ def score_conv_stack(observation: Observation, target: Target, count: int,
     solved = beside(scored, len(observation)) if same_frame_tolerance else scored
     subset = observation.steps(solved)
     start = time.perf_counter()
+    say(f"  the conv inputs of {len(solved)} steps, layer by layer")
     found = observed_conv_inputs(subset)
     recovery_seconds = (time.perf_counter() - start) / len(solved)
     deepest = list(found.inputs)[-1]
@@ -174,7 +176,7 @@ def score_conv_stack(observation: Observation, target: Target, count: int,
     gradient = torch.from_numpy(part.block(f"{first.name}.weight").astype(np.float64))
     solves = frame_solves(double, found, deepest, truth[deepest], gradient,
                           bias_gradient(part, first), frame_threshold, images, rank_frames,
-                          tie, within)
+                          tie, within, say)
     main = solves.pop("equations")
     return {"frames": len(scored), "layers": layers,
             "recovery_seconds_per_frame": recovery_seconds,
@@ -208,7 +210,8 @@ def layer_errors(estimate: torch.Tensor, truth: torch.Tensor, noise: torch.Tenso
 def frame_solves(victim: Any, found: Any, deepest: str, true_map: torch.Tensor,
                  gradient: torch.Tensor, bias: torch.Tensor | None, threshold: float,
                  images: np.ndarray, rank_frames: int = 0, tie: Any = None,
-                 scored: np.ndarray | None = None) -> dict[str, dict[str, float]]:
+                 scored: np.ndarray | None = None, say: Callable[[str], None] = lambda _: None
+                 ) -> dict[str, dict[str, float]]:
     """Each way of getting the frame under the first conv, scored against the real frames of
     the `scored` steps (all by default; `tie`: the steps that saw one frame)."""
     from dataclasses import replace
@@ -236,7 +239,9 @@ def frame_solves(victim: Any, found: Any, deepest: str, true_map: torch.Tensor,
                 tie=tie),
             "penalty": lambda: (frames_from_first_block(victim, output, noise, threshold), None)}
     scores = {}
-    for name, run in runs.items():
+    for number, (name, run) in enumerate(runs.items(), start=1):
+        say(f"  frames of {len(images)} steps, solve {number} of {len(runs)}: "
+            f"{name.replace('_', ' ')}")
         start = time.perf_counter()
         frames, residuals = run()
         seconds = (time.perf_counter() - start) / len(images)
@@ -295,16 +300,19 @@ def check_attacks_apply(config: VictimConfig, invert: int, conv: int) -> None:
 
 def evaluate_analytic(paths: Sequence[str | os.PathLike[str]], max_rows: int | None = None,
                       invert: int = 0, conv: int = 0, skip_nonfinite: bool = False,
-                      chunk: int | None = None) -> dict[str, dict[str, Any]]:
+                      chunk: int | None = None, say: Callable[[str], None] = lambda _: None
+                      ) -> dict[str, dict[str, Any]]:
     """Closed-form recovery scored over whole files, `chunk` rows at a time: peak memory is
     bounded by one chunk's gradients, whatever the number of rows. --invert and --conv read
-    only the rows they attack."""
+    only the rows they attack. `say` hears each stage as it starts (the conv stack's frame
+    solves take minutes per 84×84 frame)."""
     results = {}
     for path in paths:
         with CaptureFile(path) as capture:
             check_attacks_apply(capture.victim, invert, conv)  # before any row is read
             usable = np.flatnonzero(capture.usable_rows(skip_nonfinite))
             chosen = usable[:max_rows or len(usable)]
+            say(f"{path}: the closed form on {len(chosen)} steps")
             rows_at_once = chunk or max(1, min(CHUNK_ROWS, CHUNK_BYTES // (
                 4 * int(capture.attrs["gradient_dim"]))))
             parts = [row_scores(*read_rows(capture, chosen[start:start + rows_at_once]))
@@ -314,11 +322,12 @@ def evaluate_analytic(paths: Sequence[str | os.PathLike[str]], max_rows: int | N
             for count, name, scorer in ((invert, "feature_inversion", score_inversion),
                                         (conv, "conv_stack", score_conv_stack)):
                 if count:
+                    say(f"{path}: {name.replace('_', ' ')} on {count} steps")
                     spread = np.linspace(0, len(chosen) - 1, count).astype(int)
                     if scorer is score_conv_stack:  # with each step's neighbours (same frames)
                         around = beside(spread, len(chosen))
                         result[name] = scorer(*read_rows(capture, chosen[around]), count,
-                                              rows=np.searchsorted(around, spread))
+                                              rows=np.searchsorted(around, spread), say=say)
                     else:
                         result[name] = scorer(*read_rows(capture, chosen[spread]), count)
         results[str(path)] = result
