@@ -231,7 +231,7 @@ def test_a_damaged_stage_file_is_named_not_a_traceback(random_capture: Path, tmp
 
 def test_two_audits_of_one_folder_never_run_together(random_capture: Path, tmp_path: Path,
                                                      capsys) -> None:
-    from gradleak.audit import LOCK
+    from gradleak.auditing import LOCK
     from gradleak.io import exclusive
 
     out = tmp_path / "audit"
@@ -446,7 +446,7 @@ def test_the_demo_runs_its_defense_stages_on_a_clock_that_says_the_budget_is_spe
         monkeypatch: pytest.MonkeyPatch) -> None:
     from dataclasses import replace
 
-    from gradleak.audit import Audit
+    from gradleak.auditing import Audit
     from gradleak.demo import DEMO_DEFENSES, audit_config
     from gradleak.presets import load_preset
     from gradleak.training.loop import Budget

@@ -21,7 +21,7 @@ LAYERS = [
     {"training", "integrations"},  # integrations wrap fedavg and capture for other frameworks
     {"evaluation"},
     {"presets"},
-    {"audit", "experiments"},
+    {"auditing", "experiments"},
     {"demo"},
     {"cli"},
 ]

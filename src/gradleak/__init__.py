@@ -1,15 +1,27 @@
-"""gradleak: measure how much a shared gradient stream leaks."""
+"""gradleak: measure how much a shared gradient stream leaks.
+
+The public API (docs/api.md): `audit` (a capture's verdict, `Verdict`), `wrap` (a user's
+policy as a victim), `register_model_factory` and `register_forward` (plugins). Recording lives
+in `gradleak.capture.record.record`, the frameworks' hooks in `gradleak.integrations`.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+__all__ = ["Verdict", "audit", "register_forward", "register_model_factory", "wrap"]
+
+if TYPE_CHECKING:  # what editors and type checkers see; at run time, loaded on first use
+    from gradleak.auditing import Verdict, audit
+    from gradleak.victims.factories import register_forward, register_model_factory
+    from gradleak.victims.wrapped import wrap
 
 # public names loaded on first use, so that `import gradleak` does not import torch
 _LAZY = {"wrap": "gradleak.victims.wrapped",
          "register_model_factory": "gradleak.victims.factories",
-         "register_forward": "gradleak.victims.factories"}
+         "register_forward": "gradleak.victims.factories",
+         "audit": "gradleak.auditing", "Verdict": "gradleak.auditing"}
 
 
 def __getattr__(name: str) -> Any:

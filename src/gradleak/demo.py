@@ -28,7 +28,7 @@ from gradleak.capture.schema import OWN_SUFFIXES
 from gradleak.envs.actions import action_set
 from gradleak.errors import ConfigError
 from gradleak.evaluation import evaluate_action_rules
-from gradleak.audit import Audit, AuditConfig
+from gradleak.auditing import Audit, AuditConfig
 from gradleak.evaluation.reconstructions import evaluate
 from gradleak.io import check_output, read_json, write_json
 from gradleak.presets import Preset

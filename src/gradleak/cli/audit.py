@@ -15,7 +15,7 @@ FAIL_IF_STATUS = 1
 
 
 def defenses_from_args(text: str) -> list[str]:
-    from gradleak.audit import GRID
+    from gradleak.auditing import GRID
 
     if text == "grid":
         return list(GRID)
@@ -26,7 +26,7 @@ def defenses_from_args(text: str) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     from gradleak.cli.evaluate import attackers_from_args
-    from gradleak.audit import Audit, AuditConfig
+    from gradleak.auditing import Audit, AuditConfig
     from gradleak.evaluation.verdict import condition_holds, parse_condition
     from gradleak.report.audit import write_audit_report
 

@@ -401,3 +401,55 @@ def describe_key(key: dict[str, Any] | None) -> str:
         return "not recorded"
     return f"{key['rows']} rows, θ0 {key['theta0_sha256'][:12]}…, digest {key['digest']}"
 
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What `gradleak.audit` returns: the verdict's figures, and where the report is."""
+
+    headline: list[str]  # the verdict, as the report and the CLI open with it
+    frames_method: str | None  # the strongest frame attack on the undefended stream
+    frames_psnr: float | None
+    frames_gain_db: float | None  # its PSNR over the mean-image reference
+    frames_lpips: float | None
+    actions_accuracy: float | None  # the best closed-form action rule
+    weakest_stopping: str | None  # the cheapest defense that stops every attack, if any
+    skipped: list[str]  # stages the budget did not pay for: the verdict cannot speak for them
+    report: Path
+    results: Path
+    details: dict[str, Any]  # the whole verdict, as results.json holds it
+
+    @classmethod
+    def of(cls, verdict: dict[str, Any], report: Path, results: Path) -> Verdict:
+        frames, actions = verdict.get("frames") or {}, verdict.get("actions") or {}
+        return cls(headline=list(verdict["headline"]), frames_method=frames.get("method"),
+                   frames_psnr=frames.get("psnr"), frames_gain_db=frames.get("gain"),
+                   frames_lpips=frames.get("lpips"), actions_accuracy=actions.get("accuracy"),
+                   weakest_stopping=verdict.get("weakest_stopping"),
+                   skipped=sorted(verdict.get("skipped") or {}), report=report,
+                   results=results, details=verdict)
+
+
+def audit(capture: str | Path, *, out: str | Path, train: str | Path | None = None,
+          attackers: dict[str, str] | None = None, defenses: list[str] | None = None,
+          budget_minutes: float = 20.0, clock: str = "wall", preset: str = "cpu-quick",
+          progress: bool = False, **settings: Any) -> Verdict:
+    """Audit one held-out capture as `gradleak audit` does: every applicable attack, the
+    defense grid (`defenses`: specs such as "quant:8", None for the default grid, [] for none)
+    within the budget, report.html and results.json under `out`. `settings`: the other
+    AuditConfig fields (max_windows, exact_windows, optimisation_windows, seed, ...)."""
+    from gradleak.report.audit import write_audit_report
+
+    unknown = sorted(set(settings) - set(AuditConfig.__dataclass_fields__))
+    if unknown:
+        raise ConfigError(f"gradleak.audit: unknown setting(s) {', '.join(unknown)}; expected "
+                          f"AuditConfig's fields")
+    config = AuditConfig(capture=str(capture), out=str(out),
+                         train=None if train is None else str(train),
+                         attackers={k: str(v) for k, v in (attackers or {}).items()},
+                         defenses=list(GRID) if defenses is None else list(defenses),
+                         preset=preset, budget_minutes=budget_minutes, clock=clock, **settings)
+    summary = Audit(config, progress, say=print if progress else (lambda _: None)).run()
+    report = write_audit_report(Path(out))
+    return Verdict.of({**summary["verdict"], "minutes": summary["minutes"]}, report,
+                      Path(out) / "results.json")
