@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from gradleak.audit import Audit, AuditConfig
+from gradleak.auditing import Audit, AuditConfig
 from gradleak.evaluation.verdict import headline
 from gradleak.io import atomic_path
 from gradleak.report.audit import write_audit_report
