@@ -174,3 +174,15 @@ def test_the_attack_uses_feature_spans_only_for_a_one_step_update() -> None:
                                shape=(1, 28, 28), method="ig", iterations=2,
                                hyperparameters={"lr": 0.05, "epochs": steps, "batch": 2})
         assert result.span["feature_spans"] == expected
+
+
+def test_a_declared_adamw_client_gets_no_span_at_all() -> None:
+    """One AdamW step is about η·sign(g): no layer's update spans its inputs, even where a
+    rank gap happens to show, so a declared AdamW client gets neither kind of span."""
+    model, images, update = one_step_cnn(2)
+    w0 = {k: v.float() for k, v in update.w0.items()}
+    wT = {k: v.float() for k, v in update.wT.items()}
+    result = invert_update(model.float(), w0, wT, samples=2, shape=(1, 28, 28), method="ig",
+                           iterations=2, labels=[0, 1],
+                           hyperparameters={"lr": 0.05, "steps": 1, "optimiser": "AdamW"})
+    assert result.span["feature_spans"] == [] and "rescales each entry" in result.span["unused"]

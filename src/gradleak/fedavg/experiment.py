@@ -16,7 +16,7 @@ from gradleak.fedavg.datasets import load_dataset
 from gradleak.fedavg.models import FEDAVG_MODELS
 from gradleak.fedavg.forward import identity
 from gradleak.fedavg.scoring import hungarian_match
-from gradleak.fedavg.span import feature_spans, image_span
+from gradleak.fedavg.span import update_spans
 from gradleak.io import check_output, write_json
 from gradleak.metrics.images import mse, psnr, ssim
 
@@ -39,10 +39,10 @@ def run_fedavg(dataset: str, model_name: str, client: ClientConfig, attack: FedA
     update = train_client(model, images, labels, client,
                           labels_known=attack.labels == "known")
     rss_before, start = peak_rss_mb(), time.perf_counter()
-    span, span_note = image_span(model, update.w0, update.wT, tuple(images.shape[1:]),
-                                 client.samples, identity) if attack.span else (None, "off")
-    features = feature_spans(model, update.w0, update.wT, client.samples) \
-        if update.steps == 1 else None
+    span, span_note, features = update_spans(model, update.w0, update.wT,
+                                             tuple(images.shape[1:]), client.samples, identity,
+                                             optimiser=client.optimiser, steps=update.steps,
+                                             image=attack.span)
     inversion = UpdateInversion(model, update, tuple(images.shape[1:]), data.classes, attack,
                                 span=span, features=features)
     used = inversion.labels

@@ -34,7 +34,7 @@ from gradleak.fedavg.client import ClientUpdate
 from gradleak.fedavg.forward import (BATCHNORM_MODES, ClientForward, Transform, batchnorm_layers,
                                      identity, running_targets)
 from gradleak.fedavg.labels import counts_from_bias, labels_from_counts
-from gradleak.fedavg.span import feature_spans, image_span
+from gradleak.fedavg.span import update_spans
 
 # 1 − cosine above this after the optimisation: the dummy data do not explain the update
 POOR_FIT = 0.2
@@ -263,9 +263,9 @@ def invert_update(model: nn.Module, w0: Mapping[str, Any], wT: Mapping[str, Any]
                                       client, training, steps, shape, seed)
     update = ClientUpdate(params0, paramsT, None, steps or 0, chosen)
     start = time.perf_counter()
-    span, span_note = image_span(model, params0, paramsT, shape, samples, transform) \
-        if config.span else (None, "off")
-    features = feature_spans(model, params0, paramsT, samples) if steps == 1 else None
+    span, span_note, features = update_spans(model, params0, paramsT, shape, samples, transform,
+                                             optimiser=training.optimiser, steps=steps,
+                                             image=config.span)
     inversion = UpdateInversion(model, update, shape, classes, config, labels=chosen,
                                 client=client, span=span, features=features)
     result = inversion.run(progress)

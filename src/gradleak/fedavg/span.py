@@ -30,6 +30,7 @@ from torch import nn
 # σ_N / σ_{N+1} below this: the N-th direction is not clear of the wire's rounding (a float32
 # MLP client at η = 0.004, N = 50, E = 20 shows 190; an AdamW client shows no gap at all)
 MIN_GAP = 20.0
+LINEAR_OPTIMISERS = (None, "sgd", "momentum")  # updates that are sums of gradients
 
 
 @dataclass(frozen=True)
@@ -177,6 +178,23 @@ def off_span(features: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
     full = torch.cat([features.double(), features.new_ones(len(features), 1).double()], 1)
     outside = full - (full @ basis.T) @ basis
     return (outside ** 2).sum() / (full ** 2).sum()
+
+
+def update_spans(model: nn.Module, w0: dict[str, torch.Tensor], wT: dict[str, torch.Tensor],
+                 shape: tuple[int, ...], samples: int,
+                 transform: Callable[[torch.Tensor], torch.Tensor], *, optimiser: str | None,
+                 steps: int | None, image: bool = True
+                 ) -> tuple[ImageSpan | None, str, dict[str, torch.Tensor]]:
+    """What an attack may use: the images' span (unless `image` is off), each Linear layer's
+    input span for a one-step update, and why there is no image span. Only an update linear
+    in the gradients has them: a declared optimiser that rescales each entry (AdamW) has
+    none, and an undeclared one (None) is judged by the rank gaps alone."""
+    optimiser = optimiser.lower() if isinstance(optimiser, str) else optimiser
+    if optimiser not in LINEAR_OPTIMISERS:
+        return None, f"the client's optimiser ({optimiser}) rescales each entry: its update " \
+                     "spans nothing", {}
+    span, why = image_span(model, w0, wT, shape, samples, transform) if image else (None, "off")
+    return span, why, feature_spans(model, w0, wT, samples) if steps == 1 else {}
 
 
 def project_box(span: ImageSpan, images: torch.Tensor, rounds: int = 3) -> torch.Tensor:
