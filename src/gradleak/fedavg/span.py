@@ -133,22 +133,17 @@ def image_span(model: nn.Module, w0: dict[str, torch.Tensor], wT: dict[str, torc
     pixels = int(torch.tensor(shape).prod())
     if samples + 1 > pixels:
         return None, f"N = {samples} images span all {pixels} pixels' space"
-    weight = (w0[f"{name}.weight"] - wT[f"{name}.weight"]).double()
-    bias = w0.get(f"{name}.bias")
-    if bias is None:
+    if w0.get(f"{name}.bias") is None:
         return None, f"{name} has no bias, so the span's scale is not fixed"
-    update = torch.cat([weight, (bias - wT[f"{name}.bias"]).double()[:, None]], 1)
-    if update.shape[0] < samples:
-        return None, f"{name} has {update.shape[0]} outputs, fewer than N = {samples}"
-    _, values, right = torch.linalg.svd(update, full_matrices=False)
-    floor = values[samples] if len(values) > samples else values.new_tensor(0.0)
-    gap = float(values[samples - 1] / floor) if floor > 0 else float("inf")
-    if not gap >= MIN_GAP:
+    outputs = int(w0[f"{name}.weight"].shape[0])
+    if outputs < samples:
+        return None, f"{name} has {outputs} outputs, fewer than N = {samples}"
+    rows, gap = row_space(w0, wT, name, samples)
+    if rows is None:
         return None, (f"{name}'s update has no rank-{samples} gap (σ_N/σ_N+1 = {gap:.1f} < "
                       f"{MIN_GAP:g}): an optimiser that rescales per entry (AdamW) or weight "
                       "decay leaves no span")
-    a, c = affine
-    rows = right[:samples]  # span of [a·x + c, 1]; back to [x, 1]
+    a, c = affine  # rows span [a·x + c, 1]; back to [x, 1]
     raw = torch.cat([(rows[:, :-1] - rows[:, -1:] * c) / a, rows[:, -1:]], 1)
     basis = torch.linalg.qr(raw.T).Q.T.contiguous()
     return ImageSpan(basis, tuple(shape), name, gap), ""
@@ -165,12 +160,24 @@ def feature_spans(model: nn.Module, w0: dict[str, torch.Tensor], wT: dict[str, t
         if not (isinstance(module, nn.Linear) and module.bias is not None
                 and min(module.out_features, module.in_features + 1) > samples):
             continue
-        update = torch.cat([(w0[f"{name}.weight"] - wT[f"{name}.weight"]).double(),
-                            (w0[f"{name}.bias"] - wT[f"{name}.bias"]).double()[:, None]], 1)
-        values = torch.linalg.svdvals(update)
-        if values[samples - 1] >= MIN_GAP * values[samples]:
-            spans[name] = torch.linalg.svd(update, full_matrices=False).Vh[:samples]
+        rows, _ = row_space(w0, wT, name, samples)
+        if rows is not None:
+            spans[name] = rows
     return spans
+
+
+def row_space(w0: dict[str, torch.Tensor], wT: dict[str, torch.Tensor], name: str,
+              samples: int) -> tuple[torch.Tensor | None, float]:
+    """The top `samples` right singular vectors of the Linear layer's [ΔW | Δb] (None where
+    σ_N/σ_N+1 < MIN_GAP, or it has fewer outputs than N), and that gap."""
+    update = torch.cat([(w0[f"{name}.weight"] - wT[f"{name}.weight"]).double(),
+                        (w0[f"{name}.bias"] - wT[f"{name}.bias"]).double()[:, None]], 1)
+    if min(update.shape) < samples:
+        return None, 0.0
+    _, values, right = torch.linalg.svd(update, full_matrices=False)
+    floor = values[samples] if len(values) > samples else values.new_tensor(0.0)
+    gap = float(values[samples - 1] / floor) if floor > 0 else float("inf")
+    return (right[:samples], gap) if gap >= MIN_GAP else (None, gap)
 
 
 def off_span(features: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
