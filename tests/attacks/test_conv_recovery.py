@@ -28,6 +28,7 @@ from gradleak.attacks.conv_blocks import (
 from gradleak.attacks import conv_recovery
 from gradleak.attacks.conv_recovery import (
     CONSISTENT,
+    DEEPEST_RULE,
     MASK_RULES,
     ConvInputs,
     MaskRule,
@@ -201,7 +202,7 @@ def test_a_step_a_rule_pauses_is_walked_on_by_the_next_and_the_result_is_unchang
     observation, _ = trained_statistics
     rounded = float16_rounded(observation)
     walks = recorded_walks(monkeypatch)
-    found = observed_conv_inputs(rounded)
+    found = observed_conv_inputs(rounded, deepest_rule=None)
     paused = [rows for walk in walks if walk.rule == "posterior" for rows in walk.paused]
     assert paused and all(len(rows) for rows in paused)
     assert not any(walk.rule == "posterior" and not walk.pause for walk in walks)
@@ -216,7 +217,7 @@ def test_a_paused_walk_no_rule_makes_consistent_is_finished(trained_statistics) 
     observation, _ = trained_statistics
     rounded = float16_rounded(observation)
     alone = MASK_RULES[:1]
-    found = observed_conv_inputs(rounded, rules=alone)
+    found = observed_conv_inputs(rounded, rules=alone, deepest_rule=None)
     expected = every_rule_on_every_step(rounded, alone)
     for name, inputs in expected.items():
         assert float((found.inputs[name] - inputs).abs().max()) <= 1e-12 * float(
@@ -233,7 +234,7 @@ def test_a_step_every_rule_pauses_is_finished_once_by_the_first(trained_statisti
     rounded = float16_rounded(observation)
     walks = recorded_walks(monkeypatch)
     twice = (MASK_RULES[0], MASK_RULES[0])
-    found = observed_conv_inputs(rounded, rules=twice)
+    found = observed_conv_inputs(rounded, rules=twice, deepest_rule=None)
     finished = [walk.rows for walk in walks if not walk.pause]
     assert len(finished) == 1 and len(finished[0])  # one finishing walk, of the paused steps
     expected = every_rule_on_every_step(rounded, MASK_RULES[:1])
@@ -401,14 +402,17 @@ def test_the_noise_aware_rule_keeps_the_masks_the_margins_lose_under_added_noise
                                             * noise).astype(np.float32))
     truth = true_inputs(observation, images, ["encoder.3"])["encoder.3"]
 
-    def median_error(rules: tuple[MaskRule, ...] = MASK_RULES) -> float:
-        found = observed_conv_inputs(noisy, rules=rules)
+    def median_error(rules: tuple[MaskRule, ...] = MASK_RULES,
+                     deepest_rule: MaskRule | None = None) -> float:
+        found = observed_conv_inputs(noisy, rules=rules, deepest_rule=deepest_rule)
         return float(relative_error(found.inputs["encoder.3"], truth).median())
 
     margins = [median_error((MaskRule(margin),)) for margin in (10.0, 20.0)]
-    posterior = median_error((MaskRule(None),))
+    posterior = median_error(MASK_RULES[:1])
     assert posterior <= 0.5 * min(margins)
     assert median_error() <= posterior + 1e-9
+    # deciding the deepest block's units again, where no walk is consistent, never loses
+    assert median_error(deepest_rule=DEEPEST_RULE) <= median_error() + 1e-9
 
 
 def test_the_posterior_calls_a_unit_near_zero_off_and_one_four_deviations_up_on() -> None:
@@ -655,3 +659,26 @@ def test_the_active_rows_least_squares_matches_gelsd_and_refuses_rank_deficiency
     assert full_rank_least_squares(deficient, target) is None
     assert full_rank_least_squares(left @ np.diag(np.logspace(0, -16, 100)) @ right,
                                    target) is None
+
+
+def test_the_deepest_block_decided_again_only_where_it_brings_the_features_closer(
+        trained_statistics) -> None:
+    """Gaussian noise of 1% of the gradients' RMS leaves every walk inconsistent; deciding the
+    deepest block's units again replaces a step's deepest input only where its decisions change
+    and it reproduces the features better (the attacker's own criterion), says so in the
+    step's label, and leaves every other step's input as the walks found it."""
+    observation, _ = trained_statistics
+    gradients = observation.gradients.astype(np.float64)
+    noise = np.random.default_rng(0).standard_normal(gradients.shape)
+    noisy = replace(observation, gradients=(gradients + 0.01 * np.sqrt((gradients ** 2).mean())
+                                            * noise).astype(np.float32))
+    blocks = conv_blocks(victim_at_theta0(observation).double())
+    walked = observed_conv_inputs(noisy, deepest_rule=None)
+    found = observed_conv_inputs(noisy)
+    before, after = (f.inconsistency(blocks, "encoder.3") for f in (walked, found))
+    changed = ~torch.all((found.inputs["encoder.3"] == walked.inputs["encoder.3"]).flatten(1), 1)
+    assert bool(changed.any()) and not bool(changed.all())
+    assert bool((after[changed] < before[changed]).all())
+    assert torch.equal(after[~changed], before[~changed])
+    assert all((", posterior ×4 at encoder.3" in label) == bool(moved)
+               for label, moved in zip(found.rules, changed.tolist()))

@@ -267,3 +267,27 @@ def test_a_step_whose_recursion_failed_keeps_the_mean_colour_frame(exact_steps) 
     colour = transform.invert(torch.maximum(torch.minimum(
         failed.colour[:, :, None, None].expand_as(x), high), low))
     assert float((frames - colour).abs().max()) <= 1e-9
+
+
+def test_an_undecided_units_ceiling_holds_at_the_true_frame_whether_it_is_on_or_off(
+        exact_steps) -> None:
+    """A first-block map whose units carry bounded noise (at most one deviation): at every unit
+    the equations count as off, the true frame's conv₁(x) stays under its ceiling (the unit's
+    value plus three deviations, or −b₁). Taking each such unit as exactly off (−b₁) is
+    violated at the true frame by the on-units the margin left undecided."""
+    observation, victim, x, _, z = exact_steps
+    first = conv_blocks(victim)[0]
+    relu = torch.relu(z)
+    deviation = 0.02 * relu.amax((1, 2, 3), keepdim=True)
+    noise = (2 * torch.rand(relu.shape, generator=torch.Generator().manual_seed(0),
+                            dtype=torch.float64) - 1) * deviation
+    with torch.no_grad():
+        output = first.norm(relu + noise)
+    gain = first.norm.weight.detach().double() / (first.norm.running_var.double()
+                                                  + first.norm.eps).sqrt()
+    spread = (deviation * gain.abs()[:, None, None]).expand_as(relu)
+    equations = first_conv_equations(victim, output, spread, torch.zeros_like(z), None)
+    conv = equations.conv(x)
+    assert int((equations.off & (z > 0)).sum()) > 0  # on-units counted off: the case at issue
+    assert bool((conv <= equations.ceiling + 1e-9)[equations.off].all())
+    assert not bool((conv <= -equations.bias + 1e-9)[equations.off].all())

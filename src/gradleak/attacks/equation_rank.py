@@ -12,7 +12,7 @@ cores, the basis more).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -75,8 +75,10 @@ def equation_matrix(equations: FirstConvEquations, frame: int, shape: torch.Size
 def select_frame(equations: FirstConvEquations, frame: int) -> FirstConvEquations:
     pick = slice(frame, frame + 1)
     gradient = None if equations.weight_gradient is None else equations.weight_gradient[pick]
-    return FirstConvEquations(equations.block, equations.on[pick], equations.off[pick],
-                              equations.outputs[pick], equations.delta[pick], gradient)
+    return replace(equations, on=equations.on[pick], off=equations.off[pick],
+                   outputs=equations.outputs[pick], delta=equations.delta[pick],
+                   weight_gradient=gradient, bias_check=None, output_noise=None, colour=None,
+                   ceiling=None if equations.ceiling is None else equations.ceiling[pick])
 
 
 def gram(matrix: torch.Tensor) -> torch.Tensor:

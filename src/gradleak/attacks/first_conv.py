@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from gradleak.attacks.conv_blocks import ConvBlock, conv_blocks, unit_states
+from gradleak.attacks.conv_blocks import ConvBlock, bn_inverse, conv_blocks, unit_states
 from gradleak.victims.base import Victim
 
 
@@ -96,6 +96,10 @@ class FirstConvEquations:
     output_noise: torch.Tensor | None = None
     # (N, C) each step's mean input per channel, from ∇W₁ and ∇b₁ alone (`mean_colour`)
     colour: torch.Tensor | None = None
+    # (N, O, h, w) the bound conv₁(x) (without its bias) keeps at an off-unit; None: −b₁, the
+    # unit exactly off. An undecided unit may be on, so its bound is its recovered value plus
+    # `CEILING_DEVIATIONS` deviations (`first_conv_equations`)
+    ceiling: torch.Tensor | None = None
 
     @property
     def kernel(self) -> int:
@@ -114,7 +118,12 @@ class FirstConvEquations:
     def to(self, dtype: torch.dtype) -> FirstConvEquations:
         """The same equations in `dtype` (the masks stay boolean)."""
         return replace(self, outputs=self.outputs.to(dtype), delta=self.delta.to(dtype),
-                       weight_gradient=cast(self.weight_gradient, dtype))
+                       weight_gradient=cast(self.weight_gradient, dtype),
+                       ceiling=cast(self.ceiling, dtype))
+
+    def off_ceiling(self) -> torch.Tensor:
+        """(N, O, h, w) the bound on conv₁(x) at each off-unit."""
+        return -self.bias.expand_as(self.outputs) if self.ceiling is None else self.ceiling
 
     def conv(self, x: torch.Tensor) -> torch.Tensor:
         conv = self.block.conv
@@ -158,6 +167,10 @@ GRADIENT_TOLERANCE = 1e-3
 # 28.77 / 30.55 / 30.66; random init noise:1e-6 29.26 / 31.09 / 31.19, bfloat16 29.99 / 31.03 /
 # 30.44, float16 storage 34.92 / 35.05 / 31.64; exact gradients 37.45 at all three.
 FIRST_BLOCK_MARGIN = 10.0
+# An undecided unit's pre-activation is at most its recovered value plus this many deviations,
+# whether it is on (then it is that value, up to its noise) or off (then it is ≤ 0): a bound
+# that holds for both, where −b₁ (exactly off) is wrong for every undecided unit that is on
+CEILING_DEVIATIONS = 3.0
 NOISE_REFERENCE = 1e-2
 # Measured: failed steps have a check of 0.99-1.0, good bfloat16 ones up to 0.93 (25-29 dB
 # there, against 23.8 for the mean-colour frame)
@@ -227,11 +240,15 @@ def first_conv_equations(victim: Victim, first_output: torch.Tensor, noise: torc
     settle them with here."""
     first = conv_blocks(victim)[0]
     with torch.no_grad():
-        relu, on, _, gain = unit_states(first, first_output.double(), noise.double(), threshold)
+        relu, deviation, rounding, gain = bn_inverse(first, first_output.double(),
+                                                     noise.double())
         known = torch.isfinite(noise)  # a unit no conv above reads says nothing
-        on, off = on & known, ~on & known
+        on = (relu > threshold * deviation + rounding) & known
+        off = ~on & known
         bias = first.conv.bias.double()[:, None, None]
         outputs, delta = (relu - bias) * on, upstream.double() * gain * on
+        spread = torch.where(known, CEILING_DEVIATIONS * deviation + rounding, 0.0)
+        ceiling = (relu + spread).clamp_min(0.0) - bias
         unit_noise = torch.where(known, noise.double(), 0.0) / gain.abs() * on
         output_noise = relative(unit_noise, outputs)
         bias_check = None if bias_gradient is None else relative(
@@ -240,7 +257,7 @@ def first_conv_equations(victim: Victim, first_output: torch.Tensor, noise: torc
             weight_gradient, bias_gradient)
     return FirstConvEquations(first, on, off, outputs, delta,
                               None if weight_gradient is None else weight_gradient.double(),
-                              bias_check, output_noise, colour)
+                              bias_check, output_noise, colour, ceiling)
 
 
 def cast(value: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:

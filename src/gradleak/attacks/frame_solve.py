@@ -197,7 +197,7 @@ def solve_inputs(equations: FirstConvEquations, start: torch.Tensor, solve: Fram
                             gradient_weight)
         system = fit
         if solve.inequalities and bounds is not None:
-            system = with_violated(fit, x, bounds, gradient_weight)
+            system = with_violated(fit, x, bounds)
         operator, rhs, diagonal = tie.system(system, weight, prior)
         x = conjugate_gradients(operator, rhs, x, solve.round_iterations, diagonal)
     return x
@@ -401,21 +401,16 @@ def output_row_norms(equations: FirstConvEquations) -> torch.Tensor:
     return equations.weight.flatten(1).pow(2).sum(1)[None, :, None, None]
 
 
-def with_violated(system: NormalSystem, x: torch.Tensor, bounds: Bounds,
-                  reliability: torch.Tensor | None = None) -> NormalSystem:
-    """The system with each inequality x violates added as an equality at its bound: the
-    off-units' conv₁(x) = −b (rows scaled to unit norm, as the on-units') and the input's
-    range, pixel by pixel. `reliability` (N,) weighs each frame's off-units: a unit is off
-    where the recursion did not find it surely on, and under noise many of those are on
-    (bfloat16: 28.4 dB without the off-units, 21.1 with them at full weight), so they count
-    as much as the weight-gradient equations, whose weight measures the same masks' error."""
+def with_violated(system: NormalSystem, x: torch.Tensor, bounds: Bounds) -> NormalSystem:
+    """The system with each inequality x violates added as an equality at its bound: an
+    off-unit's conv₁(x) at its ceiling (−b₁, or an undecided unit's recovered value plus its
+    noise: `FirstConvEquations.ceiling`; rows scaled to unit norm, as the on-units') and the
+    input's range, pixel by pixel."""
     equations = system.equations
     conv = equations.block.conv
-    ceiling = -equations.bias.expand_as(equations.outputs)
+    ceiling = equations.off_ceiling()
     violated = (equations.off & (equations.conv(x) > ceiling)).to(x.dtype) \
         / output_row_norms(equations)
-    if reliability is not None:
-        violated = violated * per_frame(reliability)
     below, above = (x < bounds.low).to(x.dtype), (x > bounds.high).to(x.dtype)
     rhs = system.rhs + equations.conv_adjoint(ceiling * violated, x.shape) \
         + below * bounds.low + above * bounds.high
