@@ -1,16 +1,21 @@
-"""The public API: `import gradleak` names it (dir, editors), and docs/api.md's example runs."""
+"""The public API: `import gradleak` names it (dir, editors), and docs/api.md's and README's
+examples run."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
+from helpers import smooth_frame
 
 import gradleak
 from gradleak.errors import ConfigError
 
 API = Path(__file__).resolve().parents[1] / "docs" / "api.md"
+README = API.parents[1] / "README.md"
 
 
 def test_the_public_names_are_listed_and_load() -> None:
@@ -40,3 +45,43 @@ def test_an_unknown_setting_is_named_before_any_work(random_capture: Path, tmp_p
     with pytest.raises(ConfigError, match="unknown setting.*max_window"):
         gradleak.audit(random_capture, out=tmp_path / "a", max_window=4)
     assert not (tmp_path / "a").exists()
+
+
+class OwnPolicy(torch.nn.Module):
+    """A user's policy as README's example assumes it: a conv body, heads `pi` and `v`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(
+            torch.nn.Conv2d(3, 16, 8, 4), torch.nn.ReLU(), torch.nn.Conv2d(16, 32, 4, 2),
+            torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(32 * 6 * 6, 64), torch.nn.ReLU())
+        self.pi, self.v = torch.nn.Linear(64, 5), torch.nn.Linear(64, 1)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.body(x)
+        return self.pi(h), self.v(h)
+
+
+@pytest.mark.slow
+def test_readmes_own_model_example_audits_a_policy_gradleak_has_not_seen(tmp_path: Path,
+                                                                          capsys) -> None:
+    """README's ten lines, as printed there, on a policy defined here and 16 smooth frames: the
+    capture is written, the audit prints its verdict and writes its report."""
+    code = re.search(r"## Audit your own model\n.*?```python\n(.*?)```", README.read_text(),
+                     re.S).group(1)
+    assert "budget_minutes=10" in code
+    # a minute of budget: the stages it does not pay for are named in the verdict, not run
+    code = code.replace("runs/mine", str(tmp_path)).replace("budget_minutes=10",
+                                                            "budget_minutes=1")
+    steps = 16  # two episodes of 8: the audit's windows are 8 steps long
+    frames = np.stack([smooth_frame(64, seed).numpy() for seed in range(steps)])
+    namespace = {"model": OwnPolicy(), "frames": frames, "actions": np.arange(steps) % 5,
+                 "advantages": np.linspace(-1.5, 1.5, steps, dtype=np.float32),
+                 "returns": np.linspace(-0.5, 0.8, steps, dtype=np.float32),
+                 "episodes": np.repeat([0, 1], steps // 2)}
+    exec(compile(code, str(README), "exec"), namespace)  # noqa: S102 (our own documentation)
+    verdict = namespace["verdict"]
+    assert verdict.report.is_file() and (tmp_path / "heldout.h5").is_file()
+    printed = capsys.readouterr().out
+    assert verdict.headline[0] in printed
+    assert verdict.actions_accuracy is not None

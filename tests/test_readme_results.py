@@ -15,10 +15,14 @@ def _module():
     return module
 
 
-def test_readme_shows_exactly_what_the_results_json_holds() -> None:
+def test_readme_and_the_results_page_show_exactly_what_the_results_json_holds() -> None:
     module = _module()
-    assert module.readme_block(module.README.read_text()) == module.render(), (
-        "README's results table is stale: run python benchmarks/readme_results.py --write")
+    for page, parts in module.blocks().items():
+        text = page.read_text()
+        for block, begin, end in parts:
+            assert module.readme_block(text, begin, end) == block, (
+                f"{page.name}'s block {begin!r} is stale: run python "
+                "benchmarks/readme_results.py --write")
 
 
 def test_every_results_json_has_a_row() -> None:
@@ -27,12 +31,14 @@ def test_every_results_json_has_a_row() -> None:
     assert files - set(module.ROWS) <= {"scene_survey.json"}  # a survey, not a result
 
 
-def test_readme_shows_the_demo_run_kept_in_the_results() -> None:
+def test_readme_is_a_page_a_newcomer_reads_in_five_minutes() -> None:
+    """At most 150 lines, none over 300 characters, and at most 8 headline rows: the full
+    results live in docs/results.md."""
     module = _module()
-    assert module.readme_block(module.README.read_text(), module.DEMO_BEGIN,
-                               module.DEMO_END) == module.fenced(module.demo_block()), (
-        "README's demo block is stale: run python benchmarks/readme_results.py --demo "
-        "runs/demo --write")
+    lines = module.README.read_text().splitlines()
+    assert len(lines) <= 150
+    assert max(len(line) for line in lines) <= 300
+    assert len(module.HEADLINE) <= 8
 
 
 def test_a_row_shows_lpips_only_where_it_was_measured_and_says_so() -> None:

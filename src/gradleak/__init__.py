@@ -1,8 +1,8 @@
 """gradleak: measure how much a shared gradient stream leaks.
 
 The public API (docs/api.md): `audit` (a capture's verdict, `Verdict`), `wrap` (a user's
-policy as a victim), `register_model_factory` and `register_forward` (plugins). Recording lives
-in `gradleak.capture.record.record`, the frameworks' hooks in `gradleak.integrations`.
+policy as a victim), `record` (a capture from rollouts you have), `register_model_factory` and
+`register_forward` (plugins). The frameworks' hooks live in `gradleak.integrations`.
 """
 
 from __future__ import annotations
@@ -10,10 +10,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["Verdict", "audit", "register_forward", "register_model_factory", "wrap"]
+__all__ = ["Verdict", "audit", "record", "register_forward", "register_model_factory", "wrap"]
 
 if TYPE_CHECKING:  # what editors and type checkers see; at run time, loaded on first use
     from gradleak.auditing import Verdict, audit
+    from gradleak.capture.record import record
     from gradleak.victims.factories import register_forward, register_model_factory
     from gradleak.victims.wrapped import wrap
 
@@ -21,7 +22,8 @@ if TYPE_CHECKING:  # what editors and type checkers see; at run time, loaded on 
 _LAZY = {"wrap": "gradleak.victims.wrapped",
          "register_model_factory": "gradleak.victims.factories",
          "register_forward": "gradleak.victims.factories",
-         "audit": "gradleak.auditing", "Verdict": "gradleak.auditing"}
+         "audit": "gradleak.auditing", "Verdict": "gradleak.auditing",
+         "record": "gradleak.capture.record"}
 
 
 def __getattr__(name: str) -> Any:

@@ -20,7 +20,8 @@ the normal equations, then `rounds` reweighting rounds:
   The axes come from the frame being solved, so nothing is learned. A frame solved from noisy
   equations has axes fitted to its noise: there the prior blends the axes with the chroma
   weighting by how far the frame's equations are trusted (`round_prior`).
-- *Inequalities.* The off-units of the first conv (conv₁(x) + b ≤ 0) and the input range are
+- *Inequalities.* The off-units of the first conv (conv₁(x) at most its ceiling: −b, or an
+  undecided unit's value plus its noise, `FirstConvEquations.ceiling`) and the input range are
   constraints the equations do not state. Each round adds, as equalities at their bound, the
   ones the current frame violates (an active set, the semi-smooth Newton step for their
   quadratic penalty).
