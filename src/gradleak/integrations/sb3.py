@@ -18,7 +18,7 @@ the initial clip_range, gamma, gae_lambda, normalize_advantage).
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -30,22 +30,6 @@ from gradleak.victims.base import Victim
 from gradleak.victims.factories import register_forward, register_model_factory
 from gradleak.victims.transform import InputTransform
 from gradleak.victims.wrapped import wrap
-
-if TYPE_CHECKING:  # what editors see; at run time loaded when asked for (it imports SB3)
-    from gradleak.integrations.sb3_capture import GradleakCapture
-
-
-def __getattr__(name: str) -> Any:
-    if name == "GradleakCapture":
-        from gradleak.integrations import sb3_capture
-
-        return sb3_capture.GradleakCapture
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), "GradleakCapture"])
-
 
 POLICIES = ("ActorCriticPolicy", "ActorCriticCnnPolicy", "MultiInputActorCriticPolicy")
 EXTRACTORS = ("NatureCNN", "FlattenExtractor", "CombinedExtractor")
