@@ -240,11 +240,10 @@ def first_conv_equations(victim: Victim, first_output: torch.Tensor, noise: torc
     settle them with here."""
     first = conv_blocks(victim)[0]
     with torch.no_grad():
-        relu, deviation, rounding, gain = bn_inverse(first, first_output.double(),
-                                                     noise.double())
+        relu, on, _, gain = unit_states(first, first_output.double(), noise.double(), threshold)
+        _, deviation, rounding, _ = bn_inverse(first, first_output.double(), noise.double())
         known = torch.isfinite(noise)  # a unit no conv above reads says nothing
-        on = (relu > threshold * deviation + rounding) & known
-        off = ~on & known
+        on, off = on & known, ~on & known
         bias = first.conv.bias.double()[:, None, None]
         outputs, delta = (relu - bias) * on, upstream.double() * gain * on
         spread = torch.where(known, CEILING_DEVIATIONS * deviation + rounding, 0.0)
