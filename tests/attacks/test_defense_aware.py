@@ -189,3 +189,29 @@ def test_a_hostile_defense_record_is_refused_naming_it(random_capture: Path, tmp
         observation = file.observation(ROWS[:2])
     with pytest.raises(ConfigError, match="declared parameters"):
         DefenseAwareAttack(observation)
+
+
+def test_the_softplus_ladder_finishes_where_the_relu_matching_stalls(random_capture: Path
+                                                                     ) -> None:
+    """From the private frames perturbed (30 dB), the likelihood finish up the softplus ladder
+    comes back to about the private frames' own likelihood; L-BFGS on the ReLU network alone
+    stops well short of it (its loss never sees a unit switch)."""
+    from gradleak.attacks.analytic import recover_analytically
+    from gradleak.attacks.defense_aware import Matcher, check_applicable, repair_linear
+
+    defended, _, target = under(random_capture, "quant:12")
+    channel = check_applicable(defended)
+    matcher = Matcher(defended, channel, recover_analytically(repair_linear(defended, channel)))
+    noise = torch.randn(target.images.shape, generator=torch.Generator().manual_seed(0))
+    perturbed = (np.clip(target.images / 255 + 0.03 * noise.numpy(), 0, 1) * 255).round()
+
+    def likelihood(config: DefenseAwareConfig, start: np.ndarray) -> np.ndarray:
+        return matcher.finish(start.astype(np.uint8), config)[1]
+
+    truth = likelihood(DefenseAwareConfig(iterations=0, tv=0.0), target.images)
+    ladder = likelihood(DefenseAwareConfig(tv=0.0, colour_restart=False), perturbed)
+    relu = likelihood(DefenseAwareConfig(tv=0.0, sharpness=[], colour_restart=False),
+                      perturbed)
+    assert np.median(ladder / truth) < 1.3, ladder / truth
+    assert np.median(relu / truth) > 1.5 * np.median(ladder / truth), (relu / truth,
+                                                                        ladder / truth)

@@ -28,8 +28,11 @@ Then, per step:
    loss at θ0): squared error over σ² under noise, after fitting the unknown scale under
    DP-SGD; under an interval channel each entry as uniform on its interval (Gaussian with the
    interval's variance, w²/12, about its centre), a kept entry of a pruned row as exact up to
-   float32. A frame keeps its start unless the finish is more likely (the attacker's own
-   criterion; the private frame is never read).
+   float32; plus a little total variation. A ReLU network's matching loss reaches the frame
+   only through its activations, never through which units are on, so the finish climbs a
+   ladder of softplus networks, sharper stage by stage, from the start and again from its
+   mean colour. A frame keeps its start unless a finish is more likely under the ReLU
+   network itself (the attacker's own criterion; the private frame is never read).
 
 With no defense the exact attack's frames come back unchanged. A chain of several transforms,
 aggregation and 1-bit quantisation (a sign with an unknown scale) are refused up front, named.
@@ -44,6 +47,8 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
+from torch import nn
 from torch.func import vmap
 
 from gradleak.attacks.analytic import check_supported, linear_layers, recover_analytically
@@ -246,15 +251,26 @@ class DefenseAwareConfig:
     """What this attack adds to the exact attack it starts from (whose settings stay
     `ExactConfig`'s: `DefenseAwareRun` pairs the two)."""
 
-    iterations: int = 50  # L-BFGS iterations of the likelihood finish (0: none)
+    iterations: int = 80  # L-BFGS iterations of each stage of the likelihood finish (0: none)
     history: int = 30  # its memory
-    tv: float = 0.0  # anisotropic total variation, times the likelihood per entry
+    tv: float = 1e-3  # anisotropic total variation, times the likelihood per entry
     batch: int = 16  # frames finished together
+    # The finish's stages: each of the victim's ReLU modules as a softplus of this sharpness
+    # (β = s / the median |input| of that ReLU over the start frames), sharper stage by stage.
+    # The matching loss of a ReLU network reaches a frame only through its activations, never
+    # through which units are on, so L-BFGS on it stalls where a unit would have to switch
+    sharpness: list[float] = field(default_factory=lambda: [10.0, 30.0, 100.0, 300.0])
+    # A second start besides the exact attack's frames: each one's own mean colour. Where the
+    # recursion failed and left a frame far from any scene, the finish from the flat colour
+    # is the far more likely; elsewhere the exact start's (per frame the more likely is kept)
+    colour_restart: bool = True
 
     def check(self) -> None:
         if self.iterations < 0 or self.history < 1 or self.batch < 1 or not self.tv >= 0:
             raise ConfigError("defense_aware: expected iterations >= 0, history >= 1, batch >= 1 "
                               "and tv >= 0")
+        if not all(s > 0 for s in self.sharpness):
+            raise ConfigError(f"defense_aware.sharpness {self.sharpness}: expected each > 0")
 
 
 @dataclass
@@ -336,6 +352,7 @@ class Matcher:
         self.advantages = torch.from_numpy(closed.extras["advantages"]).float()
         self.returns = torch.from_numpy(closed.extras["returns"]).float()
         self.shape = observation.roles.transform.frame_shape
+        self.smooth = smoothable(self.dummy.victim)  # the matcher's own copy of the victim
 
     def loss(self, pixels: torch.Tensor, centre: torch.Tensor, weight: torch.Tensor,
              action: torch.Tensor, advantage: torch.Tensor, ret: torch.Tensor, tv: float
@@ -352,38 +369,113 @@ class Matcher:
 
     def finish(self, images: np.ndarray, config: DefenseAwareConfig
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """L-BFGS from the frames; each frame keeps its start unless the finish is more likely
-        (the attacker's own criterion). Returns the frames, their negative log-likelihood and
-        which were changed."""
+        """L-BFGS up the ladder of softplus stages from the frames (and from their mean
+        colours); each frame keeps its start unless a finish is more likely (the attacker's
+        own criterion, with the victim's own ReLUs). Returns the frames, their negative
+        log-likelihood and which were changed."""
         out, scores = images.copy(), np.zeros(len(images))
         changed = np.zeros(len(images), dtype=bool)
+        per_frame = vmap(lambda *a: self.loss(*a, config.tv))
         for begin in range(0, len(images), config.batch):
             rows = torch.arange(begin, min(begin + config.batch, len(images)))
             given = (self.centre[rows], self.weight[rows], self.actions[rows],
                      self.advantages[rows], self.returns[rows])
-            per_frame = vmap(lambda *a: self.loss(*a, config.tv))
             start = torch.from_numpy(images[rows.numpy()]).float().flatten(1) / 255.0
-            pixels = start.clone().requires_grad_(True)
-            if config.iterations:
-                optimiser = torch.optim.LBFGS([pixels], lr=1.0, max_iter=config.iterations,
-                                              history_size=config.history,
-                                              line_search_fn="strong_wolfe")
-
-                def closure() -> torch.Tensor:
-                    optimiser.zero_grad()
-                    total = per_frame(pixels, *given).sum()
-                    total.backward()
-                    return total
-
-                optimiser.step(closure)
-            finished = pixels.detach().clamp(0.0, 1.0)
-            finished = (finished * 255).round() / 255  # as it will be stored
             with torch.no_grad():
-                before, after = per_frame(start, *given), per_frame(finished, *given)
-            better = after < before
-            chosen = torch.where(better[:, None], finished, start)
+                best, chosen = per_frame(start, *given), start.clone()
+            before = best.clone()
+            ladder = self.ladder(start, config)
+            starts = [start] + ([mean_colour(start, self.shape)] if config.colour_restart
+                                else [])
+            for first in starts if config.iterations else []:
+                pixels = first.clone().requires_grad_(True)
+                for sharpness in ladder:
+                    self.sharpen(sharpness)
+                    lbfgs(lambda: per_frame(pixels, *given).sum(), pixels, config)
+                self.sharpen(None)
+                finished = (pixels.detach().clamp(0.0, 1.0) * 255).round() / 255  # as stored
+                with torch.no_grad():
+                    after = per_frame(finished, *given)
+                better = after < best
+                best = torch.where(better, after, best)
+                chosen[better] = finished[better]
             out[rows.numpy()] = (chosen.view(-1, *self.shape) * 255).round().to(
                 torch.uint8).numpy()
-            scores[rows.numpy()] = torch.minimum(before, after).numpy()
-            changed[rows.numpy()] = better.numpy()
+            scores[rows.numpy()] = best.numpy()
+            changed[rows.numpy()] = (best < before).numpy()
         return out, scores, changed
+
+    def ladder(self, start: torch.Tensor, config: DefenseAwareConfig) -> list[float | None]:
+        """The stages' sharpness, once each smooth ReLU's scale is set from the start frames;
+        a victim without ReLU modules has one plain stage."""
+        if not self.smooth or not config.sharpness:
+            return [None]
+        seen: list[list[torch.Tensor]] = [[] for _ in self.smooth]
+        hooks = [unit.register_forward_pre_hook(
+            lambda _, args, into=into: into.append(args[0].detach().abs().flatten()))
+            for unit, into in zip(self.smooth, seen)]
+        with torch.no_grad():
+            self.dummy.victim(start.view(-1, *self.shape) * 255.0)
+        for hook in hooks:
+            hook.remove()
+        for unit, values in zip(self.smooth, seen):
+            size = torch.cat(values) if values else torch.ones(1)
+            unit.scale = float(size.median()) or float(size.mean()) or 1.0
+        return list(config.sharpness)
+
+    def sharpen(self, sharpness: float | None) -> None:
+        for unit in self.smooth:
+            unit.sharpness = sharpness
+
+
+def mean_colour(frames: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """(N, H·W·C) flat frames in [0, 1] → each one's mean colour, as flat frames."""
+    images = frames.view(-1, *shape)
+    return images.mean((1, 2), keepdim=True).expand_as(images).reshape(len(frames), -1)
+
+
+def lbfgs(objective: Callable[[], torch.Tensor], pixels: torch.Tensor,
+          config: DefenseAwareConfig) -> None:
+    """`config.iterations` of L-BFGS with a strong-Wolfe line search on `objective`, scaled to
+    1 at the start (L-BFGS's tolerances are absolute, and the likelihood is 1e-4 to 1e-1 per
+    frame): no early stop but the line search's own."""
+    with torch.no_grad():
+        scale = float(objective()) or 1.0
+    optimiser = torch.optim.LBFGS([pixels], lr=1.0, max_iter=config.iterations,
+                                  history_size=config.history, line_search_fn="strong_wolfe",
+                                  tolerance_grad=0.0, tolerance_change=0.0)
+
+    def closure() -> torch.Tensor:
+        optimiser.zero_grad()
+        total = objective() / scale
+        total.backward()
+        return total
+
+    optimiser.step(closure)
+
+
+class SmoothReLU(nn.Module):
+    """A ReLU the finish can soften to softplus(βx)/β, β = sharpness / scale (None: ReLU)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = 1.0
+        self.sharpness: float | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sharpness is None:
+            return torch.relu(x)
+        return F.softplus(x, beta=self.sharpness / self.scale)
+
+
+def smoothable(module: nn.Module) -> list[SmoothReLU]:
+    """Each `nn.ReLU` submodule of `module` replaced, in place, by a `SmoothReLU` (a ReLU
+    called as a function stays one)."""
+    found = []
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.ReLU:
+                smooth = SmoothReLU()
+                setattr(parent, name, smooth)
+                found.append(smooth)
+    return found
