@@ -375,14 +375,15 @@ class Matcher:
         log-likelihood and which were changed."""
         out, scores = images.copy(), np.zeros(len(images))
         changed = np.zeros(len(images), dtype=bool)
-        per_frame = vmap(lambda *a: self.loss(*a, config.tv))
+        per_frame = vmap(lambda *a: self.loss(*a, config.tv))  # what L-BFGS descends
+        likelihood = vmap(lambda *a: self.loss(*a, 0.0))  # what chooses: the prior has no say
         for begin in range(0, len(images), config.batch):
             rows = torch.arange(begin, min(begin + config.batch, len(images)))
             given = (self.centre[rows], self.weight[rows], self.actions[rows],
                      self.advantages[rows], self.returns[rows])
             start = torch.from_numpy(images[rows.numpy()]).float().flatten(1) / 255.0
             with torch.no_grad():
-                best, chosen = per_frame(start, *given), start.clone()
+                best, chosen = likelihood(start, *given), start.clone()
             before = best.clone()
             ladder = self.ladder(start, config)
             starts = [start] + ([mean_colour(start, self.shape)] if config.colour_restart
@@ -395,7 +396,7 @@ class Matcher:
                 self.sharpen(None)
                 finished = (pixels.detach().clamp(0.0, 1.0) * 255).round() / 255  # as stored
                 with torch.no_grad():
-                    after = per_frame(finished, *given)
+                    after = likelihood(finished, *given)
                 better = after < best
                 best = torch.where(better, after, best)
                 chosen[better] = finished[better]
