@@ -30,9 +30,12 @@ Then, per step:
    interval's variance, w²/12, about its centre), a kept entry of a pruned row as exact up to
    float32; plus a little total variation. A ReLU network's matching loss reaches the frame
    only through its activations, never through which units are on, so the finish climbs a
-   ladder of softplus networks, sharper stage by stage, from the start and again from its
-   mean colour. A frame keeps its start unless a finish is more likely under the ReLU
-   network itself (the attacker's own criterion; the private frame is never read).
+   ladder of softplus networks, sharper stage by stage, beginning at the softest one that fits
+   the start about as well as the ReLU network (a start near its frame under a precise channel,
+   bfloat16, would be pulled off by softer ones); one L-BFGS per frame; again from the mean
+   colour of the frames that stayed far less likely than the others. Each frame keeps the most
+   likely of its start and its stages' frames under the ReLU network itself (the attacker's own
+   criterion; the private frame is never read).
 
 With no defense the exact attack's frames come back unchanged. A chain of several transforms,
 aggregation and 1-bit quantisation (a sign with an unknown scale) are refused up front, named.
@@ -49,7 +52,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.func import vmap
 
 from gradleak.attacks.analytic import check_supported, linear_layers, recover_analytically
 from gradleak.attacks.exact import ExactAttack, ExactConfig
@@ -251,26 +253,46 @@ class DefenseAwareConfig:
     """What this attack adds to the exact attack it starts from (whose settings stay
     `ExactConfig`'s: `DefenseAwareRun` pairs the two)."""
 
-    iterations: int = 80  # L-BFGS iterations of each stage of the likelihood finish (0: none)
+    iterations: int = 80  # L-BFGS iterations of each stage of a frame's finish (0: none)
     history: int = 30  # its memory
-    tv: float = 1e-3  # anisotropic total variation, times the likelihood per entry
-    batch: int = 16  # frames finished together
+    # anisotropic total variation, times the square root of the frame's likelihood floor
+    # (`Matcher.floor`): 0.3 is 3e-3 at quant:12's floor (1e-4) and 5e-2 at quant:8's (3e-2),
+    # and at least `tv_min` (a pruned row's floor is ~0: its kept entries are exact)
+    tv: float = 0.3
+    tv_min: float = 1e-3
     # The finish's stages: each of the victim's ReLU modules as a softplus of this sharpness
     # (β = s / the median |input| of that ReLU over the start frames), sharper stage by stage.
     # The matching loss of a ReLU network reaches a frame only through its activations, never
     # through which units are on, so L-BFGS on it stalls where a unit would have to switch
     sharpness: list[float] = field(default_factory=lambda: [10.0, 30.0, 100.0, 300.0])
-    # A second start besides the exact attack's frames: each one's own mean colour. Where the
-    # recursion failed and left a frame far from any scene, the finish from the flat colour
-    # is the far more likely; elsewhere the exact start's (per frame the more likely is kept)
-    colour_restart: bool = True
+    # A frame's ladder begins at the softest stage whose network fits its start within this
+    # factor of the ReLU network's likelihood: a start that the soft networks fit worse (a
+    # precise channel, a start already near its frame) would be pulled off by them
+    soften_limit: float = 1.25
+    # A second start, each frame's own mean colour, for the frames whose finished likelihood
+    # is above this many times the median frame's (every frame when there are fewer than
+    # three; None: never): where the recursion failed far from any scene, the finish from the
+    # flat colour is the far more likely
+    restart_above: float | None = 3.0
+    # and it replaces the frame only where its likelihood is this many times higher: two
+    # distant frames' likelihoods say little about which is nearer the private one (bfloat16:
+    # a 36 dB start at 0.027, the finish from its mean colour at 0.017 and 28 dB)
+    restart_gain: float = 3.0
 
     def check(self) -> None:
-        if self.iterations < 0 or self.history < 1 or self.batch < 1 or not self.tv >= 0:
-            raise ConfigError("defense_aware: expected iterations >= 0, history >= 1, batch >= 1 "
-                              "and tv >= 0")
+        if self.iterations < 0 or self.history < 1 or not (self.tv >= 0
+                                                            and self.tv_min >= 0):
+            raise ConfigError("defense_aware: expected iterations >= 0, history >= 1, tv >= 0 "
+                              "and tv_min >= 0")
         if not all(s > 0 for s in self.sharpness):
             raise ConfigError(f"defense_aware.sharpness {self.sharpness}: expected each > 0")
+        if not self.soften_limit >= 1:
+            raise ConfigError(f"defense_aware.soften_limit {self.soften_limit}: expected >= 1")
+        if self.restart_above is not None and not self.restart_above >= 0:
+            raise ConfigError(f"defense_aware.restart_above {self.restart_above}: expected "
+                              ">= 0, or null for never")
+        if not self.restart_gain >= 1:
+            raise ConfigError(f"defense_aware.restart_gain {self.restart_gain}: expected >= 1")
 
 
 @dataclass
@@ -341,13 +363,21 @@ class Matcher:
         observed = torch.from_numpy(observation.gradients)
         if channel.interval is None:
             self.centre, self.weight = observed.float(), torch.ones_like(observed)
+            spread = torch.full_like(observed, channel.sigma ** 2, dtype=torch.float64)
         else:
             lower, upper = channel.interval(observed.double())
             # float32's own rounding: the floor under an entry's spread (a kept entry is exact)
             floor = 1e-6 * observed.double().abs().amax(1, keepdim=True).clamp_min(1e-30)
             self.centre = ((lower + upper) / 2).float()
-            self.weight = (1.0 / ((upper - lower).pow(2) / 12 + floor.pow(2))).float()
+            spread = (upper - lower).pow(2) / 12 + floor.pow(2)
+            self.weight = (1.0 / spread).float()
         self.weight = self.weight / self.weight.mean(1, keepdim=True)
+        # (N,) the private frame's expected `loss` (without TV): each entry's spread over the
+        # row's weighted size. The finish's prior weighs with its square root: where the
+        # channel leaves the likelihood flat (quant:8), the prior must decide more
+        weight, centre = self.weight.double(), self.centre.double()
+        self.floor = ((weight * spread).mean(1)
+                      / (weight * centre * centre).mean(1).clamp_min(1e-30)).float()
         self.actions = torch.from_numpy(closed.actions)
         self.advantages = torch.from_numpy(closed.extras["advantages"]).float()
         self.returns = torch.from_numpy(closed.extras["returns"]).float()
@@ -369,42 +399,61 @@ class Matcher:
 
     def finish(self, images: np.ndarray, config: DefenseAwareConfig
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """L-BFGS up the ladder of softplus stages from the frames (and from their mean
-        colours); each frame keeps its start unless a finish is more likely (the attacker's
-        own criterion, with the victim's own ReLUs). Returns the frames, their negative
-        log-likelihood and which were changed."""
+        """Each frame on its own (one L-BFGS per frame: a joint one shares its steps and
+        curvature between frames and converges far slower) up its ladder of softplus stages,
+        then from its mean colour where it stayed far less likely than the others (taken where
+        that is clearly more likely still); each keeps the most likely of its start and every
+        stage's frame, under the victim's own ReLUs (the attacker's own criterion). Returns the frames, their negative log-likelihood and
+        which were changed."""
         out, scores = images.copy(), np.zeros(len(images))
-        changed = np.zeros(len(images), dtype=bool)
-        per_frame = vmap(lambda *a: self.loss(*a, config.tv))  # what L-BFGS descends
-        likelihood = vmap(lambda *a: self.loss(*a, 0.0))  # what chooses: the prior has no say
-        for begin in range(0, len(images), config.batch):
-            rows = torch.arange(begin, min(begin + config.batch, len(images)))
-            given = (self.centre[rows], self.weight[rows], self.actions[rows],
-                     self.advantages[rows], self.returns[rows])
-            start = torch.from_numpy(images[rows.numpy()]).float().flatten(1) / 255.0
-            with torch.no_grad():
-                best, chosen = likelihood(start, *given), start.clone()
-            before = best.clone()
-            ladder = self.ladder(start, config)
-            starts = [start] + ([mean_colour(start, self.shape)] if config.colour_restart
-                                else [])
-            for first in starts if config.iterations else []:
-                pixels = first.clone().requires_grad_(True)
-                for sharpness in ladder:
-                    self.sharpen(sharpness)
-                    lbfgs(lambda: per_frame(pixels, *given).sum(), pixels, config)
-                self.sharpen(None)
-                finished = (pixels.detach().clamp(0.0, 1.0) * 255).round() / 255  # as stored
-                with torch.no_grad():
-                    after = likelihood(finished, *given)
-                better = after < best
-                best = torch.where(better, after, best)
-                chosen[better] = finished[better]
-            out[rows.numpy()] = (chosen.view(-1, *self.shape) * 255).round().to(
-                torch.uint8).numpy()
-            scores[rows.numpy()] = best.numpy()
-            changed[rows.numpy()] = (best < before).numpy()
+        starts = torch.from_numpy(images).float().flatten(1) / 255.0
+        ladder = self.ladder(starts, config) if config.iterations else []
+        for row in range(len(images)):
+            out[row], scores[row] = self.descend(row, starts[row], ladder, config, fit_start=True)
+        if config.iterations and config.restart_above is not None:
+            far = scores > config.restart_above * np.median(scores) if len(images) >= 3 \
+                else np.ones(len(images), dtype=bool)
+            for row in np.flatnonzero(far):
+                first = (torch.from_numpy(out[row]).float().flatten() / 255.0)
+                image, score = self.descend(row, mean_colour(first[None], self.shape)[0],
+                                            ladder, config, fit_start=False)
+                if score * config.restart_gain < scores[row]:
+                    out[row], scores[row] = image, score
+        changed = (out != images).reshape(len(images), -1).any(1)
         return out, scores, changed
+
+    def descend(self, row: int, start: torch.Tensor, ladder: list[float | None],
+                config: DefenseAwareConfig, fit_start: bool) -> tuple[np.ndarray, float]:
+        """One frame from `start` up the ladder (from the softest stage that fits the start
+        about as well as the ReLU network, if `fit_start`): the most likely of the start and
+        each stage's frame, as stored (uint8), and its negative log-likelihood."""
+        given = (self.centre[row], self.weight[row], self.actions[row], self.advantages[row],
+                 self.returns[row])
+
+        def likelihood(pixels: torch.Tensor, sharpness: float | None = None) -> float:
+            self.sharpen(sharpness)
+            with torch.no_grad():
+                value = float(self.loss(pixels, *given, 0.0))
+            self.sharpen(None)
+            return value
+
+        best, chosen = likelihood(start), start
+        tv = max(config.tv_min, config.tv * float(self.floor[row]) ** 0.5)
+        if fit_start:
+            fits = [s is None or likelihood(start, s) <= config.soften_limit * best
+                    for s in ladder]
+            ladder = ladder[fits.index(True):] if True in fits else []
+        pixels = start.clone().requires_grad_(True)
+        for sharpness in ladder:
+            self.sharpen(sharpness)
+            lbfgs(lambda: self.loss(pixels, *given, tv), pixels, config)
+            self.sharpen(None)
+            stored = (pixels.detach().clamp(0.0, 1.0) * 255).round() / 255
+            score = likelihood(stored)
+            if score < best:
+                best, chosen = score, stored
+        image = (chosen.view(self.shape) * 255).round().to(torch.uint8).numpy()
+        return image, best
 
     def ladder(self, start: torch.Tensor, config: DefenseAwareConfig) -> list[float | None]:
         """The stages' sharpness, once each smooth ReLU's scale is set from the start frames;
