@@ -131,6 +131,17 @@ def test_a_prior_is_fitted_on_training_scenes_only(capsys, tmp_path: Path,
     assert not (tmp_path / "p").exists()
 
 
+def test_a_prior_under_a_defense_is_refused_not_ignored(capsys, tmp_path: Path,
+                                                       train_capture: Path) -> None:
+    """The fit schedule every learned attacker shares carries a defense; the prior's fit
+    attacks the captures as stored, so a defense set there is named, not silently dropped."""
+    code = main(["train-prior", "--data", str(train_capture), "--out", str(tmp_path / "p"),
+                 "--set", "attack.refiner_fit.defense=quant:8", "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2 and "attack.refiner_fit.defense='quant:8'" in err
+    assert not (tmp_path / "p").exists()
+
+
 def test_train_prior_then_attack_with_it_from_the_command_line(capsys, tmp_path: Path,
                                                                train_capture: Path,
                                                                random_capture: Path) -> None:

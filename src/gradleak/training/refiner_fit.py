@@ -28,6 +28,7 @@ from gradleak.attacks.exact import ExactAttack, ExactConfig
 from gradleak.attacks.frame_refiner import FrameRefiner, RefinerConfig
 from gradleak.capture.schema import layers_to_json
 from gradleak.capture.shards import open_captures
+from gradleak.defenses import parse_defense
 from gradleak.errors import ConfigError
 from gradleak.io import load_tensors, save_tensors, theta_sha256
 from gradleak.metrics.images import psnr, ssim
@@ -97,6 +98,11 @@ class RefinerFit(FitLoop):
                  exact: ExactConfig, paths: list[str], out: Path, resume: bool = False,
                  progress: bool = True) -> None:
         self.config, self.out, self.progress = config, Path(out), progress
+        if parse_defense(config.defense).defenses:
+            # the shared schedule carries the field; this fit attacks the captures as stored
+            raise ConfigError(f"attack.refiner_fit.defense={config.defense!r}: the learned prior "
+                              "is fitted on the attack's frames of undefended captures (a prior "
+                              "fitted under a defense is not built); set it to none")
         refuse_overwrite(self.out, resume)
         exact.check()
         if exact.prior:
