@@ -403,8 +403,8 @@ class Matcher:
         curvature between frames and converges far slower) up its ladder of softplus stages,
         then from its mean colour where it stayed far less likely than the others (taken where
         that is clearly more likely still); each keeps the most likely of its start and every
-        stage's frame, under the victim's own ReLUs (the attacker's own criterion). Returns the frames, their negative log-likelihood and
-        which were changed."""
+        stage's frame, under the victim's own ReLUs (the attacker's own criterion). Returns
+        the frames, their negative log-likelihood and which were changed."""
         out, scores = images.copy(), np.zeros(len(images))
         starts = torch.from_numpy(images).float().flatten(1) / 255.0
         ladder = self.ladder(starts, config) if config.iterations else []
@@ -414,7 +414,7 @@ class Matcher:
             far = scores > config.restart_above * np.median(scores) if len(images) >= 3 \
                 else np.ones(len(images), dtype=bool)
             for row in np.flatnonzero(far):
-                first = (torch.from_numpy(out[row]).float().flatten() / 255.0)
+                first = torch.from_numpy(out[row]).float().flatten() / 255.0
                 image, score = self.descend(row, mean_colour(first[None], self.shape)[0],
                                             ladder, config, fit_start=False)
                 if score * config.restart_gain < scores[row]:
