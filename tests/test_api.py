@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import gymnasium as gym
 import numpy as np
 import pytest
 import torch
@@ -62,26 +63,43 @@ class OwnPolicy(torch.nn.Module):
         return self.pi(h), self.v(h)
 
 
+class SmoothScenes(gym.Env):
+    """A user's own environment as README's example assumes it: (64, 64, 3) uint8 frames, five
+    actions, episodes cut after eight steps."""
+
+    observation_space = gym.spaces.Box(0, 255, (64, 64, 3), np.uint8)
+    action_space = gym.spaces.Discrete(5)
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        super().reset(seed=seed)
+        self.scene, self.t = int(self.np_random.integers(1000)), 0
+        return self.frame(), {}
+
+    def frame(self) -> np.ndarray:
+        return smooth_frame(64, 100 * self.scene + self.t).numpy()
+
+    def step(self, action: int):
+        self.t += 1
+        return self.frame(), float(action == 2), False, self.t >= 8, {}
+
+
 @pytest.mark.slow
 def test_readmes_own_model_example_audits_a_policy_gradleak_has_not_seen(tmp_path: Path,
                                                                           capsys) -> None:
-    """README's ten lines, as printed there, on a policy defined here and 16 smooth frames: the
-    capture is written, the audit prints its verdict and writes its report."""
+    """README's lines, as printed there, on a policy and an environment defined here: the
+    rollout is recorded, the audit prints its verdict and writes its report."""
     code = re.search(r"## Audit your own model\n.*?```python\n(.*?)```", README.read_text(),
                      re.S).group(1)
-    assert "budget_minutes=10" in code
-    # a minute of budget: the stages it does not pay for are named in the verdict, not run
-    code = code.replace("runs/mine", str(tmp_path)).replace("budget_minutes=10",
-                                                            "budget_minutes=1")
-    steps = 16  # two episodes of 8: the audit's windows are 8 steps long
-    frames = np.stack([smooth_frame(64, seed).numpy() for seed in range(steps)])
-    namespace = {"model": OwnPolicy(), "frames": frames, "actions": np.arange(steps) % 5,
-                 "advantages": np.linspace(-1.5, 1.5, steps, dtype=np.float32),
-                 "returns": np.linspace(-0.5, 0.8, steps, dtype=np.float32),
-                 "episodes": np.repeat([0, 1], steps // 2)}
+    assert "budget_minutes=10" in code and "steps=256" in code
+    # a minute of budget: the stages it does not pay for are named in the verdict, not run;
+    # two episodes of 8 steps: the audit's windows are 8 steps long
+    code = code.replace("runs/mine", str(tmp_path)).replace(
+        "budget_minutes=10", "budget_minutes=1").replace("steps=256", "steps=16")
+    namespace = {"model": OwnPolicy(), "env": SmoothScenes()}
     exec(compile(code, str(README), "exec"), namespace)  # noqa: S102 (our own documentation)
     verdict = namespace["verdict"]
     assert verdict.report.is_file() and (tmp_path / "heldout.h5").is_file()
+    assert len(namespace["rollout"]) == 16
     printed = capsys.readouterr().out
     assert verdict.headline[0] in printed
     assert verdict.actions_accuracy is not None
