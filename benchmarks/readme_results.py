@@ -605,6 +605,15 @@ def record_memory() -> tuple[str, str]:
                       for r in rows))
 
 
+def audit_memory() -> tuple[str, str]:
+    data = load("audit_memory.json")
+    return ("`gradleak audit`'s peak memory against the capture's length (NatureCNN-size "
+            f"policy, 64×64 RGB, 0.60M parameters; {', '.join(data['defenses'])})",
+            "; ".join(f"{r['steps']} steps: {r['peak_rss_mb'] / 1024:.2f} GB peak RSS (one "
+                      f"update's gradient block: {r['update_block_mb'] / 1024:.1f} GB)"
+                      for r in data["rows"]))
+
+
 def demo() -> tuple[str, str]:
     data = load("demo.json")
     methods = data["evaluation"]["methods"]
@@ -618,7 +627,7 @@ ROWS: dict[str, Callable[[], tuple[str, str]]] = {
     "audit_paper.json": audit_paper,
     "defense_aware.json": defense_aware, "vit_frames.json": vit_frames,
     "action_recovery.json": action_recovery, "capture.json": capture,
-    "record_memory.json": record_memory,
+    "record_memory.json": record_memory, "audit_memory.json": audit_memory,
     "recovery_speed.json": recovery_speed,
     **({"gpu_check.json": gpu_check} if (RESULTS / "gpu_check.json").exists() else {}),
     "victim_training_ppo.json": victim_training("ppo"),
