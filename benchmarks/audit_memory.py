@@ -14,14 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-import torch
+from host import in_work_folder, machine
 
 from gradleak.io import write_json
 
@@ -81,15 +78,8 @@ def main() -> None:
                         help="where the captures and audits are written (and removed); a temp "
                         "folder by default")
     args = parser.parse_args()
-    work = args.work or Path(tempfile.mkdtemp(prefix="audit-memory-"))
-    work.mkdir(parents=True, exist_ok=True)
-    try:
-        rows = [measure(steps, work) for steps in args.steps]
-    finally:
-        if args.work is None:
-            shutil.rmtree(work)
-    host = (f"{platform.machine()}, {torch.get_num_threads()} threads, torch "
-            f"{torch.__version__}")
+    rows = in_work_folder(measure, args.steps, args.work, "audit-memory-")
+    host = machine()
     write_json(RESULTS.with_suffix(".json"), {"host": host, "defenses": DEFENSES, "rows": rows})
     RESULTS.with_suffix(".md").write_text(markdown(rows, host))
     print(RESULTS.with_suffix(".md").read_text())

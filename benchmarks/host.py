@@ -1,8 +1,14 @@
-"""The host line a benchmark's JSON carries beside its figures."""
+"""What the benchmarks share: the host line their JSON carries beside its figures, and a work
+folder for the files a measurement writes."""
 
 from __future__ import annotations
 
 import platform
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -10,3 +16,16 @@ import torch
 def machine() -> str:
     return (f"{platform.machine()}, {torch.get_num_threads()} threads, torch "
             f"{torch.__version__}, no GPU")
+
+
+def in_work_folder(measure: Callable[[int, Path], dict[str, Any]], sizes: list[int],
+                   work: Path | None, prefix: str) -> list[dict[str, Any]]:
+    """`measure(size, folder)` for each size, in `work` (kept) or a temporary folder (removed
+    afterwards, whatever happens)."""
+    folder = work or Path(tempfile.mkdtemp(prefix=prefix))
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        return [measure(size, folder) for size in sizes]
+    finally:
+        if work is None:
+            shutil.rmtree(folder)
