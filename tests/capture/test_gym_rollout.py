@@ -63,7 +63,8 @@ class Agent(nn.Module):
         super().__init__()
         self.network = nn.Sequential(nn.Conv2d(STACK, 8, 4, 2), nn.ReLU(), nn.Flatten(),
                                      nn.Linear(8 * 7 * 7, 32), nn.ReLU())
-        self.actor, self.critic = nn.Linear(32, ACTIONS), nn.Linear(32, 1)
+        # the count as CleanRL reads it, envs.single_action_space.n: a NumPy integer
+        self.actor, self.critic = nn.Linear(32, Dots.action_space.n), nn.Linear(32, 1)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         hidden = self.network(x / 255.0)

@@ -230,7 +230,8 @@ def wrap(model: nn.Module | None = None, *, policy_head: str, value_head: str,
     if factory_name is None:  # rebuildable in this process only, from a copy of the architecture
         options["session"] = uuid.uuid4().hex
         _SESSION[options["session"]] = (copy.deepcopy(model), forward)
-    config = VictimConfig("wrapped", transform.height, head.out_features, options)
+    # int(): a head built from a NumPy count (gymnasium's `action_space.n` is np.int64)
+    config = VictimConfig("wrapped", transform.height, int(head.out_features), options)
     victim = WrappedVictim(config, model, forward).eval()
     try:
         victim.roles()
