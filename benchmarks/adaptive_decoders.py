@@ -1,6 +1,6 @@
-"""Adaptive analytic decoders: trained on the features recovered under a defense.
+"""Adaptive feature decoders: trained on the features recovered under a defense.
 
-Zero-shot, the analytic decoder collapses under noise, quantisation and pruning (it was trained on
+Zero-shot, the feature decoder collapses under noise, quantisation and pruning (it was trained on
 exact features; see conv_recovery.md and structured_vs_dense.md). Learning to Invert's protocol
 lets the attacker train under the defense it faces. For each of --defenses this trains the
 FC-input decoder of the cpu-bench preset on the training capture's frames paired with the
@@ -34,8 +34,8 @@ from gradleak.training.checkpoint import META
 from gradleak.training.decoder_fit import fit_decoder
 
 RESULTS = Path(__file__).parent / "results" / "adaptive_decoders.json"
-ZERO_SHOT = {"analytic+decoder (FC input)": "decoder",
-             "analytic+conv-stack decoder": "decoder-conv-3ep"}
+ZERO_SHOT = {"feature decoder (FC input)": "decoder",
+             "feature decoder (conv stack)": "decoder-conv-3ep"}
 # benchmarks/defenses.py's adaptive runs, under runs/bench-attack/defenses/<spec as a folder>
 ADAPTIVE_BASELINES = {"TRACE (adaptive)": "trace", "LtI (adaptive)": "lti"}
 KEEP = ("psnr", "ssim", "action_accuracy", "psnr_gain_over_mean_image", "parameters",
@@ -56,7 +56,7 @@ def train_adaptive(preset: Any, spec: str, epochs: int, train: Path, work: Path
 
 
 def attackers_for(spec: str, work: Path) -> dict[str, str]:
-    found = {"analytic+decoder (FC input), adaptive": str(work / f"decoder@{folder(spec)}")}
+    found = {"feature decoder (FC input), adaptive": str(work / f"decoder@{folder(spec)}")}
     found.update({name: str(work / run) for name, run in ZERO_SHOT.items()
                   if (work / run / META).exists()})
     found.update({name: str(work / "defenses" / folder(spec) / run)
@@ -105,7 +105,7 @@ def main() -> None:
                                      args.work / "eval-adaptive" / folder(spec),
                                      max_windows=args.max_windows, defense=parse_defense(spec))
         table += rows(spec, evaluations[spec],
-                      {"analytic+decoder (FC input), adaptive": result["minutes"]})
+                      {"feature decoder (FC input), adaptive": result["minutes"]})
     summary = {"preset": args.preset, "epochs": args.epochs, "max_windows": args.max_windows,
                "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch "
                           f"{torch.__version__}", "training": training,

@@ -76,7 +76,7 @@ def main() -> None:
     torch.set_num_threads(2)
     config = AuditConfig(capture=str(heldout), out=str(args.out), train=str(train),
                          defenses=args.defenses.split(";"), budget_minutes=args.budget_minutes,
-                         max_windows=8, exact_windows=2, optimisation_windows=1)
+                         max_windows=8, training_free_windows=2, optimisation_windows=1)
     summary = Audit(config, progress=False, say=print).run()
     write_audit_report(args.out)
     clean = summary["stages"]["defense none"]["result"]["methods"]

@@ -3,13 +3,13 @@
 On --frames evenly spaced held-out steps: each conv input the gradients determine (relative
 error against the truth), frames from the deepest one by the smoothness-prior solve, the same
 solve from the true map (its ceiling), their mean image, and, on exactly the same frames, the
-trained analytic decoder that reads only the FC input (--decoder). With --attackers, the learned
+trained feature decoder that reads only the FC input (--decoder). With --attackers, the learned
 decoders are also scored on --max-windows held-out windows as `gradleak evaluate` scores them,
 clean and zero-shot under each of --defenses. Writes benchmarks/results/conv_recovery.{json,md}.
 
     python benchmarks/conv_recovery.py [--frames 64] [--capture runs/bench-attack/heldout.h5]
         [--decoder runs/bench-attack/decoder]
-        [--attackers "analytic+conv-stack decoder=runs/bench-attack/decoder-conv,..."]
+        [--attackers "feature decoder (conv stack)=runs/bench-attack/decoder-conv,..."]
         [--defenses "noise:0.001;agg:4"] [--max-windows 100]
 
 Train the conv-stack decoder with `python benchmarks/structured_vs_dense.py --variants
@@ -100,7 +100,7 @@ def write(path: Path, result: dict) -> None:
               {"frames from": "their mean image", "PSNR": result["psnr_of_their_mean_image"],
                "SSIM": result["ssim_of_their_mean_image"]}]
     if "fc_decoder" in result:
-        frames.insert(2, {"frames from": "FC input, learned decoder (analytic+decoder)",
+        frames.insert(2, {"frames from": "FC input, learned decoder (feature decoder)",
                           "PSNR": result["fc_decoder"]["psnr"],
                           "SSIM": result["fc_decoder"]["ssim"]})
     for row in frames:

@@ -5,7 +5,7 @@ held-out float32 captures of `benchmarks/exact_frames.py`) and per defense of a 
 to strong, --frames evenly spaced held-out steps are defended as the audit defends them (the
 capture's row keys seed the noise; the attack is told the defense's kind and parameters, never
 its seed) and attacked twice: by `exact` (training-free, reading the gradient as exact) and by
-`exact (defense-aware)`. Each row: PSNR / SSIM / LPIPS, action accuracy, the update's cosine
+`training-free (defense-aware)`. Each row: PSNR / SSIM / LPIPS, action accuracy, the update's cosine
 to the clean one, ms per frame, beside the mean image of the capture's held-out frames (the
 audited frames: it has seen them, so gains over it understate the leak) and each frame's own
 mean colour (an oracle). DP-SGD rows carry σ, C, q and the steps. The PNG shows the first six

@@ -10,7 +10,7 @@ the victim's update. Writes benchmarks/results/defenses.{json,md,png}.
     python benchmarks/defenses.py [--work runs/bench-attack] [--max-windows 100]
         [--adaptive-minutes 0] [--only quant:4,noise:0.1]
 
-With --exact the training-free attack (`gradleak attack exact`) is scored beside the learned
+With --exact the training-free attack (`gradleak attack training-free`) is scored beside the learned
 ones on the first --baseline-windows windows of the same defended capture; --attacker
 NAME=DIR names attackers other than the cpu-bench ones (e.g. the demo's, under runs/demo):
 
@@ -144,7 +144,7 @@ def main() -> None:
         parser.error(f"--only: {error}")
     from gradleak.attacks.exact import NAME as EXACT
 
-    baselines = {EXACT: preset.attack.exact} if args.exact else None
+    baselines = {EXACT: preset.attack.training_free} if args.exact else None
     rows, runs = [], {}
     for spec, chain in chains.items():
         attackers = {name: str(path) for name, path in clean.items()}
@@ -164,7 +164,7 @@ def main() -> None:
         print(json.dumps(rows_of(spec, result)))
     summary = {"preset": args.preset, "max_windows": args.max_windows,
                "work": str(args.work), "attackers": {k: str(v) for k, v in clean.items()},
-               "exact_windows": args.baseline_windows if args.exact else 0,
+               "training_free_windows": args.baseline_windows if args.exact else 0,
                "adaptive_minutes": args.adaptive_minutes,
                "adaptive_protocol": "fine-tuned from the clean attacker under the defense",
                "runs": runs, "rows": rows}

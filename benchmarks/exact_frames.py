@@ -2,7 +2,7 @@
 
 For each victim (the paper's `cnn` at 84×84 and `cnn-small` at 64×64, random-init and trained
 with PPO or A2C) and each storage (float32, what the client sends, and float16), a held-out
-capture of --steps steps is scored on --frames evenly spaced steps, as `gradleak analytic
+capture of --steps steps is scored on --frames evenly spaced steps, as `gradleak closed-form
 --conv` scores it: each conv input's relative error, then frames from the first conv's
 equations (outputs and weight gradient, weighed by how exact they are, with the total-variation
 rounds and the inequalities: the default), the same with the quadratic prior alone (the solve
@@ -39,6 +39,7 @@ import torch
 
 from gradleak.attacks.exact import ExactAttack, ExactConfig
 from gradleak.attacks.first_conv import frames_from_first_block
+from gradleak.attacks.frame_solve import FrameSolve
 from gradleak.capture.plan import CaptureJob
 from gradleak.capture.reader import CaptureFile
 from gradleak.capture.run import run_capture
@@ -138,7 +139,7 @@ def picture(path: Path, out: Path, count: int = 8) -> None:
         observation, truth = file.observation(rows), file.target(rows).images
     attack = ExactAttack(observation)
     rows_of = {"private": truth, "equations (default)": attack.reconstruct().images,
-               "quadratic prior": ExactAttack(observation, ExactConfig(rounds=0))
+               "quadratic prior": ExactAttack(observation, ExactConfig(solve=FrameSolve(rounds=0)))
                .reconstruct().images,
                "without ∇W₁": ExactAttack(observation, ExactConfig(weight_gradient=False))
                .reconstruct().images}

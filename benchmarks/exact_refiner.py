@@ -90,8 +90,8 @@ def measure(case: Case, args: argparse.Namespace) -> dict[str, Any]:
     with CaptureFile(heldout) as capture:
         rows = np.linspace(0, len(capture) - 1, args.frames).astype(int)
         truth = to_unit_tensor(capture.target(rows).images)
-    row: dict[str, Any] = {"victim": case.name, "chroma": ExactConfig().chroma,
-                           "colour_power": ExactConfig().colour_power,
+    row: dict[str, Any] = {"victim": case.name, "chroma": ExactConfig().solve.chroma,
+                           "colour_power": ExactConfig().solve.colour_power,
                            "attacker_frames": fit["train_frames"],
                            "fit_minutes": fit["minutes"], "parameters": fit["parameters"],
                            "validation": fit["last"]}

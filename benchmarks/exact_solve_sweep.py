@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from gradleak.attacks.exact import ExactAttack, ExactConfig
+from gradleak.attacks.frame_solve import FrameSolve
 from gradleak.capture.reader import CaptureFile
 from gradleak.evaluation.analytic import image_scores
 from gradleak.metrics.images import to_unit_tensor
@@ -55,8 +56,8 @@ def scored(path: Path, frames: int) -> dict[str, dict[str, float]]:
         rows = np.linspace(0, len(capture) - 1, frames).astype(int)
         observation, truth = capture.observation(rows), to_unit_tensor(
             capture.target(rows).images)
-    return {label: image_scores(to_unit_tensor(
-        ExactAttack(observation, ExactConfig(**changes)).reconstruct().images), truth)
+    return {label: image_scores(to_unit_tensor(ExactAttack(
+        observation, ExactConfig(solve=FrameSolve(**changes))).reconstruct().images), truth)
         for label, changes in GRID.items()}
 
 

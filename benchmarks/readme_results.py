@@ -22,6 +22,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from gradleak.names import display
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 README = ROOT / "README.md"
@@ -43,7 +45,16 @@ REFERENCES = ("mean training image", "mean colour (oracle)")
 
 
 def load(name: str) -> Any:
-    return json.loads((RESULTS / name).read_text())
+    """A result file, its method names as the tables print them now (gradleak.names)."""
+    return renamed(json.loads((RESULTS / name).read_text()))
+
+
+def renamed(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {display(k) if isinstance(k, str) else k: renamed(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [renamed(v) for v in value]
+    return display(value) if isinstance(value, str) else value
 
 
 def pct(value: float) -> str:
@@ -163,7 +174,7 @@ def recovery_speed() -> tuple[str, str]:
     parts = "; ".join(f"{r['victim']} {r['observed_conv_inputs_ms_per_frame']:.0f} + "
                       f"{r['solve_frames_ms_per_frame']:.0f}" for r in data["training_free"])
     peak = max(r["peak_rss_gb"] for r in data["analytic"])
-    text = (f"recursion + frame solve, ms per frame: {parts}; `analytic` peak {peak:.2f} GB "
+    text = (f"recursion + frame solve, ms per frame: {parts}; `closed-form` peak {peak:.2f} GB "
             f"for {data['analytic'][0]['rows']} to {data['analytic'][-1]['rows']} rows")
     if "learned" in data:
         text += (f"; TRACE (cpu-bench) inference "
@@ -468,7 +479,7 @@ def keep_demo(run: Path) -> None:
     pictures into docs/img."""
     import shutil
 
-    data = json.loads((run / "results.json").read_text())
+    data = renamed(json.loads((run / "results.json").read_text()))
     kept = {key: data[key] for key in ("preset", "seconds", "machine", "training", "captures",
                                        "action_recovery_heldout", "exact_seconds_into_demo",
                                        "attackers", "verdict")}
@@ -635,7 +646,7 @@ ROWS: dict[str, Callable[[], tuple[str, str]]] = {
     "optim_baselines.json": optim_baselines,
     "defenses.json": rows_file("defenses.json", "defenses, zero-shot and adaptive"),
     "structured_vs_dense.json": rows_file("structured_vs_dense.json",
-                                          "structured vs dense gradient input, analytic "
+                                          "structured vs dense gradient input, feature "
                                           "decoders"),
     "defenses_demo.json": exact_beside_learned,
     "adaptive_decoders.json": adaptive_decoders, "conv_recovery.json": conv_recovery,

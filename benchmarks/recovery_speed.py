@@ -1,11 +1,11 @@
 """Recovery speed: the training-free attack's two parts per frame on both victim sizes, the peak
-memory of `gradleak analytic` as rows grow, and a learned attacker's inference and data wait.
+memory of `gradleak closed-form` as rows grow, and a learned attacker's inference and data wait.
 
 - the conv-stack recursion (batched over the frames) and the frame solve, ms per frame,
   medians of --repeats, on `exact_frames.py`'s float32 held-out captures of cnn-small at 64×64
   and the paper's cnn at 84×84 (random init and PPO; made here when missing, as that script
   makes them);
-- `gradleak analytic` on --analytic-rows counts of a capture, each in a fresh process: peak
+- `gradleak closed-form` on --analytic-rows counts of a capture, each in a fresh process: peak
   resident memory (getrusage) and seconds;
 - training windows a second from the paper cnn's attacker-training capture (factored float32, 30
   MB a window) through a DataLoader with 0, 1 and 2 workers, batches read into one tensor
@@ -330,7 +330,7 @@ def write(result: dict[str, Any]) -> None:
             f"{result['frames']} held-out float32 steps per victim, medians of "
             f"{result['repeats']}; {result['machine']}.", "",
             markdown_table(table, list(table[0])), "",
-            f"`gradleak analytic` on {result['analytic_capture']} (each count in a fresh "
+            f"`gradleak closed-form` on {result['analytic_capture']} (each count in a fresh "
             "process):", "", markdown_table(memory, list(memory[0]))]
     if "learned" in result:
         learned_row = result["learned"]

@@ -3,7 +3,7 @@
 Trains, each for at most --minutes on the same training capture: TRACE with the paper's dense
 projection, TRACE with the structured input (exact Linear-layer inputs, deltas, conv-channel
 norms), LtI with the structured input (a learned decoder of the recovered features, trained on
-gradients), and for --decoder-minutes each the analytic decoder (the FC input recovered in
+gradients), and for --decoder-minutes each the feature decoder (the FC input recovered in
 closed form, decoded by a conv decoder trained on auxiliary frames only: no stored gradient)
 without temporal context, with the previous reconstruction, and with it warped by the recovered
 action, and the decoder of the second conv's input recovered through the whole conv stack
@@ -45,12 +45,12 @@ VARIANTS = {"TRACE-dense": ("trace", "dense"), "TRACE-structured": ("trace", "st
             "LtI-structured": ("lti", "structured")}
 # name: (label, context, model overrides, fit overrides)
 DECODERS: dict[str, tuple[str, str, dict[str, Any], dict[str, Any]]] = {
-    "decoder": ("analytic+decoder", "none", {}, {}),
-    "decoder-concat": ("analytic+decoder (previous frame)", "concat", {}, {}),
-    "decoder-warp": ("analytic+decoder (previous frame, warped)", "warp", {}, {}),
+    "decoder": ("feature decoder", "none", {}, {}),
+    "decoder-concat": ("feature decoder (previous frame)", "concat", {}, {}),
+    "decoder-warp": ("feature decoder (previous frame, warped)", "warp", {}, {}),
     # the second conv's 16×16×16 input, recovered through the conv stack: a 16× larger map
     # than the FC input, so a narrower decoder with no dense path, for 3 epochs
-    "decoder-conv": ("analytic+conv-stack decoder", "none",
+    "decoder-conv": ("feature decoder (conv stack)", "none",
                      {"feature_module": "encoder.3", "global_channels": 0, "channels": 32},
                      {"epochs": 3})}
 EXISTING = {"TRACE (T=8, subsample)": "TRACE-T=8", "LtI (subsample)": "LtI"}

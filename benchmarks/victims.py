@@ -7,7 +7,7 @@ form recovers and its error (h, the FC input, the goal, the GRU's pre-step state
 conv input the recursion recovers and the frames beneath it from the first conv's own equations
 (the training-free attack, `score_conv_stack`), the frames from the patch embedding where that
 is the attack's route (a ViT), or why neither applies; and the learned
-attackers (LtI, and the analytic decoder where the victim has conv features), each given the
+attackers (LtI, and the feature decoder where the victim has conv features), each given the
 same CPU budget, against the mean training image; PSNR, SSIM and LPIPS.
 
     OMP_NUM_THREADS=1 python benchmarks/victims.py [--victims cnn-small,vit-tiny-small,...]
@@ -207,7 +207,7 @@ def exact_frames(heldout: Path, count: int) -> dict[str, Any]:
 
 def learned(work: Path, captures: dict[str, Path], preset: Preset, minutes: float
             ) -> dict[str, Any]:
-    """LtI and (where it applies) the analytic decoder, each `minutes` of this process's CPU."""
+    """LtI and (where it applies) the feature decoder, each `minutes` of this process's CPU."""
     attackers: dict[str, str] = {}
     train = [str(captures["train"])]
     lti = preset.attack.lti_fit
@@ -222,7 +222,7 @@ def learned(work: Path, captures: dict[str, Path], preset: Preset, minutes: floa
     try:
         if not (work / "decoder" / "attacker.json").exists():
             fit_decoder(preset.attack.decoder, decoder, train, work / "decoder", progress=False)
-        attackers["analytic+decoder"] = str(work / "decoder")
+        attackers["feature decoder"] = str(work / "decoder")
     except ConfigError as refusal:
         refused = str(refusal)
     scores = evaluate([captures["heldout"]], attackers, work / "eval", baselines={})
@@ -311,7 +311,7 @@ def main() -> None:
     setup = (f"Each victim at 64×64 (K = 5; K = 10 for cnn-k10-small), trained {args.updates} "
              f"PPO updates of 512 steps on cpu-quick's training maps; captures at that θ0 "
              f"(float32): {args.train_steps} training-scene steps, {args.heldout_steps} "
-             f"held-out steps on unseen maps. LtI and the analytic decoder get "
+             f"held-out steps on unseen maps. LtI and the feature decoder get "
              f"{args.minutes} CPU-minutes each on the training capture (captured frames only). "
              f"{SB3}: SB3 PPO('CnnPolicy', n_steps=512, batch_size=64, its other defaults) "
              f"trained {args.sb3_steps} steps on the same maps (frames only), captured with "

@@ -26,6 +26,7 @@ def test_the_public_names_are_listed_and_load() -> None:
     assert callable(gradleak.audit)  # a function, not a module of the same name
 
 
+@pytest.mark.slow
 def test_the_documented_audit_example_runs(random_capture: Path, tmp_path: Path, capsys) -> None:
     code = re.search(r"## Audit a capture\n\n```python\n(.*?)```", API.read_text(),
                      re.S).group(1)

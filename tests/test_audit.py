@@ -20,7 +20,7 @@ HOSTILE = "<script>alert('x')</script>&\"'"
 HOSTILE_FILE = "<img src=x onerror=alert(1)>.h5"  # a file name holds no slash
 DEFENSES = "quant:4;dpsgd:eps=1;agg:2"
 FAST = ["--set", "attack.ig.iterations=3", "--set", "attack.dlg.iterations=3",
-        "--max-windows", "3", "--exact-windows", "1", "--optimisation-windows", "1"]
+        "--max-windows", "3", "--training-free-windows", "1", "--optimisation-windows", "1"]
 
 
 def audit_argv(capture: Path, attackers: dict[str, Path], out: Path, *extra: str) -> list[str]:
@@ -56,6 +56,7 @@ def audited(hostile_capture: Path, trained_attackers, tmp_path_factory) -> tuple
     return out, json.loads(printed.getvalue())
 
 
+@pytest.mark.slow
 def test_the_verdict_follows_from_the_stages(audited) -> None:
     out, verdict = audited
     summary = json.loads((out / "results.json").read_text())
@@ -67,27 +68,27 @@ def test_the_verdict_follows_from_the_stages(audited) -> None:
     clean = summary["stages"]["defense none"]["result"]["methods"]
     frames = {n: r for n, r in clean.items() if r["kind"] != "reference" and "psnr" in r}
     assert verdict["frames"]["psnr"] == max(r["psnr"] for r in frames.values())
-    assert {"DLG", "IG", "exact (training-free)", HOSTILE, "LtI"} <= set(frames)
+    assert {"DLG", "IG", "training-free", HOSTILE, "LtI"} <= set(frames)
     # DLG and IG run last, in their own stage, so they never take the defense stages' budget;
     # their rows join the clean stage's in results.json
     assert list(summary["stages"])[-1] == "optimisation baselines"
     saved = json.loads((out / "stages" / "defense-none.json").read_text())["result"]["methods"]
-    assert "IG" not in saved and "exact (training-free)" in saved
+    assert "IG" not in saved and "training-free" in saved
     outcomes = {o["spec"]: o for o in verdict["defenses"]}
     assert list(outcomes) == DEFENSES.split(";")
     assert outcomes["dpsgd:eps=1"]["epsilon"] == pytest.approx(1.0, abs=0.05)
     # DLG and IG only on the clean stream; aggregation leaves only the learned attackers
     defended = summary["stages"]["defense quant:4"]["result"]["methods"]
-    assert "IG" not in defended and "exact (training-free)" in defended
+    assert "IG" not in defended and "training-free" in defended
     # under each single-step defense the defense-aware attack runs beside the blind one, on
     # the same frames; it is no row of the clean stream (there it is the exact attack)
-    assert defended["exact (defense-aware)"]["frames"] == defended["exact (training-free)"][
+    assert defended["training-free (defense-aware)"]["frames"] == defended["training-free"][
         "frames"]
-    assert "exact (defense-aware)" in summary["stages"]["defense dpsgd:eps=1"]["result"][
-        "methods"] and "exact (defense-aware)" not in clean
+    assert "training-free (defense-aware)" in summary["stages"]["defense dpsgd:eps=1"]["result"][
+        "methods"] and "training-free (defense-aware)" not in clean
     # each learned attacker has its control, fed other steps' gradients
     assert clean["LtI on other steps' gradients (control)"]["kind"] == "control"
-    assert "exact (training-free)" not in summary["stages"]["defense agg:2"]["result"]["methods"]
+    assert "training-free" not in summary["stages"]["defense agg:2"]["result"]["methods"]
     stopping = [o for o in outcomes.values() if o["stops"]]
     assert verdict["weakest_stopping"] == (max(stopping, key=lambda o: o["cosine"])["spec"]
                                            if stopping else None)
@@ -110,8 +111,8 @@ def test_a_rerun_resumes_and_other_settings_are_refused(audited, hostile_capture
     assert main([*argv, "--budget-minutes", "50"]) == 0  # the budget may change
     assert {p.name: p.stat().st_mtime_ns for p in (out / "stages").iterdir()} == before
     capsys.readouterr()
-    assert main([*argv[:-1], "--exact-windows", "2", "--quiet"]) == 2
-    assert "other settings (exact_windows)" in capsys.readouterr().err
+    assert main([*argv[:-1], "--training-free-windows", "2", "--quiet"]) == 2
+    assert "other settings (training_free_windows)" in capsys.readouterr().err
     assert {p.name: p.stat().st_mtime_ns for p in (out / "stages").iterdir()} == before
 
 
@@ -123,6 +124,7 @@ def test_a_foreign_folder_is_refused_untouched(random_capture: Path, trained_att
     assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("clock", ["wall", "cpu"])
 def test_a_small_budget_skips_the_defenses_and_says_so(random_capture: Path, trained_attackers,
                                                        tmp_path: Path, capsys,
@@ -154,8 +156,8 @@ def test_fail_if_sets_the_exit_status(audited, hostile_capture: Path, trained_at
     (["--defenses", "quant:99"], "quant"),
     (["--budget-minutes", "0"], "--budget-minutes 0"),
     (["--set", "attack.ig.iterations=many"], "attack.ig.iterations"),
-    (["--set", "attack.exact.iterations=-5"], "--set field attack.exact.iterations=-5: expected "
-                                              "at least 1"),
+    (["--set", "attack.training_free.solve.iterations=-5"],
+     "--set field attack.training_free.solve.iterations=-5: expected at least 1"),
     (["--seed", "-1"], "--seed -1"),
 ])
 def test_bad_arguments_are_refused_before_any_work(random_capture: Path, trained_attackers,
@@ -166,6 +168,7 @@ def test_bad_arguments_are_refused_before_any_work(random_capture: Path, trained
     assert message in capsys.readouterr().err and not out.exists()
 
 
+@pytest.mark.slow
 def test_the_minimal_audit_runs_the_default_grid_on_what_was_given(random_capture: Path,
                                                                     tmp_path: Path,
                                                                     capsys) -> None:
@@ -190,6 +193,7 @@ def test_aggregation_without_a_learned_attacker_is_refused_up_front(random_captu
     assert not (tmp_path / "a").exists()
 
 
+@pytest.mark.slow
 def test_a_rerun_on_other_data_at_the_same_path_reuses_nothing(random_capture: Path,
                                                                 float16_capture: Path,
                                                                 tmp_path: Path, capsys) -> None:
@@ -215,6 +219,7 @@ def test_a_rerun_on_other_data_at_the_same_path_reuses_nothing(random_capture: P
     ({"methods": "oops"}, "'methods' is not an object of method rows"),
     (None, "'result' is NoneType"),
 ])
+@pytest.mark.slow
 def test_a_damaged_stage_file_is_named_not_a_traceback(random_capture: Path, tmp_path: Path,
                                                        capsys, damage, fragment) -> None:
     argv = ["audit", "--capture", str(random_capture), "--defenses", "none", "--out",
@@ -229,6 +234,7 @@ def test_a_damaged_stage_file_is_named_not_a_traceback(random_capture: Path, tmp
     assert f"audit stage file {path}: {fragment}" in err and "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_two_audits_of_one_folder_never_run_together(random_capture: Path, tmp_path: Path,
                                                      capsys) -> None:
     from gradleak.auditing import LOCK
@@ -263,6 +269,7 @@ def test_fail_if_grammar_and_binds_tighter_than_or() -> None:
             parse_condition(bad)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (.ci/run "
                     "installs it)")
 def test_the_report_renders_whole_in_chromium_with_hostile_strings_escaped(
@@ -286,6 +293,7 @@ def test_the_report_renders_whole_in_chromium_with_hostile_strings_escaped(
     assert screenshot_size(report, tmp_path) > 20_000  # a rendered page, not a blank one
 
 
+@pytest.mark.slow
 def test_with_a_training_capture_the_audit_trains_its_own_attackers(
         random_capture: Path, train_capture: Path, tmp_path: Path, capsys) -> None:
     attack = [a for pair in zip(TINY[::2], TINY[1::2], strict=True) if pair[1].startswith(
@@ -293,30 +301,31 @@ def test_with_a_training_capture_the_audit_trains_its_own_attackers(
     out = tmp_path / "own"
     assert main(["audit", "--capture", str(random_capture), "--train", str(train_capture),
                  "--defenses", "none", "--optimisation", "", "--out", str(out), "--json",
-                 "--max-windows", "2", "--exact-windows", "1", *attack]) == 0
+                 "--max-windows", "2", "--training-free-windows", "1", *attack]) == 0
     verdict = json.loads(capsys.readouterr().out)
     summary = json.loads((out / "results.json").read_text())
     trained = summary["stages"]["attackers"]["result"]
     assert set(trained) == {"TRACE", "LtI"}
     assert all((Path(folder) / "attacker.safetensors").is_file() for folder in trained.values())
     clean = summary["stages"]["defense none"]["result"]
-    assert {"TRACE", "LtI", "exact (training-free)"} <= set(clean["methods"])
+    assert {"TRACE", "LtI", "training-free"} <= set(clean["methods"])
     assert str(train_capture) in clean["mean_image_source"] and verdict["defenses"] == []
     assert json.loads((out / "preset.json").read_text())["attack"]["trace"]["window"] == 4
 
 
+@pytest.mark.slow
 def test_without_attackers_the_reference_is_the_held_out_frames(random_capture: Path,
                                                                 tmp_path: Path,
                                                                 capsys) -> None:
     assert main(["audit", "--capture", str(random_capture), "--defenses", "noise:0.01",
-                 "--optimisation", "", "--exact-windows", "1", "--out", str(tmp_path / "a"),
+                 "--optimisation", "", "--training-free-windows", "1", "--out", str(tmp_path / "a"),
                  "--json"]) == 0
     verdict = json.loads(capsys.readouterr().out)
     clean = json.loads((tmp_path / "a" / "results.json").read_text())["stages"][
         "defense none"]["result"]
-    assert set(clean["methods"]) >= {"exact (training-free)", "mean training image"}
+    assert set(clean["methods"]) >= {"training-free", "mean training image"}
     assert str(random_capture) in clean["mean_image_source"]
-    assert verdict["frames"]["method"] == "exact (training-free)"
+    assert verdict["frames"]["method"] == "training-free"
     assert verdict["frames"]["gain"] > 3  # the float32 stream gives frames away, untrained
     assert clean["mean_image_of"] == "audited frames"  # and the verdict names it so
     assert "mean of the audited frames" in verdict["reference"]
@@ -338,24 +347,26 @@ def audit_of(victim: str, tmp_path: Path, capsys) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
+@pytest.mark.slow
 def test_an_attack_the_victim_does_not_allow_is_named_not_run(tmp_path: Path,
                                                              capsys) -> None:
     """IMPALA's GroupNorm and residual blocks have no route for the training-free attack yet:
     the audit runs the rest and says why that one did not run (each route's reason)."""
     verdict = audit_of("impala-small", tmp_path, capsys)
-    reason = verdict["not_applicable"]["exact (training-free)"]
+    reason = verdict["not_applicable"]["training-free"]
     assert "patch embedding: " in reason and "conv stack: " in reason and "groupnorm" in reason
-    assert any(line.startswith("Not applicable to this victim: exact") for line in
+    assert any(line.startswith("Not applicable to this victim: training-free") for line in
                verdict["headline"])
     assert verdict["actions"]["accuracy"] >= 0.9 and "frames" not in verdict
 
 
+@pytest.mark.slow
 def test_a_vit_audit_returns_its_frames_training_free(tmp_path: Path, capsys) -> None:
     """A vision transformer's frames come back from its patch embedding's gradient: the
     audit's training-free attack is exact on them (float32 wire) and the verdict says so."""
     verdict = audit_of("vit-tiny-small", tmp_path, capsys)
-    assert "exact (training-free)" not in (verdict.get("not_applicable") or {})
-    assert verdict["frames"]["method"] == "exact (training-free)"
+    assert "training-free" not in (verdict.get("not_applicable") or {})
+    assert verdict["frames"]["method"] == "training-free"
     assert verdict["frames"]["psnr"] >= 60.0 and verdict["actions"]["accuracy"] == 1.0
 
 
@@ -441,6 +452,7 @@ def test_a_skipped_defense_is_one_the_verdict_cannot_speak_for() -> None:
                v["headline"])
 
 
+@pytest.mark.slow
 def test_the_demo_runs_its_defense_stages_on_a_clock_that_says_the_budget_is_spent(
         random_capture: Path, trained_attackers, tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -453,7 +465,7 @@ def test_the_demo_runs_its_defense_stages_on_a_clock_that_says_the_budget_is_spe
 
     preset = load_preset("cpu-quick", ["attack.ig.iterations=2"])
     config = replace(audit_config(random_capture, tmp_path, preset), max_windows=2,
-                     exact_windows=1, optimisation_windows=1,
+                     training_free_windows=1, optimisation_windows=1,
                      attackers={"TRACE": str(trained_attackers["trace"])})
     monkeypatch.setattr(Budget, "minutes_left", lambda self: -60.0)  # an hour over, always
     summary = Audit(config, progress=False, preset=preset).run()

@@ -31,6 +31,7 @@ def test_info_summarises_and_validates(capsys, random_capture: Path) -> None:
     assert data["validation"]["finite"] is True
 
 
+@pytest.mark.slow
 def test_scenes_split_is_fixed_and_disjoint(capsys) -> None:
     data = run_json(capsys, "scenes")
     train = {row["map"] for row in data["maps"] if row["split"] == "train"}
@@ -71,6 +72,7 @@ def test_errors_are_one_line_with_status_2(capsys, tmp_path: Path, monkeypatch, 
     assert not list(tmp_path.iterdir())  # nothing half-written
 
 
+@pytest.mark.slow
 def test_demo_runs_end_to_end_and_reports_heldout_recovery(capsys, tmp_path: Path) -> None:
     out = tmp_path / "demo"
     data = run_json(capsys, "demo", "--out", str(out), *TINY, "--set",
@@ -81,12 +83,12 @@ def test_demo_runs_end_to_end_and_reports_heldout_recovery(capsys, tmp_path: Pat
     assert recovery["sign-aware"]["oracle_advantage_sign"] is True
     methods = data["evaluation"]["methods"]
     assert {"TRACE", "LtI", "mean training image", "mean colour (oracle)"} <= set(methods)
-    exact = methods["exact (training-free)"]  # the demo leads with the attack needing no training
+    exact = methods["training-free"]  # the demo leads with the attack needing no training
     assert exact["kind"] == "training-free" and exact["action_accuracy"] == 1.0
     assert exact["psnr"] > methods["mean training image"]["psnr"]
     assert data["verdict"]["actions"]["accuracy"] >= 0.9 and data["verdict"]["headline"]
     # the training-free frames came before any attacker training, and the audit after it
-    assert data["exact"]["methods"]["exact (training-free)"]["frames"] > 0
+    assert data["exact"]["methods"]["training-free"]["frames"] > 0
     assert data["exact_seconds_into_demo"] < data["seconds"]
     for name in ("config.json", "results.json", "train.h5", "heldout.h5", "train.h5.json",
                  "heldout_actions.png", "audit/report.html", "audit/results.json",
@@ -123,9 +125,10 @@ def test_attack_rejects_a_row_outside_the_capture(capsys, tmp_path: Path,
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.slow
 def test_analytic_reports_exact_recovery_and_feature_inversion(capsys,
                                                               random_capture: Path) -> None:
-    data = run_json(capsys, "analytic", str(random_capture), "--invert", "2")
+    data = run_json(capsys, "closed-form", str(random_capture), "--invert", "2")
     result = data[str(random_capture)]
     assert result["rows"] == 50 and result["action_accuracy"] == 1.0
     assert result["layer_inputs"]["fc"]["median_relative_error"] <= 1e-3
@@ -142,6 +145,7 @@ def test_analytic_reports_exact_recovery_and_feature_inversion(capsys,
     assert result["feature_inversion"]["psnr"] > grey + 8.0  # 20.8 vs 9.0 dB when written
 
 
+@pytest.mark.slow
 def test_train_decoder_then_evaluate_recovers_every_action(capsys, tmp_path: Path,
                                                            train_capture: Path,
                                                            random_capture: Path) -> None:
@@ -154,13 +158,14 @@ def test_train_decoder_then_evaluate_recovers_every_action(capsys, tmp_path: Pat
     result = run_json(capsys, "evaluate", "--attacker", str(tmp_path / "dec"), "--data",
                       str(random_capture), "--out", str(tmp_path / "eval"), "--max-windows",
                       "4")
-    row = result["methods"]["analytic+decoder"]
+    row = result["methods"]["feature decoder"]
     assert row["action_accuracy"] == 1.0 and row["frames"] == 32
 
 
+@pytest.mark.slow
 def test_analytic_recovers_the_conv_inputs_and_frames_beneath(capsys,
                                                               random_capture: Path) -> None:
-    assert main(["analytic", str(random_capture), "--conv", "6", "--json"]) == 0
+    assert main(["closed-form", str(random_capture), "--conv", "6", "--json"]) == 0
     printed = capsys.readouterr()
     data = json.loads(printed.out)
     # every stage says when it starts, on stderr beside the JSON: the solves take minutes
@@ -209,8 +214,8 @@ def test_attack_exact_recovers_chosen_steps_without_training(capsys, tmp_path: P
                                                              random_capture: Path) -> None:
     """`attack exact` on a float32 capture: the taken actions, the true A and R, and frames
     within 1e-2 of the truth, with the first conv's equations fitted (rows 2 and 7)."""
-    data = run_json(capsys, "attack", "exact", "--data", str(random_capture), "--index", "7",
-                    "--index", "2", "--out", str(tmp_path / "exact"))
+    data = run_json(capsys, "attack", "training-free", "--data", str(random_capture), "--index",
+                    "7", "--index", "2", "--out", str(tmp_path / "exact"))
     assert [step["index"] for step in data["steps"]] == [2, 7]
     for step in data["steps"]:
         assert step["action"] == step["true_action"]
@@ -218,16 +223,17 @@ def test_attack_exact_recovers_chosen_steps_without_training(capsys, tmp_path: P
         assert abs(step["return"] - step["true_return"]) < 1e-4
         assert step["psnr"] >= 25.0 and step["residual_weight_gradient"] < 1e-2
     assert (tmp_path / "exact" / "reconstructions.png").is_file()
-    assert json.loads((tmp_path / "exact" / "attack.json").read_text())["method"] == "exact"
+    assert json.loads((tmp_path / "exact" / "attack.json").read_text())["method"] == "training-free"
 
 
+@pytest.mark.slow
 def test_evaluate_scores_the_training_free_attack_beside_the_learned_ones(
         capsys, tmp_path: Path, trained_attackers, random_capture: Path) -> None:
     result = run_json(capsys, "evaluate", "--attacker", str(trained_attackers["lti"]),
                       "--data", str(random_capture), "--out", str(tmp_path / "eval"),
-                      "--baselines", "exact", "--baseline-windows", "2")
+                      "--baselines", "training-free", "--baseline-windows", "2")
     rows = result["methods"]
-    exact = rows["exact (training-free)"]
+    exact = rows["training-free"]
     assert exact["kind"] == "training-free" and exact["frames"] == 2 * result["window"]
     assert exact["action_accuracy"] == 1.0
     assert exact["psnr"] >= rows["mean training image"]["psnr"] + 5.0
@@ -236,9 +242,9 @@ def test_evaluate_scores_the_training_free_attack_beside_the_learned_ones(
 
 def test_attack_exact_checks_its_settings_before_reading_or_writing(capsys, tmp_path: Path,
                                                                     random_capture: Path) -> None:
-    assert main(["attack", "exact", "--data", str(random_capture), "--index", "0", "--out",
-                 str(tmp_path / "exact"), "--set", "attack.exact.iterations=0"]) == 2
-    assert "attack.exact.iterations=0" in capsys.readouterr().err
+    assert main(["attack", "training-free", "--data", str(random_capture), "--index", "0", "--out",
+                 str(tmp_path / "exact"), "--set", "attack.training_free.solve.iterations=0"]) == 2
+    assert "attack.training_free.solve.iterations=0" in capsys.readouterr().err
     assert not (tmp_path / "exact").exists()
 
 

@@ -34,6 +34,7 @@ def evaluation(trained_attackers, random_capture: Path, tmp_path_factory) -> Pat
     return out
 
 
+@pytest.mark.slow
 def test_every_method_and_both_reference_rows_are_scored(evaluation: Path) -> None:
     result = json.loads((evaluation / "metrics.json").read_text())
     methods = result["methods"]
@@ -79,6 +80,7 @@ def test_every_method_and_both_reference_rows_are_scored(evaluation: Path) -> No
         assert (evaluation / name).stat().st_size > 1000
 
 
+@pytest.mark.slow
 def test_a_shorter_window_attacker_sees_each_span_afresh(trained_attackers, train_capture,
                                                          random_capture: Path,
                                                          tmp_path: Path) -> None:
@@ -186,6 +188,7 @@ def test_report_without_an_evaluation(tmp_path: Path, capsys) -> None:
     assert "has no metrics.json" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_the_mean_image_reference_comes_from_the_data_not_the_attacker_order(
         trained_attackers, train_capture: Path, random_capture: Path, tmp_path: Path) -> None:
     """Both attackers sampled their own mean image from the training windows; the reference

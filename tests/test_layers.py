@@ -10,7 +10,7 @@ from pathlib import Path
 
 SOURCE = Path(__file__).resolve().parents[1] / "src" / "gradleak"
 LAYERS = [
-    {"errors"},
+    {"errors", "names"},
     {"registry", "config", "safe_pickle", "threads", "plugins"},
     {"victims", "metrics"},
     {"threat", "io", "envs"},

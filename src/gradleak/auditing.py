@@ -73,7 +73,7 @@ class AuditConfig:
     budget_minutes: float = 20.0
     clock: str = "wall"  # or "cpu": this process's CPU time, all its threads (shared machines)
     max_windows: int = 32  # held-out windows the learned attackers and references score
-    exact_windows: int = 2  # windows the training-free attack inverts
+    training_free_windows: int = 2  # windows the training-free attack inverts
     optimisation_windows: int = 1  # windows DLG and IG invert (seconds per frame each)
     optimisation: list[str] = field(default_factory=lambda: list(OPTIMISATION))
     seed: int = 0
@@ -93,7 +93,7 @@ class AuditConfig:
         if not self.budget_minutes > 0:
             raise ConfigError(f"--budget-minutes {self.budget_minutes}: expected a positive "
                               "number")
-        for name in ("max_windows", "exact_windows"):
+        for name in ("max_windows", "training_free_windows"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} {getattr(self, name)}: expected "
                                   "at least 1")
@@ -267,12 +267,13 @@ class Audit:
         exact_reason = self.exact_reason
         aware_reason = None
         if chain.span == 1 and exact_reason is None:  # single steps, not an aggregate of them
-            baselines[EXACT], windows[EXACT] = self.preset.attack.exact, self.config.exact_windows
+            baselines[EXACT] = self.preset.attack.training_free
+            windows[EXACT] = self.config.training_free_windows
             aware_reason = self.defense_aware_reason(chain)
             if spec != "none" and aware_reason is None:  # beside the blind one, same frames
-                baselines[AWARE] = DefenseAwareRun(self.preset.attack.exact,
+                baselines[AWARE] = DefenseAwareRun(self.preset.attack.training_free,
                                                    self.preset.attack.defense_aware)
-                windows[AWARE] = self.config.exact_windows
+                windows[AWARE] = self.config.training_free_windows
         result = evaluate([self.config.capture], attackers,
                           self.out / "eval" / slug(spec), max_windows=self.config.max_windows,
                           defense=None if spec == "none" else chain, baselines=baselines,
@@ -379,6 +380,8 @@ def check_folder(out: Path, config: AuditConfig) -> dict[str, Any]:
             raise ConfigError(f"--out {out} is not empty and holds no {MARKER}: choose a new "
                               "or empty folder (an audit resumes only in its own)")
         earlier = read_json(marker, "audit settings")
+        if "exact_windows" in earlier:  # the field's name before training_free_windows
+            earlier["training_free_windows"] = earlier.pop("exact_windows")
         changed = sorted(key for key in mine if key not in ("budget_minutes", "clock", "out")
                          and earlier.get(key) != json.loads(json.dumps(mine[key])))
         if "content" in changed:
@@ -437,9 +440,11 @@ def audit(capture: str | Path, *, out: str | Path, train: str | Path | None = No
     """Audit one held-out capture as `gradleak audit` does: every applicable attack, the
     defense grid (`defenses`: specs such as "quant:8", None for the default grid, [] for none)
     within the budget, report.html and results.json under `out`. `settings`: the other
-    AuditConfig fields (max_windows, exact_windows, optimisation_windows, seed, ...)."""
+    AuditConfig fields (max_windows, training_free_windows, optimisation_windows, seed, ...)."""
     from gradleak.report.audit import write_audit_report
 
+    if "exact_windows" in settings:  # the field's name before training_free_windows
+        settings["training_free_windows"] = settings.pop("exact_windows")
     unknown = sorted(set(settings) - set(AuditConfig.__dataclass_fields__))
     if unknown:
         raise ConfigError(f"gradleak.audit: unknown setting(s) {', '.join(unknown)}; expected "

@@ -95,7 +95,7 @@ def run_demo(preset: Preset, out: Path, progress: bool = True,
     _action_picture(heldout, preset, out / "heldout_actions.png")
     say(actions_text(recovery) + f"\n({_minutes(start)} into the demo)\n")
     exact = evaluate([heldout], {}, out / "exact", max_windows=EXACT_WINDOWS,
-                     baselines={ExactAttack.name: preset.attack.exact},
+                     baselines={ExactAttack.name: preset.attack.training_free},
                      baseline_windows=EXACT_WINDOWS, reference_data=[out / "train.h5"])
     exact_seconds = time.perf_counter() - start
     say(exact_text(exact) + f"\n({_minutes(start)} into the demo)\n")
@@ -128,7 +128,7 @@ def audit_config(heldout: Path, out: Path, preset: Preset) -> AuditConfig:
                        attackers={label: str(out / kind) for kind, label in
                                   (("trace", "TRACE"), ("lti", "LtI"))},
                        defenses=list(DEMO_DEFENSES), budget_minutes=10.0,
-                       max_windows=AUDIT_WINDOWS, exact_windows=EXACT_WINDOWS,
+                       max_windows=AUDIT_WINDOWS, training_free_windows=EXACT_WINDOWS,
                        optimisation=["ig"], defenses_within_budget=False)
 
 

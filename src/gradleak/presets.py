@@ -31,6 +31,7 @@ from gradleak.config import dataclass_from_dict
 from gradleak.envs.config import EnvConfig
 from gradleak.envs.doomnav import DoomNavConfig
 from gradleak.errors import ConfigError
+from gradleak.names import renamed_sections, section_path
 from gradleak.registry import Registry
 from gradleak.rl.config import TrainConfig
 from gradleak.training.decoder_config import DecoderFitConfig
@@ -57,12 +58,12 @@ class AttackConfig:
     ig: OptimConfig = field(default_factory=inverting_gradients)
     dlg: OptimConfig = field(default_factory=deep_leakage)
     # The training-free attack: the conv stack, then the first conv's own equations.
-    exact: ExactConfig = field(default_factory=ExactConfig)
+    training_free: ExactConfig = field(default_factory=ExactConfig)
     # What the defense-aware attack adds to it under a declared defense.
     defense_aware: DefenseAwareConfig = field(default_factory=DefenseAwareConfig)
     # Its learned prior, fitted on the attack's frames of the attacker's own captures.
-    refiner: RefinerConfig = field(default_factory=RefinerConfig)
-    refiner_fit: RefinerFitConfig = field(default_factory=RefinerFitConfig)
+    prior: RefinerConfig = field(default_factory=RefinerConfig)
+    prior_fit: RefinerFitConfig = field(default_factory=RefinerFitConfig)
 
 
 @dataclass
@@ -181,20 +182,30 @@ def apply_override(config: Any, assignment: str) -> None:
     path, sep, text = assignment.partition("=")
     if not sep:
         raise ConfigError(f"override {assignment!r}: expected section.field=value")
-    *parents, leaf = path.strip().split(".")
-    target = config
-    for part in parents:
-        target = _field(target, part, path)
-    current = _field(target, leaf, path)
-    if dataclasses.is_dataclass(current):
+    path = section_path(path.strip())  # old names (attack.exact.rounds, ...) still read
+    _assign(config, path.split("."), text.strip(), path, assignment)
+
+
+def _assign(target: Any, parts: list[str], text: str, path: str, assignment: str) -> Any:
+    """`target` with the field `parts` leads to set from `text`: changed in place, or a
+    changed copy where it is frozen (`attack.training_free.solve` is a `FrameSolve`)."""
+    current = _field(target, parts[0], path)
+    if len(parts) > 1:
+        value = _assign(current, parts[1:], text, path, assignment)
+    elif dataclasses.is_dataclass(current):
         example = dataclasses.fields(current)[0].name
-        raise ConfigError(f"override {assignment!r}: {path.strip()} is a section, not a value; "
-                          f"set one of its fields, e.g. {path.strip()}.{example}=...")
-    try:
-        hint = typing.get_type_hints(type(target)).get(leaf)
-    except NameError:  # an annotation only a type checker resolves: parse by example
-        hint = None
-    setattr(target, leaf, _parse_like(current, text.strip(), path, hint))
+        raise ConfigError(f"override {assignment!r}: {path} is a section, not a value; "
+                          f"set one of its fields, e.g. {path}.{example}=...")
+    else:
+        try:
+            hint = typing.get_type_hints(type(target)).get(parts[0])
+        except NameError:  # an annotation only a type checker resolves: parse by example
+            hint = None
+        value = _parse_like(current, text, path, hint)
+    if type(target).__dataclass_params__.frozen:
+        return dataclasses.replace(target, **{parts[0]: value})
+    setattr(target, parts[0], value)
+    return target
 
 
 def _field(obj: Any, name: str, path: str) -> Any:
@@ -241,6 +252,8 @@ def preset_from_dict(data: dict[str, Any], source: str = "preset") -> Preset:
     if not isinstance(data, dict) or not isinstance(data.get("name", ""), str):
         raise ConfigError(f"{source}: expected a preset object with a 'name'")
     data = {"name": "saved", **data}
+    if isinstance(data.get("attack"), dict):  # saved before the sections were renamed
+        data["attack"] = renamed_sections(data["attack"])
     return validate_preset(dataclass_from_dict(Preset, data, source), source)
 
 

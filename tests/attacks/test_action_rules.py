@@ -47,6 +47,7 @@ def observed(num_actions: int, peaked: bool, advantage_sign: float, entropy: flo
     return observation, actions.numpy(), log_probs.exp().numpy()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_actions", [5, 10])
 @pytest.mark.parametrize("peaked", [False, True])
 @pytest.mark.parametrize("sign", [1.0, -1.0])

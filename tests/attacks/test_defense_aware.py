@@ -48,6 +48,7 @@ def mean_psnr(images: np.ndarray, truth: np.ndarray) -> float:
                           for i in range(len(images))]))
 
 
+@pytest.mark.slow
 def test_without_a_defense_the_frames_are_the_exact_attacks_bit_for_bit(random_capture: Path
                                                                        ) -> None:
     observation, _, _ = under(random_capture, "none")
@@ -72,6 +73,7 @@ def test_the_clean_gradient_lies_in_every_interval_the_defense_leaves(random_cap
     assert float(width.median()) < 0.1
 
 
+@pytest.mark.slow
 def test_rank_one_completion_recovers_h_from_a_gradient_pruned_to_ten_percent() -> None:
     generator = torch.Generator().manual_seed(0)
     delta = torch.randn(3, 512, generator=generator, dtype=torch.float64)
@@ -109,6 +111,7 @@ def test_the_noise_estimate_is_within_ten_percent_of_the_noise_added(random_capt
     assert np.all(np.abs(estimate / sigma - 1) < 0.1), estimate
 
 
+@pytest.mark.slow
 def test_the_attack_reads_the_defense_but_never_its_seed(random_capture: Path,
                                                          tmp_path: Path) -> None:
     from gradleak.defenses.files import defend_capture
@@ -191,6 +194,7 @@ def test_a_hostile_defense_record_is_refused_naming_it(random_capture: Path, tmp
         DefenseAwareAttack(observation)
 
 
+@pytest.mark.slow
 def test_the_softplus_ladder_finishes_where_the_relu_matching_stalls(random_capture: Path
                                                                      ) -> None:
     """From the private frames perturbed (30 dB), the likelihood finish up the softplus ladder
@@ -233,6 +237,7 @@ def test_the_likelihood_floor_is_the_private_frames_own_likelihood(random_captur
     assert np.all(np.abs(ratio - 1) < 0.1), ratio
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", ["cast:bfloat16", "noise:1e-5"])
 def test_a_start_the_soft_networks_fit_worse_is_not_pulled_off(random_capture: Path, spec: str
                                                                ) -> None:
@@ -256,6 +261,7 @@ def test_a_start_the_soft_networks_fit_worse_is_not_pulled_off(random_capture: P
     assert mean_psnr(kept, target.images) > mean_psnr(forced, target.images) + 2
 
 
+@pytest.mark.slow
 def test_a_pruning_that_drops_only_what_is_nearly_zero_keeps_the_exact_frames(
         random_capture: Path) -> None:
     """The prior's weight follows what the channel loses: pruning half of a per-step gradient

@@ -9,11 +9,13 @@ import numpy as np
 import pytest
 
 from gradleak.attacks.exact import ExactAttack, ExactConfig
+from gradleak.attacks.frame_solve import FrameSolve
 from gradleak.capture.reader import CaptureFile
 from gradleak.errors import ConfigError
 from gradleak.metrics.images import psnr, to_unit_tensor
 
 
+@pytest.mark.slow
 def test_frames_and_actions_from_one_gradient_each(float32_capture: Path) -> None:
     """PPO and A2C captures: every action exact, and every frame closer to the truth than the
     frames' own mean image is, by 5 dB on average (no attacker training, no private input;
@@ -29,6 +31,7 @@ def test_frames_and_actions_from_one_gradient_each(float32_capture: Path) -> Non
     assert result.images.dtype == np.uint8 and result.images.shape == target.images.shape
 
 
+@pytest.mark.slow
 def test_chunks_change_nothing(float32_capture: Path) -> None:
     """Each step from its own gradient alone: solving them 3 or 12 at a time gives the same
     frames."""
@@ -54,6 +57,7 @@ def standing_still():  # noqa: ANN201
     return observation, images.numpy()
 
 
+@pytest.mark.slow
 def test_steps_that_saw_one_frame_are_solved_as_one() -> None:
     """An agent standing still sends several gradients of one frame, each with its own action
     and advantage: together they fix the frame that each leaves partly free (measured when
@@ -71,6 +75,7 @@ def test_steps_that_saw_one_frame_are_solved_as_one() -> None:
     assert together[5] == alone[5]
 
 
+@pytest.mark.slow
 def test_a_run_of_one_frame_across_chunks_is_solved_whole() -> None:
     """A chunk's last run of one frame waits for the next chunk, so chunks of 2 or 4 steps
     (which cut both runs) give the frames of one chunk of 6."""
@@ -91,9 +96,9 @@ def test_a_victim_the_recursion_cannot_descend_is_refused() -> None:
 
 def test_settings_are_checked() -> None:
     with pytest.raises(ConfigError, match="iterations 0"):
-        ExactConfig(iterations=0).check()
+        ExactConfig(solve=FrameSolve(iterations=0)).check()
     with pytest.raises(ConfigError, match="non-negative"):
-        ExactConfig(smoothness=-1.0).check()
+        ExactConfig(solve=FrameSolve(smoothness=-1.0)).check()
     with pytest.raises(ConfigError, match="must be positive"):
         ExactConfig(gradient_tolerance=0.0).check()
     with pytest.raises(ConfigError, match="same_frame_tolerance -1"):

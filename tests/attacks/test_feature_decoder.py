@@ -1,4 +1,4 @@
-"""The analytic decoder: exact features and actions from the gradient, a decoder that learns
+"""The feature decoder: exact features and actions from the gradient, a decoder that learns
 from frames alone, resumable fits, and clear errors for what it cannot attack."""
 
 from __future__ import annotations
@@ -63,6 +63,7 @@ def test_closed_form_action_for_peaked_policies(entropy: float, peak: float) -> 
     np.testing.assert_array_equal(logits.argmax(-1).numpy(), batch.actions.numpy())
 
 
+@pytest.mark.slow
 def test_a_tiny_decoder_overfits_a_tiny_set(train_capture: Path) -> None:
     """From θ0's exact features of 8 frames, the decoder learns those frames (≥ 8 dB better
     than its start), which the mean of the frames cannot do."""
@@ -106,6 +107,7 @@ def tiny_fit(**changes: object) -> DecoderFitConfig:
                                     lr=1e-3), **changes)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("context", ["none", "warp"])
 def test_resuming_gives_the_uninterrupted_weights(context: str, train_capture: Path,
                                                   tmp_path: Path,
@@ -157,6 +159,7 @@ def test_rendered_frames_are_seeded(train_capture: Path) -> None:
     assert not np.array_equal(first, other)
 
 
+@pytest.mark.slow
 def test_the_motion_prior_explains_real_camera_motion(train_capture: Path) -> None:
     """Warping each rendered frame by the action taken after it brings it closer to the next
     frame than leaving it in place, for every turn and look."""
@@ -315,6 +318,7 @@ def test_a_decoder_through_the_conv_stack_reads_the_exact_map(float32_capture: P
         FeatureDecoder(replace(config, feature_module="encoder.0", feature_shape=[3, 32, 32]))
 
 
+@pytest.mark.slow
 def test_an_adaptive_decoder_trains_on_what_the_attack_recovers_under_the_defense(
         train_capture: Path, random_capture: Path, tmp_path: Path) -> None:
     """Under noise each captured frame is paired with the features recovered from its own
@@ -376,6 +380,7 @@ def test_decoder_fit_defenses_it_cannot_train_under_are_named(
     assert not (tmp_path / "d").exists()
 
 
+@pytest.mark.slow
 def test_a_cpu_time_budget_counts_this_process_cpu_not_the_wall_clock(
         train_capture: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Other jobs on the same cores stretch wall time, not CPU time: with clock "cpu" the limit

@@ -108,6 +108,7 @@ def test_the_true_frame_satisfies_both_sets_of_equations(exact_steps) -> None:
     assert float(equations.residuals(nudged)["weight_gradient"].min()) > 1e-6
 
 
+@pytest.mark.slow
 def test_without_a_prior_the_solve_fits_both_sets_and_errs_only_in_their_null_space(
         unprioritised) -> None:
     """With no smoothness the solve reproduces every equation (to 1e-10 on the frames where it
@@ -123,6 +124,7 @@ def test_without_a_prior_the_solve_fits_both_sets_and_errs_only_in_their_null_sp
     assert int(converged.sum()) >= 2 and float(error[converged].max()) > 0.05
 
 
+@pytest.mark.slow
 def test_the_solve_errs_only_in_the_computed_null_space(unprioritised) -> None:
     """The computed row space of each frame's equations: the unprioritised solve has the true
     input's row-space part (P x̂ = P x, P the row-space projector) on frames where it
@@ -180,6 +182,7 @@ def with_bias_check(observation, victim) -> FirstConvEquations:  # noqa: ANN001
                                 bias_gradient=block("bias"))
 
 
+@pytest.mark.slow
 def test_on_what_a_client_sends_the_noise_model_changes_nothing(steps) -> None:
     """float32 gradients: Σ_p δ₁(p) meets the observed ∇b₁ to float32's precision, so the
     weight-gradient equations keep their full weight and the frames are those of the solve

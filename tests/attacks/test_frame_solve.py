@@ -243,6 +243,7 @@ def test_the_colour_axes_prior_is_symmetric_and_its_preconditioner_its_diagonal(
     assert degree(shared, axes, 3).shape == (1, 3, 6, 7)
 
 
+@pytest.mark.slow
 @torch.no_grad()
 def test_a_frame_whose_equations_are_not_trusted_keeps_the_chroma_weighting(
         equations_of_blocky_frames) -> None:
@@ -271,9 +272,10 @@ def test_a_frame_whose_equations_are_not_trusted_keeps_the_chroma_weighting(
     ("chroma", 0.0, "chroma 0.0"), ("colour_power", -0.5, "colour_power -0.5")])
 def test_bad_solve_settings_are_refused(field: str, value: float, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
-        ExactConfig(**{field: value}).check()
+        ExactConfig(solve=FrameSolve(**{field: value})).check()
 
 
+@pytest.mark.slow
 @torch.no_grad()
 def test_projection_keeps_what_the_equations_fix_and_the_guess_elsewhere(
         equations_of_blocky_frames) -> None:
@@ -298,6 +300,7 @@ def test_projection_keeps_what_the_equations_fix_and_the_guess_elsewhere(
     assert bool((after < 0.8 * before).all()) and int((after > 0.05 * before).sum()) >= 3
 
 
+@pytest.mark.slow
 def test_steps_that_saw_one_frame_fix_it_together() -> None:
     """Three steps that saw one frame each give their own weight-gradient equations (each its
     own δ₁). Solved as one they fix more of it: one frame for all three, nearer the truth than

@@ -100,6 +100,7 @@ def test_batched_lbfgs_follows_torch_lbfgs_problem_by_problem(history: int) -> N
 
 
 # -- the optimiser on a victim whose first layer is fully connected ------------------------------
+@pytest.mark.slow
 def test_inverting_gradients_recovers_the_frame_through_a_linear_first_layer() -> None:
     observation, images = mlp_observation()
     config = baseline_config("ig", iterations=600)

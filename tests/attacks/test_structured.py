@@ -26,6 +26,7 @@ def test_structured_features_hold_the_exact_layer_inputs(float32_capture: Path) 
     assert structured.features == features.shape[1] + 1 < observation.gradients.shape[1] / 40
 
 
+@pytest.mark.slow
 def test_a_structured_trace_trains_and_is_far_smaller(train_capture: Path,
                                                       tmp_path: Path) -> None:
     from conftest import tiny_attack_settings

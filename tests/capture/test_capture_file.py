@@ -213,6 +213,7 @@ def captures_with_and_without(folder: Path, setting: str, steps: int) -> dict[bo
     return files
 
 
+@pytest.mark.slow
 def test_overlapped_rollouts_write_the_same_file_and_report_their_errors(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Episodes rolled out in the child process (the default) give the file the in-process
@@ -262,6 +263,7 @@ def test_the_engine_reads_the_maps_the_plan_read(tmp_path: Path,
     assert len(built) == 1
 
 
+@pytest.mark.slow
 def test_background_writes_give_the_same_file_and_raise_the_writers_error(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Episodes written in a thread (the default) while the next one's gradients are formed:
@@ -334,6 +336,7 @@ def capture_until_written(out: Path, steps: int, size: int
     return process, partial
 
 
+@pytest.mark.slow
 def test_resume_after_a_killed_capture_matches_an_uninterrupted_one(tmp_path: Path) -> None:
     steps = 400
     assert cli_capture(tmp_path / "clean.h5", steps).wait(timeout=300) == 0
@@ -355,6 +358,7 @@ def test_resume_after_a_killed_capture_matches_an_uninterrupted_one(tmp_path: Pa
                 assert np.array_equal(clean[name][()], resumed[name][()]), name
 
 
+@pytest.mark.slow
 def test_a_killed_capture_leaves_no_rollout_or_engine_behind(tmp_path: Path) -> None:
     """Only the capture's own process is killed (SIGKILL, not its group): the rollout process
     it forked dies with it, and that one's game engine with it, so nothing keeps running or
@@ -378,6 +382,7 @@ def session_ends(leader: int, seconds: float) -> bool:
     return False
 
 
+@pytest.mark.slow
 def test_an_interrupted_capture_closes_its_engine_before_it_exits(tmp_path: Path) -> None:
     """Ctrl-C while the rollout process waits for the writer: the child is asked to stop, closes
     its engine, and the capture exits leaving nothing running (no orphan engine holding a core
@@ -557,6 +562,7 @@ def test_private_columns_are_served_only_by_their_named_readers(tmp_path: Path) 
         assert capture.target().images.shape == (12, 32, 32, 3)
 
 
+@pytest.mark.slow
 def test_a_planned_job_array_merges_into_one_capture_without_copying(tmp_path: Path,
                                                                     capsys) -> None:
     """`capture-plan` prints each shard's command (run here as a job array would) and a

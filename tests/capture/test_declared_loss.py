@@ -60,11 +60,12 @@ def test_the_declared_loss_is_the_one_in_the_gradient(capsys, tmp_path: Path,
         parse_loss(SB3)
     # The value head's bias gradient is 2 c_v (V − R): R comes back exactly only with the c_v
     # the client used, and the stored one is read.
-    assert main(["analytic", str(out), "--json"]) == 0
+    assert main(["closed-form", str(out), "--json"]) == 0
     result = json.loads(capsys.readouterr().out)[str(out)]
     assert result["returns_max_abs_error"] < 1e-3 and result["action_accuracy"] == 1.0
 
 
+@pytest.mark.slow
 def test_a_trained_checkpoint_keeps_its_rule_unless_told(capsys, tmp_path: Path,
                                                          preset) -> None:
     from gradleak.rl.trainer import train_victim
@@ -104,7 +105,7 @@ def test_minibatch_normalised_advantages_are_what_the_gradient_used(
         rows = episodes == episode
         assert np.allclose(used[rows], normalise_minibatches(raw[rows], 4), atol=1e-6)
     assert not np.allclose(used, raw)
-    assert main(["analytic", str(out), "--json"]) == 0  # and the closed form recovers them
+    assert main(["closed-form", str(out), "--json"]) == 0  # and the closed form recovers them
     result = json.loads(capsys.readouterr().out)[str(out)]
     assert result["advantage_median_relative_error"] < 1e-3
 

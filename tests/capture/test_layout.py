@@ -89,6 +89,7 @@ def test_training_windows_restricted_defended_and_merged_copies_read_the_same(
         assert noisy.attrs["format_version"] == 1
 
 
+@pytest.mark.slow
 def test_merged_factored_shards_read_as_the_shards(train_shards: list[Path],
                                                    tmp_path: Path) -> None:
     out = tmp_path / "merged.h5"
@@ -159,6 +160,7 @@ def test_factors_stand_for_the_dense_einsum_rows_bit_for_bit(name: str) -> None:
                        dense[:, bias.offset:bias.offset + bias.size])
 
 
+@pytest.mark.slow
 def test_a_partial_capture_resumes_only_in_its_own_layout(tmp_path: Path,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """Interrupted after its first episode (Ctrl-C), a factored capture is resumable; resumed

@@ -39,7 +39,7 @@ def test_a_users_rollouts_become_a_capture_the_attacks_read(capsys, tmp_path: Pa
         assert capture.column("step_in_episode").tolist() == [0, 1, 2, 3] * 3
         assert np.array_equal(capture.target().advantages, data["advantages"].astype(np.float32))
         assert json.loads(capture.attrs["loss"])["advantage_normalisation"] == "none (raw GAE)"
-    assert main(["analytic", str(out), "--json"]) == 0
+    assert main(["closed-form", str(out), "--json"]) == 0
     scores = json.loads(capsys.readouterr().out)[str(out)]
     assert scores["action_accuracy"] == 1.0 and scores["advantage_max_abs_error"] < 1e-3
 

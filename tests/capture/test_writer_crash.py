@@ -60,6 +60,7 @@ def killed_before_the_third_commit(path: Path) -> None:
     """)
 
 
+@pytest.mark.slow
 def test_a_writer_killed_mid_episode_resumes_from_its_last_commit(tmp_path: Path) -> None:
     out = tmp_path / "x.h5"
     killed_before_the_third_commit(out)
@@ -88,6 +89,7 @@ def test_a_partial_without_a_commit_marker_is_refused_not_guessed(tmp_path: Path
         writer(out, resume=True)
 
 
+@pytest.mark.slow
 def test_a_writer_killed_while_laying_out_leaves_no_partial_to_resume(tmp_path: Path) -> None:
     out = tmp_path / "x.h5"
     run_killed(out, """

@@ -72,6 +72,7 @@ def test_defend_refuses_what_it_cannot_do_and_leaves_nothing(random_capture: Pat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["exists.h5"]
 
 
+@pytest.mark.slow
 def test_zero_shot_evaluation_sees_the_defended_gradients(trained_attackers, random_capture: Path,
                                                           tmp_path: Path) -> None:
     attackers = {"TRACE": str(trained_attackers["trace"])}
@@ -90,6 +91,7 @@ def test_zero_shot_evaluation_sees_the_defended_gradients(trained_attackers, ran
     assert saved["defense"]["transforms"][0] == {"name": "quant", "bits": 1}
 
 
+@pytest.mark.slow
 def test_the_defended_file_is_a_valid_capture(random_capture: Path, tmp_path: Path) -> None:
     out = tmp_path / "d.h5"
     defend_capture(random_capture, parse_defense("dpsgd:eps=10"), out)
@@ -100,6 +102,7 @@ def test_the_defended_file_is_a_valid_capture(random_capture: Path, tmp_path: Pa
         assert chain["sigma"] > 0 and chain["achieved_eps"] <= 10.01
 
 
+@pytest.mark.slow
 def test_an_adaptive_attacker_is_trained_under_the_defense_and_reported_so(
         train_capture: Path, random_capture: Path, tmp_path: Path) -> None:
     """Fits are deterministic, so if `fit_attacker` ignored its defense the defended fit would

@@ -64,6 +64,7 @@ def test_composition_applies_left_to_right() -> None:
     assert not torch.equal(prune_then_quant, defend("quant:2+prune:0.5", g.tolist()))
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:Optimal order is the largest alpha")
 def test_dpsgd_clips_each_step_then_adds_noise_of_sigma_times_clip() -> None:
     from opacus.accountants.utils import get_noise_multiplier

@@ -56,6 +56,7 @@ def test_sme_at_alpha_zero_is_ig_on_the_update(client) -> None:
     assert not torch.allclose(moved, ig)  # the identity could fail
 
 
+@pytest.mark.slow
 def test_ig_recovers_one_image_from_a_one_step_update() -> None:
     torch.manual_seed(0)
     model = FEDAVG_MODELS.get("lenet-sigmoid")(1, 16, 10)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from gradleak.cli import main
@@ -33,6 +34,7 @@ def test_fedavg_command_writes_metrics_and_the_grid(capsys, tmp_path: Path) -> N
     assert (out / "reconstructions.png").is_file()
 
 
+@pytest.mark.slow
 def test_more_iterations_match_the_update_and_the_image_better(capsys, tmp_path: Path) -> None:
     """One local step on one image (DLG's setting on LeNet-sigmoid): the inversion is an
     optimisation, so 200 iterations must fit the update and the private image better than 50

@@ -62,6 +62,7 @@ def test_an_audit_that_cannot_run_says_why_at_once_and_is_marked_failed(tmp_path
     assert f"-> {out / 'report.html'}" in console
 
 
+@pytest.mark.slow
 def test_the_recorded_update_is_what_the_client_sent_and_labels_are_inferred(tmp_path) -> None:
     out = audited_run(tmp_path, workers=1)  # the inversion in a worker process
     audit = json.loads((out / "audit.json").read_text())
@@ -93,6 +94,7 @@ def test_the_flower_report_renders_whole_in_chromium(tmp_path) -> None:
     assert attrs["cut-off"] == "0"
 
 
+@pytest.mark.slow
 def test_a_one_image_one_step_update_is_inverted_to_30_db(tmp_path) -> None:
     out = audited_run(tmp_path, SigmoidNet, count=1, epochs=1, batch=1, lr=0.01,
                       methods=())  # record only

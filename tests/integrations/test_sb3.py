@@ -171,7 +171,7 @@ def test_a_saved_agent_is_captured_with_sb3s_coefficients(capsys, tmp_path: Path
     assert (loss["value"], loss["entropy"], loss["clip"]) == (0.25, 0.02, 0.1)
     # SB3's PPO normalises per minibatch of batch_size: the checkpoint says so, the capture does
     assert loss["advantage_normalisation"] == "per minibatch of 16 consecutive steps, sample std"
-    assert main(["analytic", str(out), "--json"]) == 0
+    assert main(["closed-form", str(out), "--json"]) == 0
     result = json.loads(capsys.readouterr().out)[str(out)]
     assert result["action_accuracy"] == 1.0
 
@@ -193,6 +193,7 @@ def test_a_policy_gradleak_cannot_audit_is_named() -> None:
         integration.victim(model)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind, policy", [("ppo", "CnnPolicy"), ("a2c", "CnnPolicy"),
                                           ("ppo", "MultiInputPolicy")])
 def test_a_callback_records_what_the_client_sends_during_learn(capsys, tmp_path: Path,

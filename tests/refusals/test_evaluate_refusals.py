@@ -33,6 +33,7 @@ def test_an_attacker_with_nan_weights_is_refused(refused, tmp_path: Path,
              str(tmp_path / "eval"), *EVAL], "holds NaN/Inf", "diverged")
 
 
+@pytest.mark.slow
 def test_a_nan_row_is_refused_or_skipped_when_asked(capsys, refused, tmp_path: Path,
                                                     trained_attackers: dict[str, Path],
                                                     random_capture: Path) -> None:
@@ -51,7 +52,7 @@ def test_a_missing_prior_for_the_exact_baseline_is_named_before_any_work(
         refused, tmp_path: Path, trained_attackers: dict[str, Path],
         random_capture: Path) -> None:
     refused(["evaluate", "--attacker", str(trained_attackers["lti"]), "--data",
-             str(random_capture), "--out", str(tmp_path / "eval"), "--baselines", "exact",
+             str(random_capture), "--out", str(tmp_path / "eval"), "--baselines", "training-free",
              "--prior", str(tmp_path / "no-prior"), *EVAL], "no-prior", "gradleak train-prior")
 
 

@@ -46,6 +46,7 @@ def leftovers(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.rglob("*") if p.name.endswith(".tmp"))
 
 
+@pytest.mark.slow
 def test_a_capture_stops_before_the_disk_is_full_and_resumes_with_room(
         small_disk: Path, capsys) -> None:
     out = small_disk / "c.h5"
@@ -66,7 +67,8 @@ def test_reports_and_copies_on_a_full_disk_are_one_line_and_leave_nothing_half_w
     fill(small_disk, 8 * 2**10)
     audit = small_disk / "audit"
     code = main(["audit", "--capture", str(random_capture), "--defenses", "none", "--out",
-                 str(audit), "--exact-windows", "1", "--optimisation-windows", "0", "--quiet"])
+                 str(audit), "--training-free-windows", "1", "--optimisation-windows", "0",
+                 "--quiet"])
     check_refusal(code, capsys.readouterr().err, ("no space left on its device",))
     defended = small_disk / "d.h5"
     code = main(["defend", str(random_capture), "--defense", "quant:8", "--out",

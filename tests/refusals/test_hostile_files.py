@@ -49,9 +49,9 @@ def naming(source: Path, folder: Path, **options: object) -> Path:
 
 
 COMMANDS = {
-    "analytic": lambda path, out: ["analytic", str(path), "--conv", "1"],
-    "attack exact": lambda path, out: ["attack", "exact", "--data", str(path), "--index", "0",
-                                       "--out", str(out)],
+    "closed-form": lambda path, out: ["closed-form", str(path), "--conv", "1"],
+    "attack training-free": lambda path, out: ["attack", "training-free", "--data", str(path),
+                                               "--index", "0", "--out", str(out)],
     "audit": lambda path, out: ["audit", "--capture", str(path), "--out", str(out),
                                 "--defenses", "none"],
 }
@@ -79,7 +79,7 @@ def test_a_capture_naming_unregistered_code_is_refused_before_any_call(
 def test_a_registered_factory_still_rebuilds_the_victim(capsys, wrapped_capture: Path) -> None:
     from gradleak.cli import main
 
-    assert main(["analytic", str(wrapped_capture), "--conv", "1", "--json"]) == 0
+    assert main(["closed-form", str(wrapped_capture), "--conv", "1", "--json"]) == 0
     scores = json.loads(capsys.readouterr().out)[str(wrapped_capture)]
     assert scores["conv_stack"]["layers"]["body.2"]["median_relative_error"] < 1e-3
 

@@ -36,7 +36,7 @@ def test_a_corrupt_image_chunk_fails_info_and_the_attacks_that_read_it(
         refused, tmp_path: Path, random_capture: Path) -> None:
     path = corrupt_chunk(copy_capture(random_capture, tmp_path / "in"), "images", 5)
     refused(["info", str(path)], "dataset 'images' rows", "cannot be read")
-    refused(["analytic", str(path)], "dataset 'images' rows", "cannot be read")
+    refused(["closed-form", str(path)], "dataset 'images' rows", "cannot be read")
     assert main(["info", str(path), "--no-validate", "--quiet"]) == 0  # the header is fine
 
 
@@ -55,4 +55,4 @@ def test_non_finite_rows_are_named_by_info(refused, tmp_path: Path,
 def test_a_directory_given_as_a_capture_is_called_a_directory(refused, tmp_path: Path) -> None:
     (tmp_path / "dir.h5").mkdir()
     refused(["info", str(tmp_path / "dir.h5")], "is a directory")
-    refused(["analytic", str(tmp_path / "dir.h5")], "is a directory")
+    refused(["closed-form", str(tmp_path / "dir.h5")], "is a directory")

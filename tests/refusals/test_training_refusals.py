@@ -153,7 +153,7 @@ def test_train_victim_and_attack_check_their_output_first(refused, tmp_path: Pat
 
 
 @pytest.mark.parametrize("command, flags, fragment", [
-    ("train-prior", ["--minutes", "-1"], "attack.refiner_fit.time_limit_minutes=-1.0: expected "
+    ("train-prior", ["--minutes", "-1"], "attack.prior_fit.time_limit_minutes=-1.0: expected "
                                          "a positive time limit"),
     ("train-decoder", ["--minutes", "0"], "attack.decoder_fit.time_limit_minutes=0.0"),
     ("train-attacker", ["--set", "attack.trace_fit.time_limit_minutes=-2"],

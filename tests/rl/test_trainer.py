@@ -16,6 +16,7 @@ from gradleak.rl.trainer import VictimTrainer, _minibatch_loss, refresh_batchnor
 from gradleak.victims import create_victim
 
 
+@pytest.mark.slow
 def test_training_resumes_where_it_stopped(preset: Preset, tmp_path: Path) -> None:
     train_victim(preset, tmp_path, progress=False)
     first, _ = load_victim(tmp_path)

@@ -48,6 +48,7 @@ def overfit(objective: torch.nn.Module, batch, steps: int, lr: float) -> tuple[f
     return first, float(loss.detach())
 
 
+@pytest.mark.slow
 def test_a_tiny_trace_overfits_a_tiny_capture(train_capture: Path) -> None:
     data = WindowDataset([train_capture], window=4, stride=4)
     batch = collate([data[i] for i in range(4)])
@@ -94,6 +95,7 @@ def test_the_perceptual_term_is_the_named_lpips_or_says_why_it_fell_back(monkeyp
     assert fallback(a, b).item() == pytest.approx(ssim_term(a, b).item())
 
 
+@pytest.mark.slow
 def test_resume_reproduces_the_uninterrupted_run(train_capture: Path, tmp_path: Path) -> None:
     model, fit = tiny_attack_settings("trace")
     fit_attacker("trace", model, fit, [str(train_capture)], tmp_path / "straight",
@@ -141,6 +143,7 @@ def test_a_time_limit_stops_at_the_step_that_spends_it_and_resume_starts_the_nex
     assert not any(h["time_limit_reached"] for h in meta["history"][1:])
 
 
+@pytest.mark.slow
 def test_each_epoch_records_the_share_of_its_time_spent_waiting_for_data(
         train_capture: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A loader made slow (80 ms a window, in this process) shows as most of the epoch spent
@@ -166,6 +169,7 @@ def test_each_epoch_records_the_share_of_its_time_spent_waiting_for_data(
     assert json.loads((tmp_path / "usual" / "attacker.json").read_text())["compact_rows"] is False
 
 
+@pytest.mark.slow
 def test_an_adaptive_fine_tune_starts_from_the_clean_attacker_and_trains_under_the_defense(
         trained_attackers, train_capture: Path, tmp_path: Path) -> None:
     """At a vanishing learning rate (steps far below float32's resolution of the weights) the
@@ -190,6 +194,7 @@ def test_an_adaptive_fine_tune_starts_from_the_clean_attacker_and_trains_under_t
     assert meta["fit"]["init_from"] == str(trained_attackers["trace"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sharded", [False, True], ids=["one-file", "two-shards"])
 def test_two_gloo_processes_end_with_identical_weights(sharded: bool, train_capture: Path,
                                                        train_shards: list[Path],

@@ -14,6 +14,7 @@ import torch
 
 from gradleak.attacks.exact import WITH_PRIOR, ExactConfig
 from gradleak.attacks.frame_refiner import RefinerConfig
+from gradleak.attacks.frame_solve import FrameSolve
 from gradleak.capture.reader import CaptureFile
 from gradleak.cli import main
 from gradleak.errors import CaptureFileError
@@ -22,7 +23,7 @@ from gradleak.training.refiner_fit import RefinerFit, RefinerFitConfig, exact_at
 
 # the quadratic prior without the weight-gradient equations: frames with an error to learn
 # (the default attack recovers these 32×32 frames at about 48 dB)
-ROUGH = ExactConfig(weight_gradient=False, rounds=0, iterations=60)
+ROUGH = ExactConfig(weight_gradient=False, solve=FrameSolve(rounds=0, iterations=60))
 MODEL = RefinerConfig(width=8, scales=2)
 
 
@@ -43,6 +44,7 @@ def mse(frames: torch.Tensor, truth: torch.Tensor) -> float:
     return float((frames - truth).pow(2).mean())
 
 
+@pytest.mark.slow
 def test_the_prior_learns_the_residual_of_the_attacks_frames(fitted: RefinerFit) -> None:
     """A small refiner fitted on 48 of the attack's frames: on those frames it is at least a
     third nearer the truth than the attack (measured when written: 0.29 of its MSE), and it
@@ -105,6 +107,7 @@ def test_the_attack_with_the_prior_puts_its_guess_back_through_the_equations(
     assert residual["projected"] < residual["unprojected"]
 
 
+@pytest.mark.slow
 def test_a_prior_fitted_against_another_theta0_is_refused(fitted: RefinerFit,
                                                           float32_capture: Path) -> None:
     with CaptureFile(float32_capture) as capture:
@@ -115,7 +118,7 @@ def test_a_prior_fitted_against_another_theta0_is_refused(fitted: RefinerFit,
 
 def test_a_missing_prior_is_named_before_any_row_is_read(capsys, tmp_path: Path,
                                                           random_capture: Path) -> None:
-    code = main(["attack", "exact", "--data", str(random_capture), "--index", "0", "--out",
+    code = main(["attack", "training-free", "--data", str(random_capture), "--index", "0", "--out",
                  str(tmp_path / "out"), "--prior", str(tmp_path / "nowhere"), "--quiet"])
     err = capsys.readouterr().err
     assert code == 2 and "gradleak train-prior" in err and "nowhere" in err
@@ -136,27 +139,28 @@ def test_a_prior_under_a_defense_is_refused_not_ignored(capsys, tmp_path: Path,
     """The fit schedule every learned attacker shares carries a defense; the prior's fit
     attacks the captures as stored, so a defense set there is named, not silently dropped."""
     code = main(["train-prior", "--data", str(train_capture), "--out", str(tmp_path / "p"),
-                 "--set", "attack.refiner_fit.defense=quant:8", "--quiet"])
+                 "--set", "attack.prior_fit.defense=quant:8", "--quiet"])
     err = capsys.readouterr().err
-    assert code == 2 and "attack.refiner_fit.defense='quant:8'" in err
+    assert code == 2 and "attack.prior_fit.defense='quant:8'" in err
     assert not (tmp_path / "p").exists()
 
 
+@pytest.mark.slow
 def test_train_prior_then_attack_with_it_from_the_command_line(capsys, tmp_path: Path,
                                                                train_capture: Path,
                                                                random_capture: Path) -> None:
     """The two commands a user runs: the fit reports the attack's and the refined validation
-    PSNR, and `attack exact --prior` names the prior in its picture's row and its config."""
+    PSNR, and `attack training-free --prior` names the prior in its picture's row and its config."""
     prior = tmp_path / "prior"
     assert main(["train-prior", "--data", str(train_capture), "--out", str(prior), "--epochs",
-                 "2", "--set", "attack.refiner_fit.max_frames=24", "--set",
-                 "attack.refiner.width=4", "--set", "attack.refiner.scales=2", "--json"]) == 0
+                 "2", "--set", "attack.prior_fit.max_frames=24", "--set",
+                 "attack.prior.width=4", "--set", "attack.prior.scales=2", "--json"]) == 0
     fitted = json.loads(capsys.readouterr().out)
     assert fitted["train_frames"] + fitted["val_frames"] == 24 and fitted["epochs"] == 2
     assert {"val_psnr", "val_psnr_attack"} <= set(fitted["last"])
     out = tmp_path / "attack"
-    assert main(["attack", "exact", "--data", str(random_capture), "--index", "0", "--index",
-                 "1", "--out", str(out), "--prior", str(prior), "--json"]) == 0
+    assert main(["attack", "training-free", "--data", str(random_capture), "--index", "0",
+                 "--index", "1", "--out", str(out), "--prior", str(prior), "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["config"]["prior"] == str(prior) and len(result["steps"]) == 2
     assert (out / "reconstructions.png").is_file()

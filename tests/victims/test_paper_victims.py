@@ -177,6 +177,7 @@ def test_vmap_equals_the_loop_for_the_gru_with_its_recorded_state() -> None:
     assert not torch.allclose(fast, stateless)  # the state really enters the gradient
 
 
+@pytest.mark.slow
 def test_training_rollouts_carry_the_gru_state_and_reset_it_per_episode(tmp_path) -> None:
     from conftest import tiny_preset
 

@@ -32,11 +32,12 @@ def captures(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return found
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["vit-tiny-small", "impala-small", "impala-wide-small",
                                   "multimodal-small", "cnn-k10-small"])
 def test_every_action_and_advantage_comes_back_from_a_captured_stream(
         capsys, captures: dict[str, Path], name: str) -> None:
-    assert main(["analytic", str(captures[name]), "--json"]) == 0
+    assert main(["closed-form", str(captures[name]), "--json"]) == 0
     result = json.loads(capsys.readouterr().out)[str(captures[name])]
     assert result["rows"] == 20 and result["action_accuracy"] == 1.0
     assert result["advantage_median_relative_error"] < 1e-2
@@ -47,8 +48,8 @@ def test_every_action_and_advantage_comes_back_from_a_captured_stream(
 
 
 @pytest.mark.parametrize("victim, command, fragment", [
-    ("impala-small", ["analytic", "--conv", "2"], "encoder.0.1 is a groupnorm"),
-    ("vit-tiny-small", ["analytic", "--invert", "2"], "has no Linear layer reading its conv"),
+    ("impala-small", ["closed-form", "--conv", "2"], "encoder.0.1 is a groupnorm"),
+    ("vit-tiny-small", ["closed-form", "--invert", "2"], "has no Linear layer reading its conv"),
 ])
 def test_an_attack_the_structure_does_not_allow_is_refused_up_front(
         capsys, tmp_path: Path, captures: dict[str, Path], victim: str, command: list[str],
@@ -86,7 +87,7 @@ def test_a_recurrent_capture_carries_the_state_and_the_closed_form_reads_it_back
                                          torch.from_numpy(hidden))
     inside = np.flatnonzero(steps[1:] > 0)  # row i + 1 continues row i's episode
     assert np.allclose(following.numpy()[inside], hidden[inside + 1], atol=1e-5)
-    assert main(["analytic", str(path), "--json"]) == 0
+    assert main(["closed-form", str(path), "--json"]) == 0
     result = json.loads(capsys.readouterr().out)[str(path)]
     assert result["action_accuracy"] == 1.0
     assert result["layer_inputs"]["gru.state"]["median_relative_error"] < 1e-3

@@ -76,23 +76,25 @@ def test_a_stack_is_drawn_frame_by_frame() -> None:
     assert cmap is None and rgb.shape == (8, 6, 3)
 
 
+@pytest.mark.slow
 def test_analytic_and_the_training_free_attack_score_stacked_frames(captures, tmp_path: Path,
                                                                      capsys) -> None:
     heldout = captures["heldout"]
-    assert main(["analytic", str(heldout), "--conv", "2", "--json"]) == 0
+    assert main(["closed-form", str(heldout), "--conv", "2", "--json"]) == 0
     scores = json.loads(capsys.readouterr().out)[str(heldout)]
     frames = scores["conv_stack"]
     assert frames["frames"] == 2 and np.isfinite(frames["psnr"]) and 0 < frames["ssim"] < 1
     if installed_lpips() is not None:
         assert 0 < frames["lpips"] < 1
     out = tmp_path / "exact"
-    assert main(["attack", "exact", "--data", str(heldout), "--index", "0", "--index", "7",
+    assert main(["attack", "training-free", "--data", str(heldout), "--index", "0", "--index", "7",
                  "--out", str(out), "--json"]) == 0
     steps = json.loads(capsys.readouterr().out)["steps"]
     assert [s["action"] for s in steps] == [s["true_action"] for s in steps]
     assert (out / "reconstructions.png").stat().st_size > 1000
 
 
+@pytest.mark.slow
 def test_an_audit_of_stacked_frames_runs_whole_and_names_what_cannot_run(captures,
                                                                         tmp_path: Path,
                                                                         capsys) -> None:
@@ -100,7 +102,7 @@ def test_an_audit_of_stacked_frames_runs_whole_and_names_what_cannot_run(capture
     assert main(["audit", "--capture", str(captures["heldout"]), "--train",
                  str(captures["train"]), "--defenses", "quant:8", "--out", str(out),
                  "--set", "attack.ig.iterations=3", "--set", "attack.dlg.iterations=3",
-                 "--exact-windows", "1", "--json"]) == 0
+                 "--training-free-windows", "1", "--json"]) == 0
     verdict = json.loads(capsys.readouterr().out)
     assert verdict["frames"]["psnr"] > 0 and verdict["closed_form"]["advantages"] == 1.0
     assert "square RGB" in verdict["not_applicable"]["learned attackers"]

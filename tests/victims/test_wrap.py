@@ -48,6 +48,7 @@ def test_roles_are_found_from_the_users_own_names() -> None:
         "heads" and victim.component_of("proj.weight") == "fc"
 
 
+@pytest.mark.slow
 def test_a_wrapped_model_is_audited_from_python_and_from_the_cli(capsys, tmp_path: Path) -> None:
     victim = conv_victim()
     data = rollouts((32, 32, 3))
@@ -65,7 +66,7 @@ def test_a_wrapped_model_is_audited_from_python_and_from_the_cli(capsys, tmp_pat
     error = np.abs(recovered.extras["layer_inputs"]["proj"] - truth.numpy()).max()
     assert error < 1e-4
     # the CLI rebuilds the model from the factory the capture names, loaded as a plugin
-    assert main(["analytic", str(out), "--conv", "2", "--plugin", "user_models", "--json"]) == 0
+    assert main(["closed-form", str(out), "--conv", "2", "--plugin", "user_models", "--json"]) == 0
     scores = json.loads(capsys.readouterr().out)[str(out)]
     assert scores["action_accuracy"] == 1.0
     assert scores["conv_stack"]["layers"]["body.2"]["median_relative_error"] < 1e-3
@@ -80,7 +81,7 @@ def test_the_factory_must_be_loaded_and_a_model_object_cannot_be_rebuilt(
     entry = MODEL_FACTORIES.get("conv-policy")
     MODEL_FACTORIES.drop("conv-policy")  # as in a process that did not load the plugin
     try:
-        assert main(["analytic", str(out), "--conv", "1"]) == 2
+        assert main(["closed-form", str(out), "--conv", "1"]) == 2
     finally:
         MODEL_FACTORIES.register("conv-policy")(entry)
     err = capsys.readouterr().err
@@ -88,12 +89,12 @@ def test_the_factory_must_be_loaded_and_a_model_object_cannot_be_rebuilt(
     assert "--plugin MODULE" in err
     plain = tmp_path / "b.h5"
     record(conv_victim(factory=False), plain, loss=LOSS, **rollouts((32, 32, 3)))
-    assert main(["analytic", str(plain), "--json"]) == 0  # the closed form needs no model
+    assert main(["closed-form", str(plain), "--json"]) == 0  # the closed form needs no model
     assert json.loads(capsys.readouterr().out)[str(plain)]["action_accuracy"] == 1.0
     from gradleak.victims import wrapped
 
     wrapped._SESSION.clear()  # as in another process: only this one kept the model's copy
-    assert main(["analytic", str(plain), "--conv", "1"]) == 2
+    assert main(["closed-form", str(plain), "--conv", "1"]) == 2
     assert "without a registered factory=" in capsys.readouterr().err
 
 
@@ -185,7 +186,7 @@ def test_a_saved_wrapped_model_is_captured_in_doomnav_from_the_cli(capsys, tmp_p
                  "--set", "env.doomnav.frame_size=32",
                  "--set", "env.doomnav.max_steps=6", "--set", "env.heldout_maps=MAP05",
                  "--set", "env.max_regions_per_map=1"]) == 0
-    assert main(["analytic", str(out), "--plugin", "user_models", "--json"]) == 0
+    assert main(["closed-form", str(out), "--plugin", "user_models", "--json"]) == 0
     scores = json.loads(capsys.readouterr().out)[str(out)]
     assert scores["action_accuracy"] == 1.0
     assert scores["layer_inputs"]["proj"]["median_relative_error"] < 1e-2

@@ -1,4 +1,4 @@
-"""What the analytic decoder reads from one step's gradient, in closed form, with no learning.
+"""What the feature decoder reads from one step's gradient, in closed form, with no learning.
 
 The features: the input of a Linear layer (x = ∇Wᵀ∇b/‖∇b‖², `attacks.closed_form`), or the
 input of a conv module deeper down, reached by the recursion through θ0's conv stack
@@ -31,7 +31,7 @@ def linear_layers(layers: dict[str, LayerInfo], needed: tuple[str, ...]) -> dict
              for weight, bias in linear_pairs(list(layers.values()))}
     for module in needed:
         if module not in pairs:
-            raise ConfigError(f"the analytic decoder needs the gradients of Linear layer "
+            raise ConfigError(f"the feature decoder needs the gradients of Linear layer "
                               f"{module!r} with its bias; this capture has "
                               f"{', '.join(sorted(pairs)) or 'none'}")
     return {module: pairs[module] for module in needed}

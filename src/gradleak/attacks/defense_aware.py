@@ -63,11 +63,12 @@ from gradleak.attacks.optim.matching import (
     total_variation,
 )
 from gradleak.errors import ConfigError
+from gradleak.names import DEFENSE_AWARE
 from gradleak.registry import Registry
 from gradleak.threat import Observation, Reconstruction
 from gradleak.victims.base import victim_at_theta0
 
-NAME = "exact (defense-aware)"
+NAME = DEFENSE_AWARE
 Bounds = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 

@@ -5,7 +5,8 @@ the first route of `attacks.frame_inverse` the victim allows: a ViT's patch embe
 form (`attacks.patch_embedding`), or the recursion down the conv stack
 (`attacks.conv_recovery`) and then the first conv's own equations (`attacks.first_conv`).
 Nothing is learned and nothing but the observation is read, so it is a method like DLG or IG:
-`gradleak attack exact`, `evaluate --baselines exact`. On the conv stack, neighbouring steps that saw the same frame are solved together (an attacker keeps the stream,
+`gradleak attack training-free`, `evaluate --baselines training-free`. On the conv stack,
+neighbouring steps that saw the same frame are solved together (an attacker keeps the stream,
 so a frame may use the next step's gradient): a chunk's last such run waits for the next chunk,
 so only a run longer than a chunk is split. `same_frame_tolerance=0` solves each step from its
 own gradient alone.
@@ -14,7 +15,7 @@ own gradient alone.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -46,6 +47,7 @@ from gradleak.attacks.frame_solve import (
     solve_frames,
 )
 from gradleak.errors import ConfigError
+from gradleak.names import TRAINING_FREE, WITH_PRIOR
 from gradleak.threat import Observation, Reconstruction
 from gradleak.victims.base import Victim, VictimConfig, create_victim, victim_at_theta0
 
@@ -54,20 +56,10 @@ from gradleak.victims.base import Victim, VictimConfig, create_victim, victim_at
 class ExactConfig:
     # a first-block unit counts as on this many noise deviations above 0
     threshold: float = FIRST_BLOCK_MARGIN
-    # the frame solve (attacks.frame_solve.FrameSolve, whose defaults these are): the
-    # smoothness weight, CG iterations of the quadratic solve, then reweighting rounds that
-    # weigh edges as total variation (edge_scale: its ε, a fraction of the input range; 0:
-    # off) and enforce the off-units and the input range the frame violates (inequalities)
-    smoothness: float = FrameSolve.smoothness
-    iterations: int = FrameSolve.iterations
-    rounds: int = FrameSolve.rounds
-    round_iterations: int = FrameSolve.round_iterations
-    edge_scale: float = FrameSolve.edge_scale
-    inequalities: bool = FrameSolve.inequalities
-    precision: str = FrameSolve.precision  # float32 or float64
-    chroma: float = FrameSolve.chroma  # the colour differences' smoothness, times brightness's
-    # the rounds' smoothness along each frame's own colour axes (FrameSolve.colour_power; 0: off)
-    colour_power: float = FrameSolve.colour_power
+    # the frame from the first conv's equations: the smoothness weight, CG iterations of the
+    # quadratic solve, then reweighting rounds (edges as total variation, the off-units and the
+    # input range as inequalities), the colour weighting and the arithmetic
+    solve: FrameSolve = field(default_factory=FrameSolve)
     weight_gradient: bool = True  # use the first conv's weight-gradient equations
     # neighbouring steps of an episode whose recovered first-block maps differ by at most this
     # (relative) saw one frame and are solved as one (frame_solve.same_frames); 0: every step
@@ -85,7 +77,7 @@ class ExactConfig:
     prior_projection: int = 30
 
     def check(self) -> None:
-        self.frame_solve().check()
+        self.solve.check()
         if self.chunk < 1:
             raise ConfigError(f"chunk {self.chunk}: expected >= 1")
         if not self.threshold >= 0:
@@ -98,17 +90,12 @@ class ExactConfig:
         if self.prior_projection < 0:
             raise ConfigError(f"prior_projection {self.prior_projection}: expected >= 0")
 
-    def frame_solve(self) -> FrameSolve:
-        return FrameSolve(self.smoothness, self.iterations, self.rounds, self.round_iterations,
-                          self.edge_scale, self.inequalities, self.precision, self.chroma,
-                          self.colour_power)
-
     def noise_model(self) -> NoiseModel | None:
         return NoiseModel(self.gradient_tolerance, self.noise_reference) \
             if self.noise_aware else None
 
 
-NAME, WITH_PRIOR = "exact (training-free)", "exact + learned prior"
+NAME = TRAINING_FREE
 
 
 class ExactAttack:
@@ -124,9 +111,9 @@ class ExactAttack:
         self.observation, self.config = observation, config or ExactConfig()
         self.config.check()
         if bool(self.config.prior) != (prior is not None):
-            raise ConfigError(f"attack.exact.prior={self.config.prior!r}: the refiner it names "
-                              "must be loaded and passed with it (training.refiner_fit."
-                              "exact_attack does both)")
+            raise ConfigError(f"attack.training_free.prior={self.config.prior!r}: the learned "
+                              "prior it names must be loaded and passed with it "
+                              "(training.refiner_fit.exact_attack does both)")
         if prior is not None:
             self.name = WITH_PRIOR
         self.victim = victim_at_theta0(observation).double()
@@ -212,7 +199,7 @@ class ConvStackFrames(FrameInverse):
         if not self.config.weight_gradient:  # its mean colour still starts the solve
             equations = replace(equations, weight_gradient=None)
         transform, noise = self.victim.roles().transform, self.config.noise_model()
-        frames, residuals = solve_frames(equations, transform, self.config.frame_solve(), noise,
+        frames, residuals = solve_frames(equations, transform, self.config.solve, noise,
                                          tie)
         if self.prior is None:
             return frames, residuals
@@ -220,7 +207,7 @@ class ConvStackFrames(FrameInverse):
             stored = frames.clamp(0, 255).round().permute(0, 3, 1, 2).float() / 255
             refined = self.prior(stored).permute(0, 2, 3, 1).double() * 255
         return project_frames(equations, transform, refined, self.config.prior_projection,
-                              self.config.frame_solve(), noise, tie)
+                              self.config.solve, noise, tie)
 
 
 def first_block(victim: Victim) -> ConvBlock:

@@ -32,6 +32,7 @@ from gradleak.attacks.decoder_inputs import (
 )
 from gradleak.attacks.frame_decoder import FrameDecoder
 from gradleak.errors import ConfigError
+from gradleak.names import FEATURE_DECODER
 from gradleak.victims.base import VictimConfig, layers_from_json
 from gradleak.victims.roles import Roles
 
@@ -107,7 +108,7 @@ LEGACY_PARTS = {"theta0": "features", "policy_weight": "action", "policy_bias": 
 
 
 class FeatureDecoder(WindowAttacker):
-    name = "analytic+decoder"
+    name = FEATURE_DECODER
 
     def __init__(self, config: DecoderConfig) -> None:
         super().__init__()

@@ -1,4 +1,4 @@
-"""The analytic decoder's network: a conv feature map (C, h, w) → a frame (3, H, W) in [0, 1].
+"""The feature decoder's network: a conv feature map (C, h, w) → a frame (3, H, W) in [0, 1].
 
 Standardised features, an optional dense path from all of them to every position, a residual
 stem, ×2 upsampling stages to the frame size and a sigmoid head. Temporal context (`context`):

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from gradleak.names import WITH_PRIOR
+
 
 @dataclass
 class RefinerConfig:
@@ -36,7 +38,7 @@ class FrameRefiner(nn.Module):
     """x̂ (N, C, H, W) in [0, 1] → clamp(x̂ + f(x̂)): a U-Net whose skips join each scale on the
     way up; the identity at initialisation."""
 
-    name = "exact + learned prior"
+    name = WITH_PRIOR
 
     def __init__(self, config: RefinerConfig) -> None:
         super().__init__()

@@ -309,7 +309,7 @@ class PatchEmbeddingFrames(FrameInverse):
     def __init__(self, victim: Victim, config: Any, prior: Any = None) -> None:
         super().__init__(victim, config, prior)
         if prior is not None:
-            raise ConfigError(f"attack.exact.prior={config.prior!r}: victim "
+            raise ConfigError(f"attack.training_free.prior={config.prior!r}: victim "
                               f"{victim.config.name} is inverted through its patch embedding, "
                               "in closed form: a learned prior has nothing to add")
         self.embedding = find_patch_embedding(victim)

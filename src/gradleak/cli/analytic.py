@@ -1,5 +1,5 @@
-"""`gradleak analytic`: closed-form recovery of layer inputs, π, V, a, A, R, and frames
-through the conv stack."""
+"""`gradleak closed-form` (also read as `analytic`): closed-form recovery of layer inputs, π,
+V, a, A, R, and frames through the conv stack."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any
 
 from gradleak.cli.common import common_flags, emit, nonfinite_flag
 from gradleak.metrics.lpips import PIP_COMMAND
+from gradleak.names import COMMAND_ALIASES
 
 
 def conv_stack_lines(conv: dict[str, Any]) -> list[str]:
@@ -56,13 +57,14 @@ def run(args: argparse.Namespace) -> None:
 
     results = evaluate_analytic(args.files, args.max_rows, args.invert, args.conv,
                                 args.skip_nonfinite, say=lambda line: None if args.quiet else
-                                print(f"analytic: {line}", file=sys.stderr, flush=True))
+                                print(f"closed-form: {line}", file=sys.stderr, flush=True))
     emit(args, results, "\n".join(line for path, r in results.items()
                                   for line in summary_lines(path, r)))
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("analytic", help="closed-form recovery of layer inputs, π, V, a, A, R")
+    p = sub.add_parser("closed-form", aliases=COMMAND_ALIASES["closed-form"],
+                       help="closed-form recovery of layer inputs, π, V, a, A, R")
     common_flags(p)
     nonfinite_flag(p)
     p.add_argument("files", nargs="+", help="capture files")

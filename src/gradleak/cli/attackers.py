@@ -1,4 +1,4 @@
-"""`gradleak train-attacker` (TRACE, LtI), `gradleak train-decoder` (the analytic decoder) and
+"""`gradleak train-attacker` (TRACE, LtI), `gradleak train-decoder` (the feature decoder) and
 `gradleak train-prior` (the training-free attack's learned prior), each fitted on
 training-scene captures."""
 
@@ -50,7 +50,7 @@ def run_decoder(args: argparse.Namespace) -> None:
     result = fit_decoder(preset.attack.decoder, fit, args.data, Path(args.out),
                          resume=args.resume, progress=progress(args))
     last, frames = result["last"], result["train_frames"]
-    text = (f"trained the analytic decoder ({result['parameters']:,} parameters) on "
+    text = (f"trained the feature decoder ({result['parameters']:,} parameters) on "
             f"{frames['captured']:,} captured + {frames['rendered']:,} rendered frames for "
             f"{result['epochs']} epochs in {result['minutes']:.1f} min: validation PSNR "
             f"{last.get('val_psnr', float('nan')):.2f} dB, SSIM "
@@ -62,9 +62,9 @@ def run_prior(args: argparse.Namespace) -> None:
     from gradleak.training.refiner_fit import fit_refiner
 
     preset = preset_from_args(args)
-    fit = preset.attack.refiner_fit
+    fit = preset.attack.prior_fit
     fit.skip_nonfinite = args.skip_nonfinite
-    result = fit_refiner(preset.attack.refiner, fit, preset.attack.exact, args.data,
+    result = fit_refiner(preset.attack.prior, fit, preset.attack.training_free, args.data,
                          Path(args.out), resume=args.resume, progress=progress(args))
     last = result["last"]
     text = (f"fitted the learned prior ({result['parameters']:,} parameters) on the "
@@ -110,7 +110,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     defense_flags(p, required=False, seed=1)
     p.set_defaults(func=run_attacker)
 
-    p = frame_fit_parser(sub, "train-decoder", "fit the analytic decoder on training-scene "
+    p = frame_fit_parser(sub, "train-decoder", "fit the feature decoder on training-scene "
                          "frames: θ0's conv features → frame, no gradients needed",
                          "training-scene capture files (their frames and scenes are used)",
                          "attack.decoder_fit")
@@ -123,5 +123,5 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                          "its own frames of the attacker's training-scene captures (same θ0)",
                          "the attacker's own training-scene capture files, at the victim's θ0 "
                          "(a resumed run keeps the attack's frames already made)",
-                         "attack.refiner_fit")
+                         "attack.prior_fit")
     p.set_defaults(func=run_prior)

@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
                          overrides=list(args.set or []),
                          budget_minutes=args.budget_minutes, clock=args.clock,
                          max_windows=args.max_windows,
-                         exact_windows=args.exact_windows,
+                         training_free_windows=args.training_free_windows,
                          optimisation_windows=args.optimisation_windows,
                          optimisation=[n for n in args.optimisation.split(",") if n],
                          seed=args.seed)
@@ -83,8 +83,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     set_flag(p)
     p.add_argument("--max-windows", type=int, default=32,
                    help="held-out windows the learned attackers and the references score")
-    p.add_argument("--exact-windows", type=int, default=2,
-                   help="windows the training-free attack inverts")
+    p.add_argument("--training-free-windows", "--exact-windows", type=int, default=2,
+                   dest="training_free_windows", help="windows the training-free attack "
+                   "inverts")
     p.add_argument("--optimisation-windows", type=int, default=1,
                    help="windows DLG and IG invert (0: none)")
     p.add_argument("--optimisation", default="dlg,ig",

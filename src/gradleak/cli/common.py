@@ -107,7 +107,7 @@ def shorthand_flag(parser: argparse.ArgumentParser, flag: str, *keys: str, help:
 
 
 def prior_flag(parser: argparse.ArgumentParser) -> None:
-    shorthand_flag(parser, "--prior", "attack.exact.prior",
+    shorthand_flag(parser, "--prior", "attack.training_free.prior",
                    help="the exact attack's learned prior: a directory written by gradleak "
                    "train-prior")
 

@@ -18,6 +18,7 @@ from gradleak.cli.common import (
 )
 from gradleak.cli.optim import optim_config, optim_flags
 from gradleak.errors import ConfigError
+from gradleak.names import TRAINING_FREE, WITH_PRIOR, method
 
 # what --baselines once also took, and where each now lives
 NOT_BASELINES = {"lti": "LtI is a learned attacker: pass its directory with --attacker",
@@ -46,8 +47,8 @@ def attackers_from_args(args: argparse.Namespace) -> dict[str, str]:
 def baseline_names(args: argparse.Namespace) -> list[str]:
     from gradleak.attacks.optim.config import BASELINES
 
-    names = [b for b in (args.baselines or "").split(",") if b]
-    known = [*BASELINES.names(), *TRAINING_FREE]
+    names = [method(b) for b in (args.baselines or "").split(",") if b]  # exact: training-free
+    known = [*BASELINES.names(), *SINGLE_STEP]
     for name in names:
         if name in NOT_BASELINES:
             raise ConfigError(f"--baselines {name!r}: {NOT_BASELINES[name]}")
@@ -60,8 +61,8 @@ def baseline_configs(args: argparse.Namespace) -> dict[str, object]:
     """Display name → settings: the training-free attack's, or an optimisation baseline's."""
     configs: dict[str, object] = {}
     for name in baseline_names(args):
-        if name in TRAINING_FREE:
-            display, config = TRAINING_FREE[name](args)
+        if name in SINGLE_STEP:
+            display, config = SINGLE_STEP[name](args)
         else:
             display = name.upper().replace("-PROBE", " (probe loss)")
             config = optim_config(args, name)
@@ -69,15 +70,13 @@ def baseline_configs(args: argparse.Namespace) -> dict[str, object]:
     return configs
 
 
-def exact_baseline(args: argparse.Namespace) -> tuple[str, object]:
-    from gradleak.attacks.exact import NAME, WITH_PRIOR
-
-    config = preset_from_args(args).attack.exact
-    return (WITH_PRIOR if config.prior else NAME), config
+def training_free_baseline(args: argparse.Namespace) -> tuple[str, object]:
+    config = preset_from_args(args).attack.training_free
+    return (WITH_PRIOR if config.prior else TRAINING_FREE), config
 
 
 # the baselines that need no optimisation settings
-TRAINING_FREE = {"exact": exact_baseline}
+SINGLE_STEP = {TRAINING_FREE: training_free_baseline}
 
 
 def run_evaluate(args: argparse.Namespace) -> None:
@@ -117,9 +116,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    help="an attacker run directory, or NAME=DIR (repeatable)")
     p.add_argument("--data", nargs="+", required=True, help="held-out capture files")
     p.add_argument("--baselines", default="",
-                   help="single-step attacks on the first windows' frames: exact (training-"
-                   "free: the conv stack and the first conv's equations, or a ViT's patch "
-                   "embedding), dlg, ig, dlg-probe, "
+                   help="single-step attacks on the first windows' frames: training-free "
+                   "(also read as exact: the conv stack and the first conv's equations, or a "
+                   "ViT's patch embedding), dlg, ig, dlg-probe, "
                    "ig-probe (comma-separated; the action rule and the mean-image references "
                    "are always scored)")
     p.add_argument("--out", required=True)

@@ -16,6 +16,7 @@ from gradleak.cli.common import (
     progress,
     shorthand_flag,
 )
+from gradleak.names import TRAINING_FREE, method
 
 
 def optim_config(args: argparse.Namespace, name: str) -> Any:
@@ -46,21 +47,22 @@ def run_optimisation(args: argparse.Namespace) -> tuple[dict[str, Any], list[str
     return result, ["matching_loss"], "history.png"
 
 
-def run_exact(args: argparse.Namespace) -> tuple[dict[str, Any], list[str], str]:
+def run_training_free(args: argparse.Namespace) -> tuple[dict[str, Any], list[str], str]:
     from gradleak.evaluation.single_steps import exact_steps
 
-    result = exact_steps(args.data, args.index, preset_from_args(args).attack.exact,
+    result = exact_steps(args.data, args.index, preset_from_args(args).attack.training_free,
                          Path(args.out))
     return result, ["residual_weight_gradient"], "reconstructions.png"
 
 
 # the methods that are not optimisation baselines (those take their names from BASELINES)
-METHODS = {"exact": run_exact}
+METHODS = {TRAINING_FREE: run_training_free}
 
 
 def run(args: argparse.Namespace) -> None:
     from gradleak.report.tables import text_table
 
+    args.method = method(args.method)  # "exact" still reads as training-free
     result, extra, picture = METHODS.get(args.method, run_optimisation)(args)
     columns = ["index", "psnr", "ssim", "action", "true_action", *extra]
     rows = [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in step.items()}
@@ -71,10 +73,11 @@ def run(args: argparse.Namespace) -> None:
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("attack", help="invert single steps: exact (training-free), DLG or IG")
+    p = sub.add_parser("attack", help="invert single steps: training-free, DLG or IG")
     common_flags(p)
-    p.add_argument("method", help="exact (no training: the conv stack and the first conv's "
-                   "equations, or a ViT's patch embedding), dlg, ig, dlg-probe or ig-probe")
+    p.add_argument("method", help="training-free (no training: the conv stack and the first "
+                   "conv's equations, or a ViT's patch embedding; also read as exact), dlg, "
+                   "ig, dlg-probe or ig-probe")
     p.add_argument("--data", required=True, help="a capture file")
     p.add_argument("--index", type=int, action="append", required=True,
                    help="a row of the capture (repeatable)")

@@ -17,6 +17,7 @@ from gradleak.capture.reader import CaptureFile
 from gradleak.errors import ConfigError
 from gradleak.io import check_output, write_json
 from gradleak.metrics.images import psnr, ssim, to_unit_tensor
+from gradleak.names import TRAINING_FREE
 from gradleak.threat import Observation, Reconstruction, Target
 from gradleak.training.refiner_fit import check_prior, exact_attack
 
@@ -85,7 +86,7 @@ def exact_steps(data: str | os.PathLike[str], indices: list[int], config: ExactC
     steps = [{**step, **{f"residual_{key}": float(values[i])
                          for key, values in result.extras["residuals"].items()}}
              for i, step in enumerate(step_scores(rows, result, target))]
-    summary = {"command": "attack", "method": "exact", "data": str(data),
+    summary = {"command": "attack", "method": TRAINING_FREE, "data": str(data),
                "config": asdict(config), "steps": steps,
                "seconds_per_frame": result.extras["seconds_per_frame"]}
     out.mkdir(parents=True, exist_ok=True)

@@ -5,7 +5,7 @@ T = 8 under noise:0.01, noise:0.1 and DP-SGD ε = 10, trained on defended gradie
 and scored under the same defense: there each step's gradient alone leaves the frame
 uncertain, which is where the paper's Theorem 4.5 says context helps. The structured gradient
 encoder throughout (2.6× the epochs per CPU-minute of the dense one). Under the same defenses,
-gradleak's analytic decoder without context (T = 1) against its motion-aware context (T = 8:
+gradleak's feature decoder without context (T = 1) against its motion-aware context (T = 8:
 the previous reconstruction moved by the recovered action), also trained on defended
 gradients."""
 
@@ -17,6 +17,7 @@ from typing import Any
 from gradleak.experiments.base import Cell, Context, Experiment, register_experiment
 from gradleak.experiments.stages import (fit_and_score, fit_once, score_cell, trace_rows,
                                          victim_captures)
+from gradleak.names import FEATURE_DECODER
 
 WINDOWS = [1, 8, 16, 32, 64]
 DEFENSES = ["none", "noise:0.01", "noise:0.1", "dpsgd:eps=10"]
@@ -54,7 +55,7 @@ class TemporalContext(Experiment):
     @staticmethod
     def _decoder_cell(cell: Cell, context: Context, train: Any, heldout: Any
                       ) -> dict[str, Any]:
-        """The analytic decoder, fitted on the defended gradients of the training capture's
+        """The feature decoder, fitted on the defended gradients of the training capture's
         own frames (no rendered frames: they have no gradient to defend)."""
         from gradleak.training.decoder_fit import fit_decoder
 
@@ -68,7 +69,7 @@ class TemporalContext(Experiment):
         directory = context.out / "attackers" / cell.id
         fitted = fit_once(directory, lambda resume: fit_decoder(
             model, config, [str(train)], directory, resume=resume, progress=context.progress))
-        label = "analytic decoder"
+        label = FEATURE_DECODER
         return {**score_cell(cell, context, heldout, train, {label: str(directory)}, label,
                              defense=defense),
                 "epochs": fitted.get("epochs"), "fit_cpu_minutes": fitted.get("cpu_minutes"),
@@ -86,7 +87,7 @@ class TemporalContext(Experiment):
                     if None in pair:
                         continue
                     gains = seed_gains(results, victim, defense, attacker)
-                    what = "TRACE" if attacker == "trace" else "the analytic decoder"
+                    what = "TRACE" if attacker == "trace" else f"the {FEATURE_DECODER}"
                     verdicts.append(f"- {victim}, {defense}, {what}: {verdict(gains)} "
                                     f"({pair[1] - pair[0]:+.2f} dB, means over seeds; "
                                     "per seed " + ", ".join(f"{g:+.2f}" for g in gains) + ")")

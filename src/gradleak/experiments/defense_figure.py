@@ -47,7 +47,7 @@ class DefenseFigure(Experiment):
                                                 d, resume=resume, progress=context.progress))
             attackers[label] = str(directory)
         result = score_cell(cell, context, heldout, train, attackers, "TRACE",
-                            baselines={NAME: preset.attack.exact},
+                            baselines={NAME: preset.attack.training_free},
                             baseline_windows=SCORED_WINDOWS, defense=defense,
                             max_windows=SCORED_WINDOWS)
         best = max(result["attacks"], key=lambda name: result["attacks"][name]["psnr"])

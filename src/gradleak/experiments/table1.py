@@ -1,5 +1,5 @@
 """`table1` (the paper's Table 1): every attack on the same held-out windows of trained PPO and
-A2C victims. TRACE and LtI (the paper's learned attacks) and gradleak's analytic decoder, each
+A2C victims. TRACE and LtI (the paper's learned attacks) and gradleak's feature decoder, each
 trained for the same CPU budget; the training-free attack (the conv-stack recursion and the
 first conv's equations, deterministic: one seed); DLG and Inverting Gradients (the victim's
 exact loss, on the first held-out window, seeded); beside the mean image and mean colour."""
@@ -11,8 +11,9 @@ from typing import Any
 
 from gradleak.experiments.base import Cell, Context, Experiment, register_experiment
 from gradleak.experiments.stages import fit_once, score_cell, trace_rows, victim_captures
+from gradleak.names import FEATURE_DECODER
 
-LEARNED = {"trace": "TRACE", "lti": "LtI", "decoder": "analytic decoder"}
+LEARNED = {"trace": "TRACE", "lti": "LtI", "decoder": FEATURE_DECODER}
 OPTIMISED = {"dlg": "DLG", "ig": "IG"}
 METHODS = [*LEARNED, "exact", *OPTIMISED]
 OPTIMISED_WINDOWS = 1  # DLG and IG take seconds to minutes a frame on the CPU
@@ -42,7 +43,7 @@ class Table1(Experiment):
             from gradleak.attacks.exact import NAME
 
             return score_cell(cell, context, heldout, train, {}, NAME,
-                              baselines={NAME: preset.attack.exact},
+                              baselines={NAME: preset.attack.training_free},
                               baseline_windows=EXACT_WINDOWS)
         from gradleak.attacks.optim.config import baseline_config
 

@@ -61,7 +61,7 @@ class CaptureFingerprint:
 
 
 def check_rgb_frames(capture: CaptureFile) -> None:
-    """The learned attackers (TRACE, LtI, the analytic decoder) and the image metrics they are
+    """The learned attackers (TRACE, LtI, the feature decoder) and the image metrics they are
     scored with reconstruct square RGB frames; refuse other frames before any work."""
     transform = capture.roles.transform
     if not transform.rgb:

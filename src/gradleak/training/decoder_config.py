@@ -1,4 +1,4 @@
-"""The analytic decoder fit's settings: the shared schedule with its own defaults, and what only a
+"""The feature decoder fit's settings: the shared schedule with its own defaults, and what only a
 frame decoder has (rendered frames, mirroring, its loss weights). Read by the fit and by its
 frame sets."""
 
@@ -13,7 +13,7 @@ from gradleak.training.loop import FitSchedule
 
 @dataclass
 class DecoderFitConfig(FitSchedule):
-    """The analytic decoder's fit on frames: the shared schedule with its own defaults, and
+    """The feature decoder's fit on frames: the shared schedule with its own defaults, and
     what only a frame decoder has (rendered frames, mirroring, its loss weights)."""
 
     epochs: int = 20
@@ -34,7 +34,7 @@ class DecoderFitConfig(FitSchedule):
             return None
         if not chain.per_step:
             raise ConfigError(f"decoder fit defense {self.defense!r} aggregates steps: the "
-                              "analytic decoder reads one step's gradient")
+                              "feature decoder reads one step's gradient")
         if self.extra_frames > 0:
             raise ConfigError(f"decoder fit defense {self.defense!r} with extra_frames="
                               f"{self.extra_frames}: rendered frames have no gradient to "

@@ -1,4 +1,4 @@
-"""Fitting the analytic decoder on auxiliary frames: no gradient is stored or computed.
+"""Fitting the feature decoder on auxiliary frames: no gradient is stored or computed.
 
 The attacker knows θ0, so the conv features the gradient reveals can be computed for any frame
 it holds. Training frames are the attacker's own training-scene captures (their images; their
@@ -54,7 +54,7 @@ SUMMARY_FIELDS = ("train_frames",)
 
 
 class DecoderFit(FitLoop):
-    """The analytic decoder's fit on frames and their θ0 features, in one run directory."""
+    """The feature decoder's fit on frames and their θ0 features, in one run directory."""
 
     kind = "decoder"
     summary_fields = SUMMARY_FIELDS
@@ -204,7 +204,7 @@ def _check_feature_module(path: str, module: str) -> Roles:
     if roles.feature_linear is None or module not in ("", *dict(victim.named_modules())):
         raise ConfigError(f"attack.decoder.feature_module={module!r}: victim "
                           f"{capture.victim.name} has no such module or no Linear layer reading "
-                          "conv features, so no conv features to decode (the analytic decoder "
+                          "conv features, so no conv features to decode (the feature decoder "
                           "needs a conv encoder and a Linear layer after it)")
     return roles
 

@@ -47,7 +47,7 @@ def feature_map_shape(victim: Victim, module: str) -> list[int]:
             handle.remove()
     shapes = [list(shape[1:]) for shape in maps if len(shape) == 4]
     if not shapes:
-        raise ConfigError(f"no convolutional feature map feeds {module!r}: the analytic decoder "
+        raise ConfigError(f"no convolutional feature map feeds {module!r}: the feature decoder "
                           "needs a conv encoder before it")
     return shapes[-1]
 

@@ -1,6 +1,6 @@
 """The one training loop every learned attacker runs, top to bottom in `FitLoop.run`.
 
-A kind of attacker (TRACE and LtI in `fit.py`, the analytic decoder in `decoder_fit.py`) says
+A kind of attacker (TRACE and LtI in `fit.py`, the feature decoder in `decoder_fit.py`) says
 only what differs: the batches of an epoch, the loss of a batch, its validation and what its
 checkpoint records beside the shared fields. The loop owns everything else, the same way for
 all of them: the resume guard, the time budget (read before each epoch and after every

@@ -100,13 +100,13 @@ class RefinerFit(FitLoop):
         self.config, self.out, self.progress = config, Path(out), progress
         if parse_defense(config.defense).defenses:
             # the shared schedule carries the field; this fit attacks the captures as stored
-            raise ConfigError(f"attack.refiner_fit.defense={config.defense!r}: the learned prior "
+            raise ConfigError(f"attack.prior_fit.defense={config.defense!r}: the learned prior "
                               "is fitted on the attack's frames of undefended captures (a prior "
                               "fitted under a defense is not built); set it to none")
         refuse_overwrite(self.out, resume)
         exact.check()
         if exact.prior:
-            raise ConfigError(f"attack.exact.prior={exact.prior!r}: the prior is fitted on "
+            raise ConfigError(f"attack.training_free.prior={exact.prior!r}: the prior is fitted on "
                               "the attack's own frames, without a prior; unset it")
         self.paths = [str(p) for p in paths]
         self.fingerprint, frame_shape = read_fingerprint(self.paths)
@@ -264,8 +264,8 @@ def fit_refiner(model_config: RefinerConfig, config: RefinerFitConfig, exact: Ex
 def check_prior(config: ExactConfig) -> None:
     """Before any row is read: the prior `config.prior` names is a fitted run directory."""
     if config.prior and not (Path(config.prior) / META).is_file():
-        raise ConfigError(f"attack.exact.prior={config.prior!r}: no {META} there; fit one with "
-                          "`gradleak train-prior --data TRAIN.h5 --out DIR` on training-scene "
+        raise ConfigError(f"attack.training_free.prior={config.prior!r}: no {META} there; "
+                          "fit one with `gradleak train-prior --data TRAIN.h5 --out DIR` on training-scene "
                           "captures at the same θ0")
 
 
@@ -280,7 +280,7 @@ def load_prior(path: str | Path, observation: Observation) -> FrameRefiner:
     when it was fitted against another victim, θ0 or layout."""
     model, meta = load_attacker(path)
     if meta["kind"] != RefinerFit.kind:
-        raise ConfigError(f"attack.exact.prior={str(path)!r} holds a {meta['kind']!r} "
+        raise ConfigError(f"attack.training_free.prior={str(path)!r} holds a {meta['kind']!r} "
                           "attacker, not a prior fitted by `gradleak train-prior`")
     seen = CaptureFingerprint(theta_sha256(victim_at_theta0(observation)),
                               layers_to_json(observation.layers), observation.victim)
