@@ -6,11 +6,12 @@ capture of --steps steps is scored on --frames evenly spaced steps, as `gradleak
 --conv` scores it: each conv input's relative error, then frames from the first conv's
 equations (outputs and weight gradient, weighed by how exact they are, with the total-variation
 rounds and the inequalities: the default), the same with the quadratic prior alone (the solve
-before the rounds), the same without the weight-gradient equations, the same fitted as if exact, the same from the true
-first-block output (the prior's ceiling), the earlier penalty solve, and the frames' own mean
-image. A scored step whose neighbouring step saw the same frame (the agent stood still) is
-solved together with it, as the attack solves a stream; each step alone is scored beside. The float32 captures are also scored zero-shot under --defenses, a grid from weak to
-strong so the table shows where the attack gives way. One held-out episode's frames go into a
+before the rounds), the same without the weight-gradient equations, the same fitted as if
+exact, the same from the true first-block output (the prior's ceiling), and the frames' own
+mean image. A scored step whose neighbouring step saw the same frame (the agent stood still) is
+solved together with it, as the attack solves a stream; each step alone is scored beside. The
+float32 captures are also scored zero-shot under --defenses, a grid from weak to strong so
+the table shows where the attack gives way. One held-out episode's frames go into a
 picture, truth above each method.
 Writes benchmarks/results/exact_frames.{json,md,png}.
 
@@ -38,7 +39,6 @@ import numpy as np
 import torch
 
 from gradleak.attacks.exact import ExactAttack, ExactConfig
-from gradleak.attacks.first_conv import frames_from_first_block
 from gradleak.attacks.frame_solve import FrameSolve
 from gradleak.capture.plan import CaptureJob
 from gradleak.capture.reader import CaptureFile
@@ -113,14 +113,10 @@ def row(case: Case, dtype: str, defense: str, result: dict[str, Any]) -> dict[st
             "psnr_without_weight_gradient": solves["without_weight_gradient"]["psnr"],
             "psnr_as_if_exact": solves["as_if_exact"]["psnr"],
             "psnr_from_true_map": result["psnr_from_true_map"],
-            "psnr_penalty": solves["penalty"]["psnr"],
-            "ssim_penalty": solves["penalty"]["ssim"],
             "psnr_mean_image": result["psnr_of_their_mean_image"],
             "lpips_mean_image": result.get("lpips_of_their_mean_image"),
             "ms_per_frame": 1000 * (result["recovery_seconds_per_frame"]
                                     + result["frame_seconds_per_frame"]),
-            "penalty_ms_per_frame": 1000 * (result["recovery_seconds_per_frame"]
-                                            + solves["penalty"]["seconds_per_frame"]),
             "detail": result}
 
 
@@ -143,13 +139,6 @@ def picture(path: Path, out: Path, count: int = 8) -> None:
                .reconstruct().images,
                "without ∇W₁": ExactAttack(observation, ExactConfig(weight_gradient=False))
                .reconstruct().images}
-    from gradleak.attacks.conv_recovery import observed_conv_inputs
-
-    found = observed_conv_inputs(observation)
-    deepest = list(found.inputs)[-1]
-    rows_of["penalty solve"] = frames_from_first_block(
-        attack.victim, found.inputs[deepest], found.noise[deepest], 3.0).clamp(0, 255).round() \
-        .to(torch.uint8).numpy()
     figure, axes = plt.subplots(len(rows_of), count, figsize=(1.1 * count + 1.2,
                                                               1.15 * len(rows_of)))
     for r, (label, images) in enumerate(rows_of.items()):
@@ -230,9 +219,7 @@ COLUMNS = ["victim", "storage", "defense", "map_error", "equations_per_unknown",
            "psnr", "ssim", "lpips", "same_frame_steps", "psnr_each_step_alone",
            "ssim_each_step_alone", "psnr_quadratic_prior", "ssim_quadratic_prior",
            "psnr_without_weight_gradient", "psnr_as_if_exact",
-           "psnr_from_true_map",
-           "psnr_penalty", "psnr_mean_image", "lpips_mean_image", "ms_per_frame",
-           "penalty_ms_per_frame"]
+           "psnr_from_true_map", "psnr_mean_image", "lpips_mean_image", "ms_per_frame"]
 
 
 def markdown(result: dict[str, Any]) -> str:

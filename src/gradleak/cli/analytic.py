@@ -23,8 +23,8 @@ def conv_stack_lines(conv: dict[str, Any]) -> list[str]:
             f"unknown): PSNR {conv['psnr']:.2f} dB, SSIM {conv['ssim']:.3f}{lpips_text(conv)} "
             f"({conv['frame_seconds_per_frame']:.2f} s/frame); from the true map "
             f"{conv['psnr_from_true_map']:.2f} / {conv['ssim_from_true_map']:.3f}; without the "
-            f"weight-gradient equations {solves['without_weight_gradient']['psnr']:.2f}; the "
-            f"penalty solve {solves['penalty']['psnr']:.2f}; their mean image "
+            f"weight-gradient equations {solves['without_weight_gradient']['psnr']:.2f}; their "
+            f"mean image "
             f"{conv['psnr_of_their_mean_image']:.2f} / {conv['ssim_of_their_mean_image']:.3f}"]
 
 

@@ -132,15 +132,15 @@ def score_inversion(observation: Observation, target: Target, count: int) -> dic
 
 
 def score_conv_stack(observation: Observation, target: Target, count: int,
-                     frame_threshold: float = 3.0, rank_frames: int = 0,
+                     rank_frames: int = 0,
                      rows: np.ndarray | None = None,
                      same_frame_tolerance: float = SAME_FRAME_TOLERANCE,
                      say: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
     """Recovery through the conv stack on `count` evenly spaced steps (or the given `rows` of
     the observation): each determined conv input against the truth, then frames from the
     first conv's own equations (its outputs and its weight gradient), against the same solve
-    from the true first-block output, the solve without the weight-gradient equations, and the
-    earlier penalty solve. A scored step whose neighbour in the observation saw the same frame
+    from the true first-block output, with the quadratic prior alone, without the
+    weight-gradient equations and as if the equations were exact. A scored step whose neighbour in the observation saw the same frame
     (`frame_solve.same_frames` at `same_frame_tolerance`; 0: none) is solved together with it,
     as the attack solves a stream. With `rank_frames`, the rank of the equations of that many
     frames as a fraction of the unknowns (minutes per 84×84 frame)."""
@@ -175,8 +175,7 @@ def score_conv_stack(observation: Observation, target: Target, count: int,
     part = observation.steps(solved)
     gradient = torch.from_numpy(part.block(f"{first.name}.weight").astype(np.float64))
     solves = frame_solves(double, found, deepest, truth[deepest], gradient,
-                          bias_gradient(part, first), frame_threshold, images, rank_frames,
-                          tie, within, say)
+                          bias_gradient(part, first), images, rank_frames, tie, within, say)
     main = solves.pop("equations")
     return {"frames": len(scored), "layers": layers,
             "recovery_seconds_per_frame": recovery_seconds,
@@ -208,15 +207,14 @@ def layer_errors(estimate: torch.Tensor, truth: torch.Tensor, noise: torch.Tenso
 
 
 def frame_solves(victim: Any, found: Any, deepest: str, true_map: torch.Tensor,
-                 gradient: torch.Tensor, bias: torch.Tensor | None, threshold: float,
-                 images: np.ndarray, rank_frames: int = 0, tie: Any = None,
-                 scored: np.ndarray | None = None, say: Callable[[str], None] = lambda _: None
-                 ) -> dict[str, dict[str, float]]:
+                 gradient: torch.Tensor, bias: torch.Tensor | None, images: np.ndarray,
+                 rank_frames: int = 0, tie: Any = None, scored: np.ndarray | None = None,
+                 say: Callable[[str], None] = lambda _: None) -> dict[str, dict[str, float]]:
     """Each way of getting the frame under the first conv, scored against the real frames of
     the `scored` steps (all by default; `tie`: the steps that saw one frame)."""
     from dataclasses import replace
 
-    from gradleak.attacks.first_conv import first_conv_equations, frames_from_first_block
+    from gradleak.attacks.first_conv import first_conv_equations
     from gradleak.attacks.frame_solve import FrameSolve, solve_frames
 
     transform = victim.roles().transform
@@ -236,8 +234,7 @@ def frame_solves(victim: Any, found: Any, deepest: str, true_map: torch.Tensor,
             "as_if_exact": lambda: solve_frames(equations, transform, noise=None, tie=tie),
             "from_true_map": lambda: solve_frames(first_conv_equations(
                 victim, true_map, exact, upstream, gradient, bias_gradient=bias), transform,
-                tie=tie),
-            "penalty": lambda: (frames_from_first_block(victim, output, noise, threshold), None)}
+                tie=tie)}
     scores = {}
     for number, (name, run) in enumerate(runs.items(), start=1):
         say(f"  frames of {len(images)} steps, solve {number} of {len(runs)}: "
