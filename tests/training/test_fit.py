@@ -283,6 +283,16 @@ def test_corrupt_and_foreign_attacker_checkpoints(trained_attackers, tmp_path: P
     (broken / "attacker.json").write_text(json.dumps({"format": "something-else"}))
     with pytest.raises(CheckpointError, match="expected 'gradleak-attacker'"):
         load_attacker(broken)
+    # a model setting this version does not know, or of the wrong type, is named, not dropped
+    good = json.loads((trained_attackers["trace"] / "attacker.json").read_text())
+    (broken / "attacker.safetensors").write_bytes(
+        (trained_attackers["trace"] / "attacker.safetensors").read_bytes())
+    for model, message in (({**good["model"], "heads_v2": 16}, "'heads_v2' is not a setting of "
+                            "the trace model"),
+                           ({**good["model"], "layers": "two"}, "field 'model'.layers is 'two'")):
+        (broken / "attacker.json").write_text(json.dumps({**good, "model": model}))
+        with pytest.raises((CheckpointError, ConfigError), match=message):
+            load_attacker(broken)
 
 
 def test_every_fit_reports_its_time_the_same_way(train_capture: Path, tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ from gradleak.attacks.feature_decoder import DecoderConfig, FeatureDecoder
 from gradleak.attacks.frame_refiner import FrameRefiner, RefinerConfig
 from gradleak.attacks.lti import LearningToInvert, LtiConfig
 from gradleak.attacks.trace import Trace, TraceConfig
+from gradleak.config import dataclass_from_dict
 from gradleak.errors import CheckpointError, ConfigError, TrainingError
 from gradleak.io import duplicate_file, load_tensors, read_json, save_tensors, write_json
 from gradleak.registry import Registry
@@ -37,10 +38,20 @@ def display_name(kind: str) -> str:
     return MODELS.get(kind)[0].name if kind in MODELS else kind
 
 
-def build_model(kind: str, config: dict[str, Any]) -> nn.Module:
+def build_model(kind: str, config: dict[str, Any], source: str = "model config") -> nn.Module:
+    """The `kind` model from its saved settings, each checked: a setting this version does not
+    know is refused, naming it (dropping it would build another model than the one saved)."""
     model_class, config_class = MODELS.get(kind)
-    known = {f.name for f in fields(config_class)}
-    return model_class(config_class(**{k: v for k, v in config.items() if k in known}))
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{source}: expected an object of {kind} model settings")
+    unknown = sorted(set(config) - {f.name for f in fields(config_class)})
+    if unknown:
+        raise CheckpointError(f"{source}: {', '.join(map(repr, unknown))} "
+                              f"{'is not a setting' if len(unknown) == 1 else 'are not settings'}"
+                              f" of the {kind} model ({config_class.__name__}): written by "
+                              "another gradleak version; refit it, or remove the field if it "
+                              "has no effect")
+    return model_class(dataclass_from_dict(config_class, config, source))
 
 
 def fingerprint_to_dict(fingerprint: CaptureFingerprint) -> dict[str, Any]:
@@ -137,7 +148,7 @@ def load_attacker(path: str | Path, best: bool = True) -> tuple[nn.Module, dict[
     for key in ("kind", "model", "fingerprint"):
         if key not in meta:
             raise CheckpointError(f"{directory / META}: missing field {key!r}")
-    model = build_model(meta["kind"], meta["model"])
+    model = build_model(meta["kind"], meta["model"], f"{directory / META}: field 'model'")
     weights = directory / (BEST if best and (directory / BEST).exists() else WEIGHTS)
     state = load_tensors(weights, "attacker weights")
     expected = model.state_dict()
