@@ -352,8 +352,8 @@ def exact_frames() -> tuple[str, str]:
         return f"{lpips}{rank}{tied}"
 
     exact = [f"{r['victim']}: {db(r['psnr'])} / {r['ssim']:.3f} (quadratic prior "
-             f"{db(r['psnr_quadratic_prior'])}, penalty solve {db(r['psnr_penalty'])}, mean "
-             f"image {db(r['psnr_mean_image'])}{extras(r)})"
+             f"{db(r['psnr_quadratic_prior'])}, mean image {db(r['psnr_mean_image'])}"
+             f"{extras(r)})"
              for r in rows if r["storage"] == "float32"]
     rounded = [r["psnr"] for r in rows if r["storage"] == "float16"]
     defenses = list(dict.fromkeys(r["defense"] for r in data["rows"] if r["defense"] != "none"))
@@ -582,6 +582,24 @@ def vit_frames() -> tuple[str, str]:
             "; ".join(cell(name, case) for name, case in data["victims"].items()))
 
 
+def impala_walk() -> tuple[str, str]:
+    data = load("impala_walk.json")
+
+    def cell(case: dict[str, Any]) -> str:
+        top, first = case["blocks"][0], case["blocks"][-1]
+        below = [level for level in case["below"]
+                 if level["rank_true_delta"] < level["unknowns_per_channel"]]
+        return (f"{case['victim']} {case['size']}×{case['size']}: the last stage's blocks to "
+                f"{top['conv1_input']:.0e}–{first['input']:.0e} (rank "
+                f"{top['rank_conv1_min']} of {top['unknowns_per_channel']}), its pooled map "
+                f"{first['input_known']:.0%} determined; beneath, {len(below)} of "
+                f"{len(case['below'])} convs under-determined by their weight gradients")
+
+    return (f"how far one step's gradient determines IMPALA (random init, {data['steps']} "
+            "held-out steps, float32 wire; median relative errors; no frames yet)",
+            "; ".join(cell(case) for case in data["cases"]))
+
+
 def fedavg_span() -> tuple[str, str]:
     data = load("fedavg_span.json")
     rows = data["rows"]
@@ -637,6 +655,7 @@ ROWS: dict[str, Callable[[], tuple[str, str]]] = {
     "demo.json": demo,
     "audit_paper.json": audit_paper,
     "defense_aware.json": defense_aware, "vit_frames.json": vit_frames,
+    "impala_walk.json": impala_walk,
     "action_recovery.json": action_recovery, "capture.json": capture,
     "record_memory.json": record_memory, "audit_memory.json": audit_memory,
     "recovery_speed.json": recovery_speed,
