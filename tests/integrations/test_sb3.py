@@ -201,7 +201,7 @@ def test_a_callback_records_what_the_client_sends_during_learn(capsys, tmp_path:
     import h5py
 
     from gradleak.cli import main
-    from gradleak.integrations.sb3_capture import GradleakCapture
+    from gradleak.integrations.sb3 import GradleakCapture
 
     model = model_of(kind, policy)
     callback = GradleakCapture(tmp_path / "train-{rollout}.h5", every=2)

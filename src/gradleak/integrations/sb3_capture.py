@@ -21,13 +21,13 @@ import numpy as np
 
 from gradleak.capture.record import record
 from gradleak.errors import ConfigError
-from gradleak.integrations.sb3 import learning_rule, victim
+from gradleak.integrations.sb3_policy import learning_rule, victim
 
 try:
     from stable_baselines3.common.callbacks import BaseCallback
 except ImportError as missing:  # the extra is not installed
-    raise ConfigError("gradleak.integrations.sb3_capture needs Stable-Baselines3: pip install "
-                      "-c constraints.txt 'gradleak[sb3]'") from missing
+    raise ConfigError("gradleak.integrations.sb3.GradleakCapture needs Stable-Baselines3: pip "
+                      "install -c constraints.txt 'gradleak[sb3]'") from missing
 
 
 class GradleakCapture(BaseCallback):
