@@ -31,3 +31,12 @@ def test_overrides_take_the_declared_type_of_the_field() -> None:
         load_preset("cpu-quick", ["attack.trace_fit.max_train_windows=many"])
     with pytest.raises(ConfigError, match="perceptual='resnet': expected one of vgg, alex, ssim"):
         load_preset("cpu-quick", ["attack.trace_fit.perceptual=resnet"]).validate()
+
+
+def test_a_learned_attackers_settings_are_reached_one_way() -> None:
+    attack = load_preset("cpu-quick", ["attack.lti_fit.epochs=3"]).attack
+    model, fit = attack.learned("lti")
+    assert model is attack.lti and fit is attack.lti_fit and fit.epochs == 3
+    assert attack.learned("decoder") == (attack.decoder, attack.decoder_fit)
+    with pytest.raises(ConfigError, match="learned attacker 'prior': expected one of trace"):
+        attack.learned("prior")

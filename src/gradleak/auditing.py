@@ -246,12 +246,11 @@ class Audit:
 
         trained = {}
         for kind, share in TRAIN_SHARE.items():
-            fit = copy.deepcopy(getattr(self.preset.attack, f"{kind}_fit"))
+            model, fit = copy.deepcopy(self.preset.attack.learned(kind))
             fit.time_limit_minutes = share * self.config.budget_minutes
             fit.time_limit_clock = self.config.clock
             folder = self.out / "attackers" / kind
-            fit_attacker(kind, copy.deepcopy(getattr(self.preset.attack, kind)), fit,
-                         [self.config.train], folder, resume=folder.exists(),
+            fit_attacker(kind, model, fit, [self.config.train], folder, resume=folder.exists(),
                          progress=self.progress)
             trained[display_name(kind)] = str(folder)
         return trained

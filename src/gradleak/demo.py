@@ -101,8 +101,7 @@ def run_demo(preset: Preset, out: Path, progress: bool = True,
     say(exact_text(exact) + f"\n({_minutes(start)} into the demo)\n")
     attackers = {}
     for kind, label in (("trace", "TRACE"), ("lti", "LtI")):
-        attackers[label] = fit_attacker(kind, getattr(preset.attack, kind),
-                                        getattr(preset.attack, f"{kind}_fit"),
+        attackers[label] = fit_attacker(kind, *preset.attack.learned(kind),
                                         [str(out / "train.h5")], out / kind, progress=progress)
     audit = Audit(audit_config(heldout, out, preset), progress, preset=preset).run()
     report = write_audit_report(out / "audit",

@@ -41,6 +41,9 @@ from gradleak.training.refiner_fit import RefinerFitConfig
 from gradleak.victims.base import COMPONENTS
 
 
+LEARNED = ("trace", "lti", "decoder")  # the learned attackers' sections: KIND and KIND_fit
+
+
 @dataclass
 class AttackConfig:
     """The learned attackers and how they are fitted on auxiliary (training-scene) captures."""
@@ -64,6 +67,13 @@ class AttackConfig:
     # Its learned prior, fitted on the attack's frames of the attacker's own captures.
     prior: RefinerConfig = field(default_factory=RefinerConfig)
     prior_fit: RefinerFitConfig = field(default_factory=RefinerFitConfig)
+
+    def learned(self, kind: str) -> tuple[Any, Any]:
+        """A learned attacker's model settings and fit schedule, the one way to both: `trace`,
+        `lti` (`training.fit.FIT_KINDS`) or `decoder`."""
+        if kind not in LEARNED:
+            raise ConfigError(f"learned attacker {kind!r}: expected one of {', '.join(LEARNED)}")
+        return getattr(self, kind), getattr(self, f"{kind}_fit")
 
 
 @dataclass

@@ -25,8 +25,7 @@ def run_attacker(args: argparse.Namespace) -> None:
 
     FIT_KINDS.get(args.kind)  # an unknown kind is named before any work
     preset = preset_from_args(args)
-    model = getattr(preset.attack, args.kind)
-    fit = getattr(preset.attack, f"{args.kind}_fit")
+    model, fit = preset.attack.learned(args.kind)
     if args.defense is not None:  # an adaptive attacker: it trains under this defense
         fit.defense, fit.defense_seed = defense_from_args(args).spec, args.defense_seed
     fit.skip_nonfinite = args.skip_nonfinite

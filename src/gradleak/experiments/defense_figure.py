@@ -38,13 +38,17 @@ class DefenseFigure(Experiment):
         attackers, fits = {}, {}
         for method, label in LEARNED.items():
             directory = context.out / "attackers" / cell.id / method
+            model, fit = preset.attack.learned(method)
             config = dataclasses.replace(
-                getattr(preset.attack, f"{method}_fit"), seed=int(cell["seed"]),
-                defense=defense, time_limit_minutes=context.budget_minutes,
-                time_limit_clock=context.clock)
-            fits[label] = fit_once(directory, lambda resume, m=method, c=config, d=directory:
-                                   fit_attacker(m, getattr(preset.attack, m), c, [str(train)],
-                                                d, resume=resume, progress=context.progress))
+                fit, seed=int(cell["seed"]), defense=defense,
+                time_limit_minutes=context.budget_minutes, time_limit_clock=context.clock)
+
+            def run(resume: bool, kind: str = method, model: Any = model, config: Any = config,
+                    directory: Any = directory) -> dict[str, Any]:
+                return fit_attacker(kind, model, config, [str(train)], directory, resume=resume,
+                                    progress=context.progress)
+
+            fits[label] = fit_once(directory, run)
             attackers[label] = str(directory)
         result = score_cell(cell, context, heldout, train, attackers, "TRACE",
                             baselines={NAME: preset.attack.training_free},

@@ -69,9 +69,10 @@ class Table1(Experiment):
                 progress=context.progress))
         from gradleak.training.fit import fit_attacker
 
-        config = dataclasses.replace(getattr(preset.attack, f"{method}_fit"), **budget)
+        model, fit = preset.attack.learned(method)
+        config = dataclasses.replace(fit, **budget)
         return fit_once(directory, lambda resume: fit_attacker(
-            method, getattr(preset.attack, method), config, [train], directory, resume=resume,
+            method, model, config, [train], directory, resume=resume,
             progress=context.progress))
 
     def summarize(self, results: list[dict[str, Any]]) -> tuple[dict[str, Any], str]:
