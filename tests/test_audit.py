@@ -370,7 +370,8 @@ def test_a_vit_audit_returns_its_frames_training_free(tmp_path: Path, capsys) ->
     assert verdict["frames"]["psnr"] >= 60.0 and verdict["actions"]["accuracy"] == 1.0
 
 
-def _summary(attack: dict, skipped: bool = False, control: dict | None = None) -> dict:
+def _summary(attack: dict, skipped: bool = False, control: dict | None = None,
+             cosine: float = 0.01) -> dict:
     """A minimal audit summary: one defense stage (dpsgd) holding one frame attack's row, and
     the attacker's control (itself on other steps' gradients) when given."""
     from gradleak.evaluation.scoring import control_name
@@ -384,7 +385,7 @@ def _summary(attack: dict, skipped: bool = False, control: dict | None = None) -
                                           "action_accuracy": 0.9, **control}
     stage = {"result": None, "skipped": "budget: about 3 min needed, 1 left", "seconds": 0} \
         if skipped else {"skipped": None, "seconds": 1.0, "result": {
-            "methods": methods, "utility": {"cosine": 0.01, "relative_norm_error": 30.0},
+            "methods": methods, "utility": {"cosine": cosine, "relative_norm_error": 30.0},
             "defense": {"transforms": [{"name": "dpsgd", "eps": 1.0, "delta": 1e-5, "clip": 1.0,
                                         "q": 1 / 128, "steps": 1000, "sigma": 1.9,
                                         "achieved_eps": 0.99}]}}}
@@ -440,6 +441,21 @@ def test_actions_a_learned_attacker_reads_are_set_against_its_control(accuracy: 
                "action_accuracy": 0.60}
     (outcome,) = verdict(_summary(attack, control=control))["defenses"]
     assert outcome["stops"] is stops and (outcome["actions_above_chance"] == []) is stops
+
+
+@pytest.mark.parametrize(("cosine", "unproven"), [(0.01, False), (0.95, True)])
+def test_a_defense_that_leaves_the_update_intact_is_never_called_safe(cosine: float,
+                                                                      unproven: bool) -> None:
+    """Every attack at the reference under a defense whose update keeps cosine 0.95 to the
+    clean one: the information is still there, so the verdict says the attacks fell short."""
+    from gradleak.evaluation.verdict import verdict
+
+    attack = {"psnr": 22.5, "psnr_gain_over_mean_image": 0.5, "ssim": 0.50, "lpips": 0.63}
+    v = verdict(_summary(attack, cosine=cosine))
+    assert v["weakest_stopping"] == "dpsgd:eps=1"
+    assert (v["unproven"] == ["dpsgd:eps=1"]) is unproven
+    assert any(line.startswith("Caution: dpsgd:eps=1 leaves the update at cosine 0.950")
+               and "not as safe" in line for line in v["headline"]) is unproven
 
 
 def test_a_skipped_defense_is_one_the_verdict_cannot_speak_for() -> None:

@@ -416,6 +416,8 @@ class Verdict:
     frames_lpips: float | None
     actions_accuracy: float | None  # the best closed-form action rule
     weakest_stopping: str | None  # the cheapest defense that stops every attack, if any
+    # stopping defenses whose update stays nearly the clean one: the attacks fell short there
+    unproven: list[str]
     skipped: list[str]  # stages the budget did not pay for: the verdict cannot speak for them
     report: Path
     results: Path
@@ -428,6 +430,7 @@ class Verdict:
                    frames_psnr=frames.get("psnr"), frames_gain_db=frames.get("gain"),
                    frames_lpips=frames.get("lpips"), actions_accuracy=actions.get("accuracy"),
                    weakest_stopping=verdict.get("weakest_stopping"),
+                   unproven=list(verdict.get("unproven") or []),
                    skipped=sorted(verdict.get("skipped") or {}), report=report,
                    results=results, details=verdict)
 

@@ -13,7 +13,8 @@ metric and on its actions, the better of the control and the reference is what i
 (what its training alone gives is no leak of these gradients). A metric an attack did not
 measure cannot clear it (the verdict names the missing one). The
 weakest stopping defense is the one that costs the update least (highest cosine to the clean
-update). A defense stage that did not run is named, and the verdict says it cannot speak for
+update); a stopping defense that leaves the update nearly intact (cosine ≥ `INTACT_COSINE`) is
+listed as unproven, with a caution: the attacks fell short, not the information. A defense stage that did not run is named, and the verdict says it cannot speak for
 it. `--fail-if` conditions are read against the clean figures, with a small grammar
 (`psnr>25 or actions>0.5`), never eval'd.
 """
@@ -30,6 +31,9 @@ from gradleak.evaluation.scoring import MEAN_COLOUR, MEAN_IMAGE, control_name
 from gradleak.metrics.leak import LPIPS_MARGIN, SSIM_MARGIN, STOP_MARGIN_DB, leaks
 
 USEFUL_COSINE = 0.5  # below it the defended update points more along noise than the clean one
+# at or above it the defended update is nearly the clean one: a defense that "stops" every attack
+# there has removed little of what the gradients carry, so the attacks are what fall short
+INTACT_COSINE = 0.9
 ATTACK_KINDS = ("learned", "training-free", "optimisation")
 # what the mean-image reference is the mean of (evaluation.reconstructions.mean_image_of)
 REFERENCES = {"training frames": "the mean training image",
@@ -143,6 +147,9 @@ def verdict(summary: dict[str, Any]) -> dict[str, Any]:
     stopping = [o for o in outcomes if o.get("stops")]
     result["weakest_stopping"] = max(stopping, key=lambda o: o["cosine"] if o["cosine"]
                                      is not None else -math.inf)["spec"] if stopping else None
+    # stopped by the attacks' measure, yet the update is nearly intact: unproven, never "safe"
+    result["unproven"] = [o["spec"] for o in stopping
+                          if o["cosine"] is not None and o["cosine"] >= INTACT_COSINE]
     result["headline"] = headline(result)
     return result
 
@@ -186,6 +193,12 @@ def headline(v: dict[str, Any]) -> list[str]:
     elif outcomes:
         lines.append(f"Defense: none of the {len(outcomes)} defenses tried brings every attack "
                      "to the mean-image level (PSNR, SSIM and LPIPS) and actions to chance.")
+    for spec in v.get("unproven") or []:
+        o = next(o for o in outcomes if o["spec"] == spec)
+        lines.append(f"Caution: {spec} leaves the update at cosine {o['cosine']:.3f} to the "
+                     "clean one, so it removes little of what the gradients carry; that every "
+                     "attack here falls to the reference says these attacks cannot use what is "
+                     "left, not that it is gone. Treat it as unproven, not as safe.")
     for o in outcomes:
         if not o["stops"]:
             lines.append(f"  {o['spec']}{cost_text(o)}: not stopped — " + "; ".join(
