@@ -44,13 +44,14 @@ def test_evaluation_gives_the_attacks_captured_gradients_and_nothing_else(
         model.reconstruct = reconstruct
         return model, meta
 
-    class SpyingMatching(reconstructions.GradientMatchingAttack):
-        def __init__(self, observation, *args, **kwargs):  # noqa: ANN001
-            received.append(("optimisation", observation, args, kwargs))
-            super().__init__(observation, *args, **kwargs)
+    real_build = reconstructions.build
+
+    def spying_build(observation, settings, context):  # noqa: ANN001, ANN202
+        received.append(("single-step", observation, (settings, context), {}))
+        return real_build(observation, settings, context)
 
     monkeypatch.setattr(reconstructions, "load_attacker", spying_load)
-    monkeypatch.setattr(reconstructions, "GradientMatchingAttack", SpyingMatching)
+    monkeypatch.setattr(reconstructions, "build", spying_build)
     from gradleak.attacks.optim.config import baseline_config
 
     reconstructions.evaluate([random_capture], {"LtI": str(trained_attackers["lti"])},
@@ -59,7 +60,7 @@ def test_evaluation_gives_the_attacks_captured_gradients_and_nothing_else(
     with CaptureFile(random_capture) as capture:
         captured = capture.read("gradients").astype(np.float32)
     kinds = {kind for kind, *_ in received}
-    assert kinds == {"learned", "optimisation"}
+    assert kinds == {"learned", "single-step"}
     for kind, observed, args, kwargs in received:
         if kind == "learned":
             assert type(observed) is ObservedWindows and not args and not kwargs

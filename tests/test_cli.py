@@ -57,7 +57,7 @@ def test_scenes_split_is_fixed_and_disjoint(capsys) -> None:
       "--out", "x.h5", "--set", "capture.gradient_dtype=float64"],
      "capture.gradient_dtype='float64'"),
     (["attack", "fgsm", "--data", "x.h5", "--index", "0", "--out", "o"],
-     "unknown optimisation baseline 'fgsm'"),
+     "attack 'fgsm': expected one of"),
     (["evaluate", "--attacker", "a", "--data", "x.h5", "--out", "o", "--baselines", "ig,gan"],
      "--baselines 'gan'"),
     (["evaluate", "--attacker", "a", "--data", "x.h5", "--out", "o", "--baselines", "lti"],

@@ -3,14 +3,13 @@ still read as the things they named, and what gradleak writes uses only the new 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 
 import pytest
 
 from gradleak.cli import build_parser
-from gradleak.cli.evaluate import baseline_names
+from gradleak.cli.evaluate import baseline_configs
 from gradleak.names import (
     DISPLAY_ALIASES,
     SECTION_ALIASES,
@@ -74,7 +73,9 @@ def test_old_command_and_method_names_reach_the_same_code() -> None:
     assert "closed-form (analytic)" in parser.format_help()
     audit = ["audit", "--capture", "x.h5", "--out", "o"]
     assert parser.parse_args([*audit, "--exact-windows", "3"]).training_free_windows == 3
-    assert baseline_names(argparse.Namespace(baselines="exact,ig")) == ["training-free", "ig"]
+    evaluate = parser.parse_args(["evaluate", "--attacker", "a", "--data", "x.h5", "--out", "o",
+                                  "--baselines", "exact,ig"])
+    assert list(baseline_configs(evaluate)) == ["training-free", "IG"]
 
 
 @pytest.mark.parametrize("command", [["attack", "--help"], ["evaluate", "--help"]])

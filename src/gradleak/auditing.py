@@ -31,17 +31,15 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from gradleak.attacks.defense_aware import NAME as AWARE
-from gradleak.attacks.defense_aware import check_applicable
-from gradleak.attacks.exact import not_applicable
+from gradleak.attacks.catalogue import choices
 from gradleak.capture.reader import CaptureFile
 from gradleak.defenses import Chain, parse_defense
 from gradleak.errors import ConfigError
 from gradleak.evaluation.actions import evaluate_action_rules
 from gradleak.evaluation.analytic import evaluate_analytic
 from gradleak.io import check_output, exclusive, read_json, write_json
-from gradleak.presets import Preset, load_preset
-from gradleak.threat import declared
+from gradleak.presets import AttackConfig, Preset, load_preset
+from gradleak.threat import Observation, declared
 from gradleak.training.loop import CLOCKS, Budget
 from gradleak.victims.base import rebuildable
 
@@ -106,10 +104,12 @@ class AuditConfig:
                     list(GRID):  # the default grid leaves it out and says so (`run`)
                 raise ConfigError(f"--defenses {spec}: it aggregates steps, which only learned "
                                   "attackers read; give --attacker or --train, or leave it out")
-        from gradleak.attacks.optim.config import BASELINES
-
+        optimisation = [name for name, (attack, _) in choices(AttackConfig()).items()
+                        if attack.kind == "optimisation"]
         for name in self.optimisation:
-            BASELINES.get(name)
+            if name not in optimisation:
+                raise ConfigError(f"--optimisation {name!r}: expected some of "
+                                  f"{', '.join(optimisation)}")
         for path, what in ((self.capture, "--capture"), (self.train, "--train")):
             if path is not None and not Path(path).is_file():
                 raise ConfigError(f"{what} {path}: no such capture file")
@@ -148,8 +148,7 @@ class Audit:
         self.preset = preset or load_preset(config.preset, config.overrides)  # before the folder
         self.budget = Budget(config.budget_minutes, config.clock)
         self.stages: dict[str, Stage] = {}
-        with CaptureFile(config.capture) as capture:  # from the architecture, once
-            self.exact_reason = not_applicable(capture.victim)
+        with CaptureFile(config.capture) as capture:
             transform = capture.roles.transform
         # what cannot run on these frames is left out up front, and named in the verdict
         self.learned_reason = None if transform.rgb or not config.learned else (
@@ -256,42 +255,41 @@ class Audit:
         return trained
 
     def evaluate(self, spec: str, attackers: dict[str, str]) -> dict[str, Any]:
-        from gradleak.attacks.defense_aware import DefenseAwareRun
-        from gradleak.attacks.exact import NAME as EXACT
+        """Under one defense: the learned attackers and every training-free single-step attack
+        the registry offers that can read this stream (`attacks.single_step`; the ones that
+        model a declared defense only where there is one), each named where it cannot."""
         from gradleak.evaluation.reconstructions import evaluate
 
         chain = parse_defense(spec, seed=self.config.seed)
+        seen = self.seen(chain)
         baselines: dict[str, Any] = {}
-        windows: dict[str, int] = {}
-        exact_reason = self.exact_reason
-        aware_reason = None
-        if chain.span == 1 and exact_reason is None:  # single steps, not an aggregate of them
-            baselines[EXACT] = self.preset.attack.training_free
-            windows[EXACT] = self.config.training_free_windows
-            aware_reason = self.defense_aware_reason(chain)
-            if spec != "none" and aware_reason is None:  # beside the blind one, same frames
-                baselines[AWARE] = DefenseAwareRun(self.preset.attack.training_free,
-                                                   self.preset.attack.defense_aware)
-                windows[AWARE] = self.config.training_free_windows
+        reasons = {"learned attackers": self.learned_reason}
+        for choice, (attack, settings) in choices(self.preset.attack).items():
+            if attack.kind != "training-free" or (
+                    spec == "none" and "declared defense" in attack.needs):
+                continue
+            label = attack.label(choice, settings)
+            reasons[label] = attack.missing(seen)
+            if chain.span == 1 and reasons[label] is None:  # single steps, not aggregates
+                baselines[label] = settings
         result = evaluate([self.config.capture], attackers,
                           self.out / "eval" / slug(spec), max_windows=self.config.max_windows,
                           defense=None if spec == "none" else chain, baselines=baselines,
-                          baseline_windows=windows, progress=self.progress,
+                          baseline_windows=dict.fromkeys(baselines,
+                                                         self.config.training_free_windows),
+                          progress=self.progress,
                           reference_data=self.reference_data(attackers))
-        reasons = {EXACT: exact_reason, "learned attackers": self.learned_reason,
-                   AWARE: aware_reason if spec != "none" else None}
         return {**result, "spec": spec, "eval_dir": str(self.out / "eval" / slug(spec)),
                 "not_applicable": {k: v for k, v in reasons.items() if v}}
 
     def optimisation_baselines(self, attackers: dict[str, str]) -> dict[str, Any]:
         """DLG and IG on the undefended stream, on their own few windows (seconds per frame
         each)."""
-        from gradleak.attacks.optim.config import baseline_config
         from gradleak.evaluation.reconstructions import evaluate
 
-        families = {"ig": self.preset.attack.ig, "dlg": self.preset.attack.dlg}
-        baselines = {name.upper().replace("-PROBE", " (probe loss)"):
-                     baseline_config(name, families) for name in self.config.optimisation}
+        offered = choices(self.preset.attack)
+        baselines = {offered[name][0].label(name, offered[name][1]): offered[name][1]
+                     for name in self.config.optimisation}
         out = self.out / "eval" / slug(OPTIMISATION_STAGE)
         # the attackers too, on these few windows only: the same mean image as the clean stage
         # (theirs when no training capture is named); only DLG's and IG's rows are kept
@@ -309,17 +307,12 @@ class Audit:
         return [self.config.train] if self.config.train else \
             None if attackers else [self.config.capture]
 
-    def defense_aware_reason(self, chain: Chain) -> str | None:
-        """Why the defense-aware attack cannot model what the audited stream went through
-        (the capture's own defenses, then this stage's), or None."""
+    def seen(self, chain: Chain) -> Observation:
+        """What the server holds of the audited stream under `chain`, without its rows: the
+        layout, θ0, the loss, and the defenses declared (the capture's own, then the chain's)."""
         with CaptureFile(self.config.capture) as capture:
-            seen = capture.observation(rows=slice(0, 0))  # the layout and θ0, no rows
-        try:
-            check_applicable(replace(seen, defense=seen.defense + declared(
-                chain.describe()["transforms"])))
-        except ConfigError as error:
-            return str(error)
-        return None
+            seen = capture.observation(rows=slice(0, 0))
+        return replace(seen, defense=seen.defense + declared(chain.describe()["transforms"]))
 
 
 def read_stage(path: Path, name: str) -> dict[str, Any]:

@@ -6,18 +6,25 @@ missing one, is refused before any work."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from gradleak.attacks.catalogue import build
+from gradleak.attacks.defense_aware import DefenseAwareConfig, DefenseAwareRun
 from gradleak.attacks.exact import WITH_PRIOR, ExactConfig
 from gradleak.attacks.frame_refiner import RefinerConfig
 from gradleak.attacks.frame_solve import FrameSolve
+from gradleak.attacks.single_step import Context
 from gradleak.capture.reader import CaptureFile
 from gradleak.cli import main
+from gradleak.defenses import parse_defense
+from gradleak.defenses.base import row_keys
 from gradleak.errors import CaptureFileError
+from gradleak.threat import declared
 from gradleak.training import refiner_fit
 from gradleak.training.refiner_fit import RefinerFit, RefinerFitConfig, exact_attack, load_prior
 
@@ -164,3 +171,26 @@ def test_train_prior_then_attack_with_it_from_the_command_line(capsys, tmp_path:
     result = json.loads(capsys.readouterr().out)
     assert result["config"]["prior"] == str(prior) and len(result["steps"]) == 2
     assert (out / "reconstructions.png").is_file()
+
+
+@pytest.mark.slow
+def test_the_defense_aware_attack_starts_from_the_frames_of_the_prior_it_names(
+        fitted: RefinerFit, random_capture: Path) -> None:
+    """Settings that name a prior reach the defense-aware attack through the registry like the
+    training-free one: with no finish, its frames are the training-free attack's, prior and
+    all, on the same defended steps."""
+    with CaptureFile(random_capture) as capture:
+        clean = capture.observation(slice(0, 4))
+        keys = row_keys(dict(capture.attrs), 0, capture.num_rows)[:4]
+    chain = parse_defense("quant:12")
+    observation = replace(clean, defense=declared(chain.describe()["transforms"]),
+                          gradients=chain.gradients(torch.from_numpy(clean.gradients),
+                                                    keys).numpy())
+    config = ExactConfig(**{**ROUGH.__dict__, "prior": str(fitted.out)})
+    settings = DefenseAwareRun(config, DefenseAwareConfig(iterations=0, restart_above=None))
+    prior = load_prior(config.prior, observation)
+    aware = build(observation, settings, Context(prior=prior)).reconstruct()
+    start = exact_attack(observation, config).reconstruct()
+    np.testing.assert_array_equal(aware.images, start.images)
+    assert np.abs(aware.images.astype(int) - exact_attack(observation, ROUGH).reconstruct()
+                  .images.astype(int)).max() > 0  # the prior changed them

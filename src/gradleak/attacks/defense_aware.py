@@ -29,8 +29,8 @@ Then, per step:
    DP-SGD; under an interval channel each entry as uniform on its interval (Gaussian with the
    interval's variance, w²/12, about its centre), a kept entry of a pruned row as exact up to
    float32; plus total variation weighed by how much the channel leaves uncertain (a row it
-   leaves all but exact keeps the exact attack's frame). A ReLU network's matching loss reaches the frame
-   only through its activations, never through which units are on, so the finish climbs a
+   leaves all but exact keeps the exact attack's frame). A ReLU network's matching loss reaches
+   the frame only through its activations, never through which units are on, so the finish climbs a
    ladder of softplus networks, sharper stage by stage, beginning at the softest one that fits
    the start about as well as the ReLU network (a start near its frame under a precise channel,
    bfloat16, would be pulled off by softer ones); one L-BFGS per frame; again from the mean
@@ -55,7 +55,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from gradleak.attacks.analytic import check_supported, linear_layers, recover_analytically
-from gradleak.attacks.exact import ExactAttack, ExactConfig
+from gradleak.attacks.exact import ExactAttack, ExactConfig, not_applicable
+from gradleak.attacks.frame_refiner import FrameRefiner
 from gradleak.attacks.optim.matching import (
     DummyGradient,
     MatchingConfig,
@@ -64,6 +65,7 @@ from gradleak.attacks.optim.matching import (
 )
 from gradleak.errors import ConfigError
 from gradleak.names import DEFENSE_AWARE
+from gradleak.attacks.single_step import Context, single_step
 from gradleak.registry import Registry
 from gradleak.threat import Observation, Reconstruction
 from gradleak.victims.base import victim_at_theta0
@@ -317,24 +319,31 @@ class DefenseAwareRun:
     exact: ExactConfig = field(default_factory=ExactConfig)
     aware: DefenseAwareConfig = field(default_factory=DefenseAwareConfig)
 
+    def check(self) -> None:
+        self.exact.check()
+        self.aware.check()
+
 
 class DefenseAwareAttack:
+    """`prior`: the learned prior the training-free settings name (`exact.prior`), loaded by
+    the caller: the start is the training-free attack's frame, prior and all."""
+
     name = NAME
 
     def __init__(self, observation: Observation, config: DefenseAwareConfig | None = None,
-                 exact: ExactConfig | None = None) -> None:
+                 exact: ExactConfig | None = None, prior: FrameRefiner | None = None) -> None:
         self.config, self.exact = config or DefenseAwareConfig(), exact or ExactConfig()
         self.config.check()
         self.exact.check()
-        self.observation = observation
+        self.observation, self.prior = observation, prior
         self.channel = check_applicable(observation)  # refuses what it cannot do, first
 
     def reconstruct(self) -> Reconstruction:
         start = time.perf_counter()
         if self.channel.exact:  # nothing to model: the exact attack as it is
-            return ExactAttack(self.observation, self.exact).reconstruct()
+            return ExactAttack(self.observation, self.exact, self.prior).reconstruct()
         closed = recover_analytically(repair_linear(self.observation, self.channel))
-        started = ExactAttack(self.observation, self.exact).reconstruct()
+        started = ExactAttack(self.observation, self.exact, self.prior).reconstruct()
         matcher = Matcher(self.observation, self.channel, closed)
         images, likelihood, improved = matcher.finish(started.images, self.config)
         seconds = time.perf_counter() - start
@@ -343,6 +352,30 @@ class DefenseAwareAttack:
             "negative_log_likelihood": likelihood, "finished": improved,
             "channel": self.channel.name, "seconds": seconds,
             "seconds_per_frame": seconds / max(1, len(self.observation))})
+
+
+def refusal(observation: Observation) -> str | None:
+    """Why the attack cannot start (the training-free attack's architecture), model the
+    observation's defense or read what it needs, or None."""
+    reason = not_applicable(observation.victim)
+    if reason:
+        return reason
+    try:
+        check_applicable(observation)
+    except ConfigError as error:
+        return str(error)
+    return None
+
+
+@single_step("defense-aware", DefenseAwareRun, kind="training-free",
+             needs=("theta0", "loss", "every layer", "declared defense"),
+             choices=lambda section: {"defense-aware": DefenseAwareRun(
+                 section.training_free, section.defense_aware)},
+             label=lambda choice, settings: NAME, refuses=refusal,
+             prior=lambda settings: settings.exact.prior)
+def defense_aware(observation: Observation, settings: DefenseAwareRun, context: Context
+                  ) -> DefenseAwareAttack:
+    return DefenseAwareAttack(observation, settings.aware, settings.exact, context.prior)
 
 
 def check_applicable(observation: Observation) -> Channel:

@@ -46,6 +46,7 @@ from gradleak.attacks.frame_solve import (
     same_frames,
     solve_frames,
 )
+from gradleak.attacks.single_step import Context, single_step
 from gradleak.errors import ConfigError
 from gradleak.names import TRAINING_FREE, WITH_PRIOR
 from gradleak.threat import Observation, Reconstruction
@@ -220,6 +221,16 @@ def first_block(victim: Victim) -> ConvBlock:
                           f"{reached} only; the first conv's equations need the first "
                           "block's output (the second conv's input)")
     return blocks[0]
+
+
+@single_step(TRAINING_FREE, ExactConfig, kind="training-free", needs=("theta0",),
+             choices=lambda section: {TRAINING_FREE: section.training_free},
+             label=lambda choice, settings: WITH_PRIOR if settings.prior else TRAINING_FREE,
+             refuses=lambda observation: not_applicable(observation.victim),
+             prior=lambda settings: settings.prior)
+def training_free(observation: Observation, settings: ExactConfig, context: Context
+                  ) -> ExactAttack:
+    return ExactAttack(observation, settings, context.prior)
 
 
 def not_applicable(config: VictimConfig) -> str | None:

@@ -12,13 +12,12 @@ from gradleak.cli.common import (
     defense_from_args,
     emit,
     nonfinite_flag,
-    preset_from_args,
     prior_flag,
     progress,
 )
-from gradleak.cli.optim import optim_config, optim_flags
+from gradleak.cli.optim import choice_names, optim_flags, single_step_choices
 from gradleak.errors import ConfigError
-from gradleak.names import TRAINING_FREE, WITH_PRIOR, method
+from gradleak.names import method
 
 # what --baselines once also took, and where each now lives
 NOT_BASELINES = {"lti": "LtI is a learned attacker: pass its directory with --attacker",
@@ -44,39 +43,20 @@ def attackers_from_args(args: argparse.Namespace) -> dict[str, str]:
     return attackers
 
 
-def baseline_names(args: argparse.Namespace) -> list[str]:
-    from gradleak.attacks.optim.config import BASELINES
-
-    names = [method(b) for b in (args.baselines or "").split(",") if b]  # exact: training-free
-    known = [*BASELINES.names(), *SINGLE_STEP]
-    for name in names:
+def baseline_configs(args: argparse.Namespace) -> dict[str, object]:
+    """Row name → settings of each single-step attack --baselines names (training-free,
+    defense-aware, DLG, IG, ...: `attacks.single_step`), from the preset."""
+    offered = single_step_choices(args)
+    configs: dict[str, object] = {}
+    for name in (method(b) for b in (args.baselines or "").split(",") if b):  # exact too
         if name in NOT_BASELINES:
             raise ConfigError(f"--baselines {name!r}: {NOT_BASELINES[name]}")
-        if name not in known:
-            raise ConfigError(f"--baselines {name!r}: expected some of {', '.join(known)}")
-    return names
-
-
-def baseline_configs(args: argparse.Namespace) -> dict[str, object]:
-    """Display name → settings: the training-free attack's, or an optimisation baseline's."""
-    configs: dict[str, object] = {}
-    for name in baseline_names(args):
-        if name in SINGLE_STEP:
-            display, config = SINGLE_STEP[name](args)
-        else:
-            display = name.upper().replace("-PROBE", " (probe loss)")
-            config = optim_config(args, name)
-        configs[display] = config
+        if name not in offered:
+            raise ConfigError(f"--baselines {name!r}: expected some of "
+                              f"{', '.join(sorted(offered))}")
+        attack, config = offered[name]
+        configs[attack.label(name, config)] = config
     return configs
-
-
-def training_free_baseline(args: argparse.Namespace) -> tuple[str, object]:
-    config = preset_from_args(args).attack.training_free
-    return (WITH_PRIOR if config.prior else TRAINING_FREE), config
-
-
-# the baselines that need no optimisation settings
-SINGLE_STEP = {TRAINING_FREE: training_free_baseline}
 
 
 def run_evaluate(args: argparse.Namespace) -> None:
@@ -116,11 +96,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    help="an attacker run directory, or NAME=DIR (repeatable)")
     p.add_argument("--data", nargs="+", required=True, help="held-out capture files")
     p.add_argument("--baselines", default="",
-                   help="single-step attacks on the first windows' frames: training-free "
-                   "(also read as exact: the conv stack and the first conv's equations, or a "
-                   "ViT's patch embedding), dlg, ig, dlg-probe, "
-                   "ig-probe (comma-separated; the action rule and the mean-image references "
-                   "are always scored)")
+                   help=f"single-step attacks on the first windows' frames, some of "
+                   f"{choice_names()} (comma-separated; exact reads as training-free; the "
+                   "action rule and the mean-image references are always scored)")
     p.add_argument("--out", required=True)
     p.add_argument("--max-windows", type=int, default=None)
     p.add_argument("--baseline-windows", type=int, default=2,

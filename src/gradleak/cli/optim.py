@@ -1,5 +1,5 @@
-"""`gradleak attack dlg|ig`: gradient matching on single steps, with its history picture;
-the optimisation baselines' flags and settings, shared with `evaluate`."""
+"""`gradleak attack METHOD`: any single-step attack on chosen steps of a capture; the flags of
+the optimisation baselines' settings and the attacks a preset offers, shared with `evaluate`."""
 
 from __future__ import annotations
 
@@ -16,15 +16,8 @@ from gradleak.cli.common import (
     progress,
     shorthand_flag,
 )
-from gradleak.names import TRAINING_FREE, method
-
-
-def optim_config(args: argparse.Namespace, name: str) -> Any:
-    """A baseline's settings: the preset's IG or DLG (after --set and the flags below)."""
-    from gradleak.attacks.optim.config import baseline_config
-
-    preset = preset_from_args(args)
-    return baseline_config(name, {"ig": preset.attack.ig, "dlg": preset.attack.dlg})
+from gradleak.errors import ConfigError
+from gradleak.names import method
 
 
 def optim_flags(parser: argparse.ArgumentParser, presets: bool = True) -> None:
@@ -39,45 +32,45 @@ def optim_flags(parser: argparse.ArgumentParser, presets: bool = True) -> None:
         shorthand_flag(parser, flag, f"attack.ig.{field}", f"attack.dlg.{field}", help=text)
 
 
-def run_optimisation(args: argparse.Namespace) -> tuple[dict[str, Any], list[str], str]:
-    from gradleak.evaluation.single_steps import attack_steps
+def single_step_choices(args: argparse.Namespace) -> dict[str, tuple[Any, Any]]:
+    """Every single-step attack the preset offers (after --set and the flags), by name."""
+    from gradleak.attacks.catalogue import choices
 
-    result = attack_steps(args.data, args.index, args.method, optim_config(args, args.method),
-                          Path(args.out), progress=progress(args))
-    return result, ["matching_loss"], "history.png"
-
-
-def run_training_free(args: argparse.Namespace) -> tuple[dict[str, Any], list[str], str]:
-    from gradleak.evaluation.single_steps import exact_steps
-
-    result = exact_steps(args.data, args.index, preset_from_args(args).attack.training_free,
-                         Path(args.out))
-    return result, ["residual_weight_gradient"], "reconstructions.png"
+    return choices(preset_from_args(args).attack)
 
 
-# the methods that are not optimisation baselines (those take their names from BASELINES)
-METHODS = {TRAINING_FREE: run_training_free}
+def choice_names() -> str:
+    """The names `gradleak attack` and `evaluate --baselines` take, for --help."""
+    from gradleak.attacks.catalogue import choices
+    from gradleak.presets import AttackConfig
+
+    return ", ".join(sorted(choices(AttackConfig())))
 
 
 def run(args: argparse.Namespace) -> None:
+    from gradleak.evaluation.single_steps import attack_steps
     from gradleak.report.tables import text_table
 
     args.method = method(args.method)  # "exact" still reads as training-free
-    result, extra, picture = METHODS.get(args.method, run_optimisation)(args)
-    columns = ["index", "psnr", "ssim", "action", "true_action", *extra]
+    offered = single_step_choices(args)
+    if args.method not in offered:
+        raise ConfigError(f"attack {args.method!r}: expected one of {', '.join(sorted(offered))}")
+    result = attack_steps(args.data, args.index, args.method, offered[args.method][1],
+                          Path(args.out), progress=progress(args))
+    columns = ["index", "psnr", "ssim", "action", "true_action", *result["columns"]]
     rows = [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in step.items()}
             for step in result["steps"]]
     text = (text_table(rows, columns) + f"\n{result['seconds_per_frame']:.2f} s per frame; "
-            f"picture: {Path(args.out) / picture}")
+            f"picture: {result['picture']}")
     emit(args, result, text)
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("attack", help="invert single steps: training-free, DLG or IG")
+    p = sub.add_parser("attack", help="invert single steps: training-free, defense-aware, DLG "
+                       "or IG")
     common_flags(p)
-    p.add_argument("method", help="training-free (no training: the conv stack and the first "
-                   "conv's equations, or a ViT's patch embedding; also read as exact), dlg, "
-                   "ig, dlg-probe or ig-probe")
+    p.add_argument("method", help=f"one of {choice_names()} (exact reads as training-free; "
+                   "defense-aware needs a capture written by `gradleak defend`)")
     p.add_argument("--data", required=True, help="a capture file")
     p.add_argument("--index", type=int, action="append", required=True,
                    help="a row of the capture (repeatable)")

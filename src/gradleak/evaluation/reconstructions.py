@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import asdict
+from collections.abc import Sequence
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,10 +20,8 @@ import numpy as np
 import torch
 
 from gradleak.attacks.action_rules import policy_weight, recover_actions
-from gradleak.attacks.defense_aware import DefenseAwareAttack, DefenseAwareRun
-from gradleak.attacks.exact import ExactConfig
-from gradleak.attacks.optim.config import OptimConfig
-from gradleak.attacks.optim.solve import GradientMatchingAttack
+from gradleak.attacks.catalogue import attack_for, build
+from gradleak.attacks.single_step import Context, SingleStepAttack
 from gradleak.capture.reader import CaptureFile
 from gradleak.capture.schema import layers_from_json
 from gradleak.defenses import Chain, parse_defense
@@ -47,16 +45,7 @@ from gradleak.metrics.lpips import layout as lpips_layout
 from gradleak.threat import Observation, ObservedWindows, declared
 from gradleak.training.checkpoint import fingerprint_from_dict, load_attacker
 from gradleak.training.data import WindowDataset, collate
-from gradleak.training.refiner_fit import check_prior, exact_attack
-
-# A baseline inverts single steps from an Observation: its kind in the tables, and its attack
-SINGLE_STEP: dict[type, tuple[str, Callable[..., Any]]] = {
-    OptimConfig: ("optimisation", lambda observation, config, progress:
-                  GradientMatchingAttack(observation, config, progress)),
-    ExactConfig: ("training-free", lambda observation, config, progress:
-                  exact_attack(observation, config)),
-    DefenseAwareRun: ("training-free", lambda observation, config, progress:
-                      DefenseAwareAttack(observation, config.aware, config.exact))}
+from gradleak.training.refiner_fit import check_prior, load_prior
 
 RULE = "action rule (odd-sign)"
 
@@ -65,14 +54,19 @@ class Evaluation:
     def __init__(self, data: Sequence[str | os.PathLike[str]], attackers: dict[str, str],
                  window: int | None = None, lpips_weights: str | None = None,
                  max_windows: int | None = None, samples: int = 4,
-                 baselines: dict[str, OptimConfig | ExactConfig | DefenseAwareRun] | None = None,
+                 baselines: dict[str, Any] | None = None,
                  baseline_windows: int | dict[str, int] = 2, progress: bool = False,
                  defense: Chain | None = None, skip_nonfinite: bool = False,
                  reference_data: Sequence[str | os.PathLike[str]] | None = None) -> None:
+        """`baselines`: row name → a single-step attack's settings, which name the attack
+        (`attacks.single_step`)."""
         self.defense, self.data = defense, list(data)
-        for config in (baselines or {}).values():  # a missing prior is named before any work
-            if isinstance(config, ExactConfig):
-                check_prior(config)
+        # each baseline's attack, its settings and any prior they name, before any work
+        self.attacks: dict[str, SingleStepAttack] = {}
+        for name, config in (baselines or {}).items():
+            self.attacks[name] = attack_for(config)
+            self.attacks[name].check(config)
+            check_prior(self.attacks[name].prior(config))
         if baselines and defense is not None and defense.span > 1:
             raise ConfigError(f"--defense {defense.spec!r} aggregates steps: the optimisation "
                               "baselines invert single steps and are not run on it")
@@ -106,6 +100,11 @@ class Evaluation:
             # what the stream went through: the file's own defenses, then this evaluation's
             self.declared_defense = capture.declared_defense() + declared(
                 defense.describe()["transforms"] if defense is not None else ())
+            seen = capture.observation(rows=slice(0, 0)) if self.baselines else None
+        for name, attack in self.attacks.items():  # what each reads of the threat model
+            reason = attack.missing(replace(seen, defense=self.declared_defense))
+            if reason:
+                raise ConfigError(f"baseline {name}: {reason}")
         self.lpips_note = unavailable_reason(lpips_weights)
         self.lpips = None if self.lpips_note else LPIPS(lpips_weights)
         self.max_windows, self.sample_count = max_windows, samples
@@ -151,8 +150,8 @@ class Evaluation:
                    for name, (model, meta) in self.models.items()}
         methods.update({control_name(name): MethodScores(control_name(name), "control")
                         for name in self.models})
-        methods.update({name: MethodScores(name, SINGLE_STEP[type(config)][0])
-                        for name, config in self.baselines.items()})
+        methods.update({name: MethodScores(name, self.attacks[name].kind)
+                        for name in self.baselines})
         if self._captures_policy_head():
             methods[RULE] = MethodScores(RULE, "rule")
         methods[MEAN_IMAGE] = MethodScores(MEAN_IMAGE, "reference")
@@ -232,7 +231,9 @@ class Evaluation:
             truth, actions = batch.images[:windows], batch.actions[:windows].numpy()
             b, t = truth.shape[:2]
             flat = self._frames_observation(ObservedWindows(batch.observed.gradients[:windows]))
-            result = SINGLE_STEP[type(config)][1](flat, config, self.progress).reconstruct()
+            prior = self.attacks[name].prior(config)
+            context = Context(self.progress, load_prior(prior, flat) if prior else None)
+            result = build(flat, config, context).reconstruct()
             images = torch.from_numpy(result.images).view(b, t, *result.images.shape[1:])
             self._add(methods[name], images.permute(0, 1, 4, 2, 3).float() / 255.0, truth,
                       result.actions.reshape(b, t) == actions, result.extras["seconds"])
@@ -281,7 +282,7 @@ def _to_uint8(frames: torch.Tensor) -> np.ndarray:
 
 def evaluate(data: Sequence[str | os.PathLike[str]], attackers: dict[str, str], out: Path,
              lpips_weights: str | None = None, max_windows: int | None = None,
-             baselines: dict[str, OptimConfig | ExactConfig | DefenseAwareRun] | None = None,
+             baselines: dict[str, Any] | None = None,
              baseline_windows: int | dict[str, int] = 2,
              progress: bool = False, defense: Chain | None = None,
              skip_nonfinite: bool = False,

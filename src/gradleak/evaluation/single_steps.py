@@ -1,5 +1,5 @@
-"""`gradleak attack`: invert chosen steps of a capture, score them and draw them: DLG or IG
-(with how the optimisation got there), or the training-free attack."""
+"""`gradleak attack`: invert chosen steps of a capture with any single-step attack, score them
+and draw them."""
 
 from __future__ import annotations
 
@@ -10,16 +10,14 @@ from typing import Any
 
 import numpy as np
 
-from gradleak.attacks.exact import ExactConfig
-from gradleak.attacks.optim.config import OptimConfig
-from gradleak.attacks.optim.solve import GradientMatchingAttack
+from gradleak.attacks.catalogue import attack_for, build
+from gradleak.attacks.single_step import Context
 from gradleak.capture.reader import CaptureFile
 from gradleak.errors import ConfigError
 from gradleak.io import check_output, write_json
 from gradleak.metrics.images import psnr, ssim, to_unit_tensor
-from gradleak.names import TRAINING_FREE
 from gradleak.threat import Observation, Reconstruction, Target
-from gradleak.training.refiner_fit import check_prior, exact_attack
+from gradleak.training.refiner_fit import check_prior, load_prior
 
 
 def read_steps(data: str | os.PathLike[str], indices: list[int]
@@ -46,51 +44,49 @@ def step_scores(rows: np.ndarray, result: Reconstruction, target: Target
                 result.extras["returns"], target.returns, strict=True)]
 
 
-def attack_steps(data: str | os.PathLike[str], indices: list[int], name: str,
-                 config: OptimConfig, out: Path, progress: bool = False) -> dict[str, Any]:
-    """DLG or IG on the chosen steps, with the picture of how the optimisation got there."""
-    from gradleak.report.plots import plot_optimisation_history  # matplotlib is slow to import
+def attack_steps(data: str | os.PathLike[str], indices: list[int], choice: str, settings: Any,
+                 out: Path, progress: bool = False) -> dict[str, Any]:
+    """A single-step attack (`attacks.single_step`) on the chosen steps, scored and drawn:
+    gradient matching with the picture of how its optimisation got there, a training-free
+    attack with the private frames above the recovered ones and its equations' residuals."""
+    from gradleak.report.plots import plot_optimisation_history, plot_private_vs_reconstructed
 
+    entry = attack_for(settings)  # settings, the prior, then the output, before any row is read
+    entry.check(settings)
+    prior = entry.prior(settings)
+    check_prior(prior)
     check_output(out, "--out", directory=True)
     rows, observation, target = read_steps(data, indices)
-    config.snapshots = config.snapshots or 6
-    result = GradientMatchingAttack(observation, config, progress).reconstruct()
-    steps = [{**step, "matching_loss": float(loss), "matching_loss_after_first_step": float(start)}
-             for step, loss, start in zip(step_scores(rows, result, target),
-                                          result.extras["matching_loss"],
-                                          result.extras["matching_loss_after_first_step"],
-                                          strict=True)]
-    summary = {"command": "attack", "method": name, "data": str(data), "config": asdict(config),
-               "steps": steps, "seconds_per_frame": result.extras["seconds_per_frame"],
-               "iterations": result.extras["iterations"]}
-    out.mkdir(parents=True, exist_ok=True)
-    write_json(out / "attack.json", summary)
-    plot_optimisation_history(target.images, result.extras["snapshots"],
-                              result.extras["history"], result.extras["restart"],
-                              config.restarts, out / "history.png", name)
-    return summary
-
-
-def exact_steps(data: str | os.PathLike[str], indices: list[int], config: ExactConfig,
-                out: Path) -> dict[str, Any]:
-    """The training-free attack on the chosen steps: frames, actions, A and R, and the first
-    conv's equation residuals; a picture of the private frames above the recovered ones."""
-    from gradleak.report.plots import plot_private_vs_reconstructed
-
-    config.check()  # settings, the prior, then the output, before any row is read
-    check_prior(config)
-    check_output(out, "--out", directory=True)
-    rows, observation, target = read_steps(data, indices)
-    attack = exact_attack(observation, config)
-    result = attack.reconstruct()
-    steps = [{**step, **{f"residual_{key}": float(values[i])
-                         for key, values in result.extras["residuals"].items()}}
+    reason = entry.missing(observation)
+    if reason:
+        raise ConfigError(f"{choice}: {reason}")
+    optimisation = entry.kind == "optimisation"
+    if optimisation:
+        settings.snapshots = settings.snapshots or 6
+    context = Context(progress, load_prior(prior, observation) if prior else None)
+    result = build(observation, settings, context).reconstruct()
+    extras = result.extras
+    per_step = {key: extras[key] for key in ("matching_loss",
+                                              "matching_loss_after_first_step",
+                                              "negative_log_likelihood") if key in extras}
+    per_step.update({f"residual_{key}": values
+                     for key, values in extras.get("residuals", {}).items()})
+    steps = [{**step, **{key: float(values[i]) for key, values in per_step.items()}}
              for i, step in enumerate(step_scores(rows, result, target))]
-    summary = {"command": "attack", "method": TRAINING_FREE, "data": str(data),
-               "config": asdict(config), "steps": steps,
-               "seconds_per_frame": result.extras["seconds_per_frame"]}
+    summary = {"command": "attack", "method": choice, "attack": entry.name, "data": str(data),
+               "config": asdict(settings), "steps": steps, "columns": list(per_step),
+               "seconds_per_frame": extras["seconds_per_frame"]}
     out.mkdir(parents=True, exist_ok=True)
+    if optimisation:
+        summary["iterations"] = extras["iterations"]
+        summary["picture"] = str(out / "history.png")
+        plot_optimisation_history(target.images, extras["snapshots"], extras["history"],
+                                  extras["restart"], settings.restarts, out / "history.png",
+                                  choice)
+    else:
+        summary["picture"] = str(out / "reconstructions.png")
+        plot_private_vs_reconstructed(to_unit_tensor(target.images),
+                                      to_unit_tensor(result.images), out / "reconstructions.png",
+                                      f"{entry.label(choice, settings)}: {data}")
     write_json(out / "attack.json", summary)
-    plot_private_vs_reconstructed(to_unit_tensor(target.images), to_unit_tensor(result.images),
-                                  out / "reconstructions.png", f"{attack.name}: {data}")
     return summary

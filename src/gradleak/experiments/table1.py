@@ -11,10 +11,10 @@ from typing import Any
 
 from gradleak.experiments.base import Cell, Context, Experiment, register_experiment
 from gradleak.experiments.stages import fit_once, score_cell, trace_rows, victim_captures
-from gradleak.names import FEATURE_DECODER
+from gradleak.names import FEATURE_DECODER, TRAINING_FREE
 
 LEARNED = {"trace": "TRACE", "lti": "LtI", "decoder": FEATURE_DECODER}
-OPTIMISED = {"dlg": "DLG", "ig": "IG"}
+OPTIMISED = ("dlg", "ig")  # single-step attacks by their registered names
 METHODS = [*LEARNED, "exact", *OPTIMISED]
 OPTIMISED_WINDOWS = 1  # DLG and IG take seconds to minutes a frame on the CPU
 EXACT_WINDOWS = 4
@@ -39,20 +39,16 @@ class Table1(Experiment):
             fitted = self._fit(method, context, seed, str(train), directory)
             return {**score_cell(cell, context, heldout, train, {label: str(directory)}, label),
                     "epochs": fitted.get("epochs"), "fit_cpu_minutes": fitted.get("cpu_minutes")}
-        if method == "exact":
-            from gradleak.attacks.exact import NAME
+        from gradleak.attacks.catalogue import choices
 
-            return score_cell(cell, context, heldout, train, {}, NAME,
-                              baselines={NAME: preset.attack.training_free},
-                              baseline_windows=EXACT_WINDOWS)
-        from gradleak.attacks.optim.config import baseline_config
-
-        config = baseline_config(method, {"ig": preset.attack.ig, "dlg": preset.attack.dlg})
-        if any(f.name == "seed" for f in dataclasses.fields(config)):
+        name = method if method in OPTIMISED else TRAINING_FREE  # the cell key "exact"
+        attack, config = choices(preset.attack)[name]
+        if attack.kind == "optimisation":
             config = dataclasses.replace(config, seed=seed)
-        label = OPTIMISED[method]
+        label = attack.label(name, config)
+        windows = OPTIMISED_WINDOWS if attack.kind == "optimisation" else EXACT_WINDOWS
         return score_cell(cell, context, heldout, train, {}, label, baselines={label: config},
-                          baseline_windows=OPTIMISED_WINDOWS)
+                          baseline_windows=windows)
 
     @staticmethod
     def _fit(method: str, context: Context, seed: int, train: str, directory: Any

@@ -261,12 +261,12 @@ def fit_refiner(model_config: RefinerConfig, config: RefinerFitConfig, exact: Ex
                                       progress), out, config.epochs, resume, SUMMARY_FIELDS)
 
 
-def check_prior(config: ExactConfig) -> None:
-    """Before any row is read: the prior `config.prior` names is a fitted run directory."""
-    if config.prior and not (Path(config.prior) / META).is_file():
-        raise ConfigError(f"attack.training_free.prior={config.prior!r}: no {META} there; "
-                          "fit one with `gradleak train-prior --data TRAIN.h5 --out DIR` on training-scene "
-                          "captures at the same θ0")
+def check_prior(path: str) -> None:
+    """Before any row is read: the prior's directory ("": none) holds a fitted run."""
+    if path and not (Path(path) / META).is_file():
+        raise ConfigError(f"attack.training_free.prior={path!r}: no {META} there; "
+                          "fit one with `gradleak train-prior --data TRAIN.h5 --out DIR` on "
+                          "training-scene captures at the same θ0")
 
 
 def exact_attack(observation: Observation, config: ExactConfig) -> ExactAttack:

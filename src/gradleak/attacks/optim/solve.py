@@ -20,7 +20,7 @@ from torch.func import grad_and_value, vmap
 from tqdm import tqdm
 
 from gradleak.attacks.action_rules import recover_actions
-from gradleak.attacks.optim.config import OptimConfig
+from gradleak.attacks.optim.config import BASELINES, OptimConfig, baseline_config
 from gradleak.attacks.optim.lbfgs import BatchedLBFGS
 from gradleak.attacks.optim.matching import (
     DummyGradient,
@@ -28,6 +28,7 @@ from gradleak.attacks.optim.matching import (
     observed_columns,
     total_variation,
 )
+from gradleak.attacks.single_step import Context, single_step
 from gradleak.threat import Observation, Reconstruction
 
 
@@ -255,3 +256,17 @@ def merge_histories(batches: list[dict[str, Any]]) -> tuple[np.ndarray, list[tup
     snapshots = [(i, np.concatenate([dict(b["snapshots"])[i] for b in batches]))
                  for i in sorted(common)]
     return np.concatenate(curves, axis=1), snapshots
+
+
+def optimisation_label(choice: str) -> str:
+    """A baseline's row name: DLG, IG, DLG (probe loss), IG (probe loss)."""
+    return choice.upper().replace("-PROBE", " (probe loss)")
+
+
+@single_step("gradient matching", OptimConfig, kind="optimisation", needs=("theta0", "loss"),
+             choices=lambda section: {name: baseline_config(
+                 name, {"ig": section.ig, "dlg": section.dlg}) for name in BASELINES},
+             label=lambda choice, settings: optimisation_label(choice))
+def gradient_matching(observation: Observation, settings: OptimConfig, context: Context
+                      ) -> GradientMatchingAttack:
+    return GradientMatchingAttack(observation, settings, context.progress)
