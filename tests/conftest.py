@@ -74,7 +74,7 @@ def train_shards(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
 def tiny_attack_settings(kind: str):
     """A few-second TRACE or LtI configuration for the 32x32 test captures."""
     preset = tiny_preset()
-    model, fit = getattr(preset.attack, kind), getattr(preset.attack, f"{kind}_fit")
+    model, fit = preset.attack.learned(kind)
     if kind == "trace":
         model.window, model.encoder_width, model.latent, model.image_channels = 4, 64, 64, 8
         model.layers, model.heads = 1, 4

@@ -34,9 +34,10 @@ from gradleak.errors import ConfigError
 from gradleak.names import renamed_sections, section_path
 from gradleak.registry import Registry
 from gradleak.rl.config import TrainConfig
+from gradleak.training.checkpoint import MODELS
 from gradleak.training.decoder_config import DecoderFitConfig
 from gradleak.training.fit import FitConfig
-from gradleak.training.objectives import PERCEPTUAL_TERMS, LossWeights
+from gradleak.training.objectives import FIT_KINDS, PERCEPTUAL_TERMS, LossWeights
 from gradleak.training.refiner_fit import RefinerFitConfig
 from gradleak.victims.base import COMPONENTS
 
@@ -70,10 +71,14 @@ class AttackConfig:
 
     def learned(self, kind: str) -> tuple[Any, Any]:
         """A learned attacker's model settings and fit schedule, the one way to both: `trace`,
-        `lti` (`training.fit.FIT_KINDS`) or `decoder`."""
-        if kind not in LEARNED:
-            raise ConfigError(f"learned attacker {kind!r}: expected one of {', '.join(LEARNED)}")
-        return getattr(self, kind), getattr(self, f"{kind}_fit")
+        `lti`, `decoder` from their sections here; a window attacker a plugin registered
+        (`training.objectives.window_attacker`) with its settings' defaults and `FitConfig`'s."""
+        if kind in LEARNED:
+            return getattr(self, kind), getattr(self, f"{kind}_fit")
+        if kind in FIT_KINDS:
+            return MODELS.get(kind)[1](), FitConfig()
+        raise ConfigError(f"learned attacker {kind!r}: expected one of "
+                          f"{', '.join(sorted({*LEARNED, *FIT_KINDS}))}")
 
 
 @dataclass
@@ -102,23 +107,21 @@ def with_iterations(config: OptimConfig, iterations: int) -> OptimConfig:
 @PRESETS.register("cpu-quick")
 def cpu_quick() -> Preset:
     """The demo: a few minutes on 2 CPU cores end to end."""
-    env = EnvConfig(doomnav=DoomNavConfig(frame_size=64),
-                    train_maps=["MAP01", "MAP04", "MAP07"], heldout_maps=["MAP05", "MAP11"],
+    env = EnvConfig(train_maps=["MAP01", "MAP04", "MAP07"], heldout_maps=["MAP05", "MAP11"],
                     max_regions_per_map=3)
-    train = TrainConfig(num_envs=4, rollout_steps=128, updates=6, epochs=4, minibatch=64)
+    train = TrainConfig(num_envs=4, updates=6)
     quick = dict(warmup_epochs=1, min_lr=1e-5, accumulation=1, max_val_windows=32,
                  normaliser_rows=1024)
     attack = AttackConfig(
-        trace=TraceConfig(window=8, projection="subsample", subsample_fraction=0.05,
-                          encoder_width=256, encoder_blocks=1, latent=128, layers=2, heads=4,
-                          image_channels=8, dropout=0.0),
+        trace=TraceConfig(subsample_fraction=0.05, encoder_width=256, encoder_blocks=1,
+                          latent=128, image_channels=8, dropout=0.0),
         # 1 - SSIM keeps the demo within its minutes: LPIPS-VGG costs 3.7 s per 64 frames
         # (forward and backward) on 2 cores, LPIPS-Alex 0.14 s; the metric is LPIPS-Alex still
         # TRACE about 4 min and LtI 1.5 min: the demo's ten minutes lead with the
         # training-free attack, which needs no training at all
-        trace_fit=FitConfig(epochs=6, batch_size=8, lr=2e-3, teacher_forcing_epochs=2,
-                            rollout_steps=2, max_train_windows=384, perceptual="ssim", **quick),
-        lti=LtiConfig(hidden=512, layers=2, subsample_fraction=0.1),
+        trace_fit=FitConfig(epochs=6, lr=2e-3, teacher_forcing_epochs=2, rollout_steps=2,
+                            max_train_windows=384, perceptual="ssim", **quick),
+        lti=LtiConfig(hidden=512),
         lti_fit=FitConfig(epochs=6, batch_size=32, lr=1e-3, teacher_forcing_epochs=0,
                           rollout_steps=0, weights=LossWeights(perceptual=0.0, rollout=0.0),
                           max_train_windows=2048, **quick),
@@ -133,26 +136,23 @@ def cpu_quick() -> Preset:
 @PRESETS.register("cpu-bench")
 def cpu_bench() -> Preset:
     """Benchmarks: every training and held-out map at 64x64, about an hour of CPU in all."""
-    env = EnvConfig(doomnav=DoomNavConfig(frame_size=64))
-    train = TrainConfig(num_envs=8, rollout_steps=128, updates=150)
+    env = EnvConfig()
+    train = TrainConfig(updates=150)
     # Sized for about an hour of training per attacker on 2 cores (measured: TRACE 1.1 s per
     # step of 8 windows x 8 frames; LtI 0.7 s per step of 64 frames).
-    bench = dict(min_lr=1e-5, accumulation=1, normaliser_rows=2048)
+    bench = dict(min_lr=1e-5, accumulation=1)
     attack = AttackConfig(
-        trace=TraceConfig(window=8, projection="subsample", subsample_fraction=0.1,
-                          encoder_width=512, encoder_blocks=2, latent=256, layers=4, heads=8,
-                          image_channels=16, dropout=0.05),
+        trace=TraceConfig(layers=4, heads=8, dropout=0.05),
         # LPIPS-Alex: the paper's LPIPS-VGG would be 26x the perceptual term's cost on 2 cores
-        trace_fit=FitConfig(epochs=6, batch_size=8, lr=1e-3, warmup_epochs=0.3,
-                            teacher_forcing_epochs=2, rollout_steps=3, max_train_windows=4000,
-                            perceptual="alex", **bench),
-        lti=LtiConfig(hidden=1500, layers=2, subsample_fraction=0.1),
+        trace_fit=FitConfig(epochs=6, lr=1e-3, warmup_epochs=0.3, teacher_forcing_epochs=2,
+                            max_train_windows=4000, perceptual="alex", **bench),
+        lti=LtiConfig(hidden=1500),
         lti_fit=FitConfig(epochs=15, batch_size=64, lr=1e-3, warmup_epochs=0.3,
                           teacher_forcing_epochs=0, rollout_steps=0,
                           weights=LossWeights(perceptual=0.0, rollout=0.0), **bench),
         # About 0.4 s per step of 64 frames on 2 cores: 4 epochs of ~40k frames ≈ 15 min.
-        decoder=DecoderConfig(channels=64, global_channels=32),
-        decoder_fit=DecoderFitConfig(epochs=4, extra_frames=20_000),
+        decoder=DecoderConfig(channels=64),
+        decoder_fit=DecoderFitConfig(epochs=4),
         ig=with_iterations(inverting_gradients(), 1200),
         dlg=with_iterations(deep_leakage(), 1200))
     return Preset("cpu-bench", env, train, CaptureConfig(steps_train=20_000, steps_heldout=4_000),
@@ -163,16 +163,14 @@ def cpu_bench() -> Preset:
 def paper() -> Preset:
     """The paper's setting: 84x84, the full CNN, 500 PPO updates of 1024 steps."""
     env = EnvConfig(doomnav=DoomNavConfig(frame_size=84))
-    train = TrainConfig(victim="cnn", num_envs=8, rollout_steps=128, updates=500,
-                        max_episode_steps=200)
+    train = TrainConfig(victim="cnn", updates=500, max_episode_steps=200)
     attack = AttackConfig(
-        trace=TraceConfig(window=8, projection="dense", encoder_width=2048, encoder_blocks=4,
-                          latent=1024, layers=6, heads=8, image_channels=64, dropout=0.1),
+        trace=TraceConfig(projection="dense", encoder_width=2048, encoder_blocks=4,
+                          latent=1024, layers=6, heads=8, image_channels=64),
         # 50 epochs, batch 8 x 2, AdamW 1e-4, τ = 5, β 0.1 → 0.8, R = 3, LPIPS-VGG at weight
         # 0.2. One loader process kept an H200 waiting for data half of every epoch
         # (benchmarks/results/gpu_check.json): a window is 19 MB of compressed float32 rows.
         trace_fit=FitConfig(workers=6),
-        lti=LtiConfig(hidden=3000, layers=2, subsample_fraction=0.1),
         decoder=DecoderConfig(channels=256, global_channels=64),
         decoder_fit=DecoderFitConfig(epochs=40, extra_frames=200_000))
     return Preset("paper", env, train, CaptureConfig(steps_train=108_000, steps_heldout=12_000),

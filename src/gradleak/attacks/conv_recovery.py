@@ -20,10 +20,12 @@ by inequalities: the input is a ReLU → BN output of the block below (BN⁻¹ o
 exactly 0) and the off-units' pre-activations are ≤ 0 (`conv_blocks.complete_from_outputs`).
 What stays free is marked undetermined, so the block below leaves those units undecided.
 
-So errors do not compound through the activations, only through the on/off masks: a unit whose
-recovered r is within `threshold` noise standard deviations of zero (the noise estimated from
-the fit's residual) is undecided. Alternating rounds settle it: fit δ to the weight gradient
-given a, and keep each undecided unit on where that δ is nearer g_y·γ/σ than 0.
+So errors do not compound through the activations, only through the on/off masks. A `MaskRule`
+decides them from each unit's recovered r and its noise deviation (estimated from the fit's
+residual): within a margin of deviations of zero, or by its posterior probability of being on,
+a unit is undecided, and alternating rounds settle it (fit δ to the weight gradient given a,
+and keep each undecided unit on where that δ is nearer g_y·γ/σ than 0). Several rules are
+walked where the first leaves a step inconsistent, and each step keeps the most consistent.
 
 The recursion stops above the first block whose D has too few rows for its unknowns (the frame
 under the strided 8×8 first conv of the paper's CNN): that layer needs a prior.

@@ -21,9 +21,16 @@ from gradleak.cli.common import (
 
 
 def run_attacker(args: argparse.Namespace) -> None:
+    from gradleak.errors import ConfigError
+    from gradleak.presets import LEARNED
     from gradleak.training.fit import FIT_KINDS, fit_attacker
 
     FIT_KINDS.get(args.kind)  # an unknown kind is named before any work
+    if args.kind not in LEARNED and getattr(args, "shorthands", None):
+        raise ConfigError(f"--kind {args.kind}: a plugin's attacker is fitted here on its "
+                          "settings' defaults and FitConfig's (no preset section "
+                          f"attack.{args.kind}_fit holds them); to change its schedule call "
+                          "gradleak.training.fit.fit_attacker from Python")
     preset = preset_from_args(args)
     model, fit = preset.attack.learned(args.kind)
     if args.defense is not None:  # an adaptive attacker: it trains under this defense
@@ -96,7 +103,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     common_flags(p)
     nonfinite_flag(p)
     preset_flags(p)
-    p.add_argument("--kind", default="trace", help="trace or lti (the attacker registry's)")
+    p.add_argument("--kind", default="trace", help="a window attacker: trace, lti, or one a "
+                   "plugin registers (training.objectives.window_attacker)")
     p.add_argument("--data", nargs="+", required=True, help="training-scene capture files")
     p.add_argument("--out", required=True)
     shorthand_flag(p, "--epochs", "attack.{kind}_fit.epochs")

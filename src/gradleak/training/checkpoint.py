@@ -13,8 +13,6 @@ from torch import nn
 
 from gradleak.attacks.feature_decoder import DecoderConfig, FeatureDecoder
 from gradleak.attacks.frame_refiner import FrameRefiner, RefinerConfig
-from gradleak.attacks.lti import LearningToInvert, LtiConfig
-from gradleak.attacks.trace import Trace, TraceConfig
 from gradleak.config import dataclass_from_dict
 from gradleak.errors import CheckpointError, ConfigError, TrainingError
 from gradleak.io import duplicate_file, load_tensors, read_json, save_tensors, write_json
@@ -26,9 +24,10 @@ FORMAT = "gradleak-attacker"
 WEIGHTS, BEST, META, STATE = ("attacker.safetensors", "best.safetensors", "attacker.json",
                               "training_state.safetensors")
 
+# every learned model a checkpoint may hold: its class and its settings' class. The window
+# attackers (TRACE, LtI, a plugin's) register with their objective
+# (`training.objectives.window_attacker`)
 MODELS: Registry[tuple[type, type]] = Registry("learned attacker")
-MODELS.register("trace")((Trace, TraceConfig))
-MODELS.register("lti")((LearningToInvert, LtiConfig))
 MODELS.register("decoder")((FeatureDecoder, DecoderConfig))
 MODELS.register("refiner")((FrameRefiner, RefinerConfig))  # the training-free attack's prior
 

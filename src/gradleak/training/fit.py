@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,6 @@ from torch.utils.data import DataLoader, Sampler
 from gradleak.defenses import parse_defense
 from gradleak.errors import ConfigError
 from gradleak.metrics.images import psnr
-from gradleak.registry import Registry
 from gradleak.training.checkpoint import META, build_model, fingerprint_from_dict, load_attacker
 from gradleak.training.data import WindowBatch, WindowDataset, collate
 from gradleak.training.loop import (
@@ -39,29 +37,7 @@ from gradleak.training.loop import (
     run_fit,
     warmup_cosine,
 )
-from gradleak.training.objectives import LossWeights, LtiObjective, Perceptual, TraceObjective
-
-
-@dataclass(frozen=True)
-class FitKind:
-    """What a learned attacker's fit needs to know of its kind, in one registry entry."""
-
-    objective: Callable[..., nn.Module]  # (model, weights, perceptual, rollout_steps)
-    window: Callable[[Any], int]  # the steps one training window holds, from the model config
-    strided: bool  # windows start every `stride` steps (else at every step)
-    scheduled_sampling: bool  # teacher forcing annealed over epochs (a recurrent decoder)
-    adaptive_windows: int  # windows per fine-tuning epoch under a defense
-
-
-FIT_KINDS: Registry[FitKind] = Registry("learned attacker kind")
-FIT_KINDS.register("trace")(FitKind(
-    lambda model, weights, perceptual, rollout: TraceObjective(model, weights, perceptual,
-                                                               rollout),
-    window=lambda config: config.window, strided=True, scheduled_sampling=True,
-    adaptive_windows=400))
-FIT_KINDS.register("lti")(FitKind(
-    lambda model, weights, perceptual, rollout: LtiObjective(model, weights, perceptual),
-    window=lambda config: 1, strided=False, scheduled_sampling=False, adaptive_windows=4000))
+from gradleak.training.objectives import FIT_KINDS, LossWeights, Perceptual
 
 
 @dataclass

@@ -10,6 +10,7 @@ errors without back-propagating through time).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -17,11 +18,44 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gradleak.attacks.lti import LearningToInvert
-from gradleak.attacks.trace import Trace
+from gradleak.attacks.lti import LearningToInvert, LtiConfig
+from gradleak.attacks.trace import Trace, TraceConfig
 from gradleak.errors import ConfigError
 from gradleak.metrics.images import ssim
 from gradleak.metrics.lpips import LPIPS, unavailable_reason
+from gradleak.registry import Registry
+from gradleak.training.checkpoint import MODELS
+
+
+@dataclass(frozen=True)
+class FitKind:
+    """What fitting a window attacker needs to know of its kind, in one registry entry."""
+
+    objective: Callable[..., nn.Module]  # (model, weights, perceptual, rollout_steps)
+    window: Callable[[Any], int]  # the steps one training window holds, from the model config
+    strided: bool  # windows start every `stride` steps (else at every step)
+    scheduled_sampling: bool  # teacher forcing annealed over epochs (a recurrent decoder)
+    adaptive_windows: int  # windows per fine-tuning epoch under a defense
+
+
+FIT_KINDS: Registry[FitKind] = Registry("learned attacker kind")
+
+
+def window_attacker(kind: str, model: type, settings: type, *, window: Callable[[Any], int],
+                    strided: bool, scheduled_sampling: bool, adaptive_windows: int
+                    ) -> Callable[[Callable[..., nn.Module]], Callable[..., nn.Module]]:
+    """Registers a learned attacker that reads windows of gradients (a `WindowAttacker`): the
+    decorated objective `(model, loss weights, perceptual term, rollout steps) -> nn.Module`
+    is its training loss, `model` and `settings` rebuild its checkpoints
+    (`training.checkpoint.MODELS`); `gradleak train-attacker KIND` then fits it and `evaluate
+    --attacker` scores it."""
+    def register(objective: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
+        MODELS.register(kind)((model, settings))
+        FIT_KINDS.register(kind)(FitKind(objective, window, strided, scheduled_sampling,
+                                         adaptive_windows))
+        return objective
+
+    return register
 
 
 @dataclass
@@ -79,6 +113,8 @@ def _total(parts: dict[str, torch.Tensor], weights: LossWeights) -> torch.Tensor
     return sum(getattr(weights, name) * value for name, value in parts.items())
 
 
+@window_attacker("trace", Trace, TraceConfig, window=lambda config: config.window, strided=True,
+                 scheduled_sampling=True, adaptive_windows=400)
 class TraceObjective(nn.Module):
     def __init__(self, model: Trace, weights: LossWeights, perceptual: Perceptual,
                  rollout_steps: int) -> None:
@@ -114,11 +150,14 @@ class TraceObjective(nn.Module):
         return loss / steps
 
 
+@window_attacker("lti", LearningToInvert, LtiConfig, window=lambda config: 1, strided=False,
+                 scheduled_sampling=False, adaptive_windows=4000)
 class LtiObjective(nn.Module):
-    """Per-frame regression: MSE + L1 + action CE (+ perceptual when weighted)."""
+    """Per-frame regression: MSE + L1 + action CE (+ perceptual when weighted). LtI inverts
+    each step on its own: it has no rollout, whatever `rollout_steps` says."""
 
     def __init__(self, model: LearningToInvert, weights: LossWeights,
-                 perceptual: Perceptual) -> None:
+                 perceptual: Perceptual, rollout_steps: int = 0) -> None:
         super().__init__()
         self.model, self.weights, self.perceptual = model, weights, perceptual
 
