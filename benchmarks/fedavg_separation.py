@@ -128,8 +128,8 @@ def markdown(rows: list[dict]) -> str:
              "Digits stand-in 28×28, Linear 784→256, ReLU, Linear; plain SGD η = 0.004; float32 "
              "wire. A row lies on image n's hyperplane when its residual is below "
              f"{ON_PLANE:g} times the rounding that falls in the span (the median share of a "
-             "row outside the span, times √(N / 785)). Medians over seeds (min / median / max over a client's "
-             "images for the rows per hyperplane).", "",
+             "row outside the span, times √(N / 785)). Medians over seeds (min / median / max "
+             "over a client's images for the rows per hyperplane).", "",
              "| E / N / B | live rows | rows per true hyperplane | N − 1 | hyperplanes above "
              "N − 1 | of those rows, off at θ0 | rows off at θ0 not on it | true hyperplanes the "
              "trimmed fit keeps | random starts ending on a true hyperplane |",
