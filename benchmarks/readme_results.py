@@ -625,6 +625,27 @@ def fedavg_span() -> tuple[str, str]:
                       f"{cell(s, False)} (mean digit {mean(s):.2f})" for s in settings))
 
 
+def fedavg_separation() -> tuple[str, str]:
+    rows = load("fedavg_separation.json")["rows"]
+    settings = sorted({(r["epochs"], r["samples"], r["batch"]) for r in rows},
+                      key=lambda s: (s[1], s[0]))
+
+    def cell(setting: tuple) -> str:
+        group = [r for r in rows if (r["epochs"], r["samples"], r["batch"]) == setting]
+
+        def med(key: str) -> float:
+            return statistics.median(r[key] for r in group)
+
+        return (f"E/N/B {setting[0]}/{setting[1]}/{setting[2]}: "
+                f"{med('rows_on_plane_min'):.0f}–{med('rows_on_plane_max'):.0f} of "
+                f"{med('live_rows'):.0f} rows per image's hyperplane (any fits {setting[1] - 1}), "
+                f"{sum(r['random_starts_on_a_true_plane'] for r in group)} of "
+                f"{sum(r['random_starts'] for r in group)} random starts find one")
+
+    return ("Separating an MLP client's images inside its span: the rows of units off for one "
+            "image (digits, float32 wire)", "; ".join(cell(s) for s in settings))
+
+
 def record_memory() -> tuple[str, str]:
     rows = load("record_memory.json")["rows"]
     return ("`record()`'s peak memory against the rollout's length (paper `cnn` 84×84, one "
@@ -677,6 +698,7 @@ ROWS: dict[str, Callable[[], tuple[str, str]]] = {
     "exact_speed.json": exact_speed,
     "fedavg_controls.json": fedavg_controls,
     "flower_audit.json": flower_audit, "fedavg_span.json": fedavg_span,
+    "fedavg_separation.json": fedavg_separation,
     # every merged `gradleak experiment` (src/gradleak/experiments), once it has results
     **{f"{name}.json": experiment(name) for name in
        ("table1", "fewshot", "context", "components", "losses", "auxscale")

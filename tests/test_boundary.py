@@ -44,14 +44,14 @@ def test_evaluation_gives_the_attacks_captured_gradients_and_nothing_else(
         model.reconstruct = reconstruct
         return model, meta
 
-    real_build = reconstructions.build
+    real_run = reconstructions.run
 
-    def spying_build(observation, settings, context):  # noqa: ANN001, ANN202
+    def spying_run(observation, settings, context):  # noqa: ANN001, ANN202
         received.append(("single-step", observation, (settings, context), {}))
-        return real_build(observation, settings, context)
+        return real_run(observation, settings, context)
 
     monkeypatch.setattr(reconstructions, "load_attacker", spying_load)
-    monkeypatch.setattr(reconstructions, "build", spying_build)
+    monkeypatch.setattr(reconstructions, "run", spying_run)
     from gradleak.attacks.optim.config import baseline_config
 
     reconstructions.evaluate([random_capture], {"LtI": str(trained_attackers["lti"])},

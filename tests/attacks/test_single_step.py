@@ -12,13 +12,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from gradleak.attacks.catalogue import attack_for, build, choices
+from gradleak.attacks.catalogue import attack_for, build, choices, run
 from gradleak.attacks.single_step import SINGLE_STEP, Context, single_step
 from gradleak.capture.reader import CaptureFile
 from gradleak.cli import build_parser
 from gradleak.cli.evaluate import baseline_configs
 from gradleak.errors import ConfigError
 from gradleak.evaluation.reconstructions import evaluate
+from gradleak.evaluation.single_steps import attack_steps
 from gradleak.presets import AttackConfig
 
 
@@ -59,6 +60,9 @@ def test_one_decorator_puts_a_user_s_attack_in_every_command(
                       reference_data=[random_capture])
     row = result["methods"]["grey 128"]
     assert row["kind"] == "training-free" and row["frames"] > 0
+    steps = attack_steps(random_capture, [0, 3], "grey", grey["GreyConfig"](), tmp_path / "a")
+    assert [step["advantage"] for step in steps["steps"]] == [None, None]  # it reads none
+    assert Path(steps["picture"]).is_file()
 
 
 def test_what_an_attack_needs_is_refused_before_it_is_built(
@@ -88,15 +92,41 @@ def test_what_an_attack_needs_is_refused_before_it_is_built(
         build(observation, grey["GreyConfig"](level=300))
 
 
+def test_a_result_the_tables_cannot_read_is_refused_naming_the_attack(
+        grey: dict[str, Any], random_capture: Path) -> None:
+    with CaptureFile(random_capture) as capture:
+        observation = capture.observation(np.arange(2))
+    flat = grey["Grey"]
+
+    class Floats(flat):
+        def reconstruct(self):  # noqa: ANN202
+            result = super().reconstruct()
+            return replace(result, images=result.images / 255.0)
+
+    single_step("floats", type("FloatsConfig", (grey["GreyConfig"],), {}), kind="training-free",
+                needs=(), choices=lambda section: {})(
+        lambda observation, settings, context: Floats(observation, settings))
+    try:
+        with pytest.raises(ConfigError, match="floats attack returned images float64"):
+            run(observation, SINGLE_STEP.get("floats").settings())
+    finally:
+        SINGLE_STEP.drop("floats")
+    result, seconds = run(observation, grey["GreyConfig"]())
+    assert result.images.shape[0] == 2 and seconds >= 0
+
+
 def test_a_declaration_the_framework_cannot_check_is_refused() -> None:
     def builder(observation, settings, context):  # noqa: ANN001, ANN202
         return None
 
     with pytest.raises(ConfigError, match="needs the labels"):
-        single_step("oracle", object, kind="training-free", needs=("the labels",),
+        single_step("oracle", AttackConfig, kind="training-free", needs=("the labels",),
                     choices=lambda section: {})(builder)
     with pytest.raises(ConfigError, match="kind 'learned'"):
-        single_step("oracle", object, kind="learned", needs=(),
+        single_step("oracle", AttackConfig, kind="learned", needs=(),
+                    choices=lambda section: {})(builder)
+    with pytest.raises(ConfigError, match="must be a dataclass"):
+        single_step("oracle", object, kind="training-free", needs=(),
                     choices=lambda section: {})(builder)
     with pytest.raises(ConfigError, match="already name the training-free attack"):
         single_step("again", type(choices(AttackConfig())["training-free"][1]),

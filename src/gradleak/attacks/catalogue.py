@@ -3,6 +3,7 @@ register on its own import), and how the framework finds and builds one."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from gradleak.attacks import defense_aware as _defense_aware  # noqa: F401  (defense-aware)
@@ -10,7 +11,7 @@ from gradleak.attacks import exact as _exact  # noqa: F401  (training-free)
 from gradleak.attacks.optim import solve as _solve  # noqa: F401  (gradient matching)
 from gradleak.attacks.single_step import SINGLE_STEP, Attack, Context, SingleStepAttack
 from gradleak.errors import ConfigError
-from gradleak.threat import Observation
+from gradleak.threat import Observation, Reconstruction
 
 
 def attack_for(settings: Any) -> SingleStepAttack:
@@ -43,3 +44,13 @@ def build(observation: Observation, settings: Any, context: Context | None = Non
     if reason:
         raise ConfigError(reason)
     return entry.build(observation, settings, context or Context())
+
+
+def run(observation: Observation, settings: Any, context: Context | None = None
+        ) -> tuple[Reconstruction, float]:
+    """The attack its settings name, run on `observation`: its result, checked to hold what
+    the tables read, and the seconds it took."""
+    attack = build(observation, settings, context)
+    start = time.perf_counter()
+    result = attack.reconstruct()
+    return attack_for(settings).returned(result, observation), time.perf_counter() - start

@@ -12,9 +12,12 @@ The learned attackers are the other kind: `training.checkpoint.MODELS` and `trai
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+import numpy as np
 
 from gradleak.errors import ConfigError
 from gradleak.registry import Registry
@@ -78,6 +81,23 @@ class SingleStepAttack:
             return f"the {self.name} attack reads {'; '.join(lacking)}: the observation has none"
         return self.refuses(observation)
 
+    def returned(self, result: Reconstruction, observation: Observation) -> Reconstruction:
+        """Its result, checked to hold what every table reads (an action and a uint8 frame of
+        the stored shape per step), before anything is scored or written."""
+        steps, shape = len(observation), tuple(observation.roles.transform.frame_shape)
+        images, actions = result.images, result.actions
+        problem = None
+        if not isinstance(images, np.ndarray) or images.dtype != np.uint8 or \
+                images.shape[:1] + images.shape[-3:] != (steps, *shape):
+            problem = (f"images {getattr(images, 'dtype', type(images).__name__)} "
+                       f"{getattr(images, 'shape', '')}, expected uint8 ({steps}, "
+                       f"{', '.join(map(str, shape))})")
+        elif np.shape(actions) != (steps,):
+            problem = f"actions of shape {np.shape(actions)}, expected ({steps},)"
+        if problem:
+            raise ConfigError(f"the {self.name} attack returned {problem}")
+        return result
+
     def check(self, settings: Any) -> None:
         if not isinstance(settings, self.settings):
             raise ConfigError(f"the {self.name} attack takes {self.settings.__name__} settings, "
@@ -100,6 +120,9 @@ def single_step(name: str, settings: type, kind: str, needs: tuple[str, ...],
     if unknown:
         raise ConfigError(f"single-step attack {name!r} needs {', '.join(unknown)}: expected "
                           f"some of {', '.join(CAPABILITIES)}")
+    if not dataclasses.is_dataclass(settings):  # saved as JSON beside every result
+        raise ConfigError(f"single-step attack {name!r}: its settings {settings.__name__} must "
+                          "be a dataclass")
     taken = [entry for entry in map(SINGLE_STEP.get, SINGLE_STEP) if entry.settings is settings]
     if taken and taken[0].name != name:
         raise ConfigError(f"settings {settings.__name__} already name the {taken[0].name} attack")

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from gradleak.attacks.action_rules import policy_weight, recover_actions
-from gradleak.attacks.catalogue import attack_for, build
+from gradleak.attacks.catalogue import attack_for, run
 from gradleak.attacks.single_step import Context, SingleStepAttack
 from gradleak.capture.reader import CaptureFile
 from gradleak.capture.schema import layers_from_json
@@ -233,10 +233,10 @@ class Evaluation:
             flat = self._frames_observation(ObservedWindows(batch.observed.gradients[:windows]))
             prior = self.attacks[name].prior(config)
             context = Context(self.progress, load_prior(prior, flat) if prior else None)
-            result = build(flat, config, context).reconstruct()
+            result, seconds = run(flat, config, context)
             images = torch.from_numpy(result.images).view(b, t, *result.images.shape[1:])
             self._add(methods[name], images.permute(0, 1, 4, 2, 3).float() / 255.0, truth,
-                      result.actions.reshape(b, t) == actions, result.extras["seconds"])
+                      np.asarray(result.actions).reshape(b, t) == actions, seconds)
 
     def _frames_observation(self, observed: ObservedWindows) -> Observation:
         """The windows' gradients as one row per frame, with what the server knows of them."""

@@ -10,7 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from gradleak.attacks.catalogue import attack_for, build
+from gradleak.attacks.catalogue import attack_for, run
+from gradleak.attacks.optim.config import OptimConfig
 from gradleak.attacks.single_step import Context
 from gradleak.capture.reader import CaptureFile
 from gradleak.errors import ConfigError
@@ -33,22 +34,30 @@ def read_steps(data: str | os.PathLike[str], indices: list[int]
 
 def step_scores(rows: np.ndarray, result: Reconstruction, target: Target
                 ) -> list[dict[str, Any]]:
-    """Per step: the frame's PSNR and SSIM, the action, A and R beside their truth."""
+    """Per step: the frame's PSNR and SSIM, the action, and A and R beside their truth (None
+    where the attack does not recover them)."""
     truth, recovered = to_unit_tensor(target.images), to_unit_tensor(result.images)
+    missing = [None] * len(rows)
     return [{"index": int(row), "psnr": float(p), "ssim": float(s), "action": int(a),
-             "true_action": int(t), "advantage": float(adv), "true_advantage": float(true_adv),
-             "return": float(ret), "true_return": float(true_ret)}
+             "true_action": int(t), "advantage": _number(adv),
+             "true_advantage": float(true_adv), "return": _number(ret),
+             "true_return": float(true_ret)}
             for row, p, s, a, t, adv, true_adv, ret, true_ret in zip(
                 rows, psnr(recovered, truth), ssim(recovered, truth), result.actions,
-                target.actions, result.extras["advantages"], target.advantages,
-                result.extras["returns"], target.returns, strict=True)]
+                target.actions, result.extras.get("advantages", missing), target.advantages,
+                result.extras.get("returns", missing), target.returns, strict=True)]
+
+
+def _number(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 def attack_steps(data: str | os.PathLike[str], indices: list[int], choice: str, settings: Any,
                  out: Path, progress: bool = False) -> dict[str, Any]:
     """A single-step attack (`attacks.single_step`) on the chosen steps, scored and drawn:
-    gradient matching with the picture of how its optimisation got there, a training-free
-    attack with the private frames above the recovered ones and its equations' residuals."""
+    with the picture of how its optimisation got there where it keeps snapshots (DLG, IG),
+    else the private frames above the recovered ones; its per-step extras (matching loss,
+    equation residuals, likelihood) beside the scores."""
     from gradleak.report.plots import plot_optimisation_history, plot_private_vs_reconstructed
 
     entry = attack_for(settings)  # settings, the prior, then the output, before any row is read
@@ -60,11 +69,10 @@ def attack_steps(data: str | os.PathLike[str], indices: list[int], choice: str, 
     reason = entry.missing(observation)
     if reason:
         raise ConfigError(f"{choice}: {reason}")
-    optimisation = entry.kind == "optimisation"
-    if optimisation:
+    if isinstance(settings, OptimConfig):  # frames along the way, for the history picture
         settings.snapshots = settings.snapshots or 6
     context = Context(progress, load_prior(prior, observation) if prior else None)
-    result = build(observation, settings, context).reconstruct()
+    result, seconds = run(observation, settings, context)
     extras = result.extras
     per_step = {key: extras[key] for key in ("matching_loss",
                                               "matching_loss_after_first_step",
@@ -75,10 +83,9 @@ def attack_steps(data: str | os.PathLike[str], indices: list[int], choice: str, 
              for i, step in enumerate(step_scores(rows, result, target))]
     summary = {"command": "attack", "method": choice, "attack": entry.name, "data": str(data),
                "config": asdict(settings), "steps": steps, "columns": list(per_step),
-               "seconds_per_frame": extras["seconds_per_frame"]}
+               "seconds_per_frame": seconds / len(rows), "iterations": extras.get("iterations")}
     out.mkdir(parents=True, exist_ok=True)
-    if optimisation:
-        summary["iterations"] = extras["iterations"]
+    if "snapshots" in extras:
         summary["picture"] = str(out / "history.png")
         plot_optimisation_history(target.images, extras["snapshots"], extras["history"],
                                   extras["restart"], settings.restarts, out / "history.png",
