@@ -488,3 +488,26 @@ def test_the_demo_runs_its_defense_stages_on_a_clock_that_says_the_budget_is_spe
     assert not summary["verdict"]["skipped"]
     assert [o["spec"] for o in summary["verdict"]["defenses"] if not o.get("skipped")] == \
         DEMO_DEFENSES
+
+
+@pytest.mark.slow
+def test_each_stage_runs_the_single_step_attacks_that_can_read_its_stream(
+        random_capture: Path, tmp_path: Path) -> None:
+    """The defense-aware attack beside the blind one wherever the stream went through a
+    declared defense: a stage's, or the capture's own (`gradleak defend`) on its clean stage;
+    where it cannot model the chain, the stage says why; an aggregate runs neither."""
+    from gradleak.auditing import Audit, AuditConfig
+    from gradleak.names import DEFENSE_AWARE, TRAINING_FREE
+
+    defended = tmp_path / "quant12.h5"
+    assert main(["defend", str(random_capture), "--out", str(defended), "--defense", "quant:12",
+                 "--quiet"]) == 0
+    plain = Audit(AuditConfig(capture=str(random_capture), out=str(tmp_path / "a")),
+                  progress=False)
+    assert list(plain.single_step_attacks("none")[0]) == [TRAINING_FREE]
+    assert set(plain.single_step_attacks("quant:8")[0]) == {TRAINING_FREE, DEFENSE_AWARE}
+    assert plain.single_step_attacks("agg:2")[0] == {}
+    audit = Audit(AuditConfig(capture=str(defended), out=str(tmp_path / "b")), progress=False)
+    assert set(audit.single_step_attacks("none")[0]) == {TRAINING_FREE, DEFENSE_AWARE}
+    baselines, reasons = audit.single_step_attacks("quant:8")  # quant:12, then quant:8
+    assert list(baselines) == [TRAINING_FREE] and reasons[DEFENSE_AWARE]

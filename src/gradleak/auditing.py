@@ -254,27 +254,35 @@ class Audit:
             trained[display_name(kind)] = str(folder)
         return trained
 
-    def evaluate(self, spec: str, attackers: dict[str, str]) -> dict[str, Any]:
-        """Under one defense: the learned attackers and every training-free single-step attack
-        the registry offers that can read this stream (`attacks.single_step`; the ones that
-        model a declared defense only where there is one), each named where it cannot."""
-        from gradleak.evaluation.reconstructions import evaluate
-
+    def single_step_attacks(self, spec: str) -> tuple[dict[str, Any], dict[str, str | None]]:
+        """Under one defense: every training-free single-step attack the registry offers that
+        can read the stream (row name → settings), and why each other one cannot. One that
+        models a declared defense is left out silently only where the stream has none (an
+        undefended capture's clean stage); a capture `gradleak defend` wrote has one there."""
         chain = parse_defense(spec, seed=self.config.seed)
         seen = self.seen(chain)
         baselines: dict[str, Any] = {}
-        reasons = {"learned attackers": self.learned_reason}
+        reasons: dict[str, str | None] = {}
         for choice, (attack, settings) in choices(self.preset.attack).items():
             if attack.kind != "training-free" or (
-                    spec == "none" and "declared defense" in attack.needs):
+                    "declared defense" in attack.needs and not seen.defense):
                 continue
             label = attack.label(choice, settings)
             reasons[label] = attack.missing(seen)
             if chain.span == 1 and reasons[label] is None:  # single steps, not aggregates
                 baselines[label] = settings
+        return baselines, reasons
+
+    def evaluate(self, spec: str, attackers: dict[str, str]) -> dict[str, Any]:
+        """Under one defense: the learned attackers and the single-step attacks that apply."""
+        from gradleak.evaluation.reconstructions import evaluate
+
+        baselines, reasons = self.single_step_attacks(spec)
+        reasons["learned attackers"] = self.learned_reason
         result = evaluate([self.config.capture], attackers,
                           self.out / "eval" / slug(spec), max_windows=self.config.max_windows,
-                          defense=None if spec == "none" else chain, baselines=baselines,
+                          defense=None if spec == "none" else parse_defense(
+                              spec, seed=self.config.seed), baselines=baselines,
                           baseline_windows=dict.fromkeys(baselines,
                                                          self.config.training_free_windows),
                           progress=self.progress,
