@@ -28,7 +28,7 @@ PAPER_COUNTS = {("cnn-k10", 10): 938_667, ("vit-tiny", 5): 477_830, ("impala", 5
                 ("impala-wide", 5): 2_373_318, ("cnn-gru", 5): 919_462,
                 ("multimodal", 5): 1_281_318}
 FEEDFORWARD_SMALL = [("cnn-k10-small", 10), ("vit-tiny-small", 5), ("impala-small", 5),
-                     ("impala-wide-small", 5), ("multimodal-small", 5)]
+                     ("impala-wide-small", 5), ("multimodal-small", 5), ("resnet8", 5)]
 EXACT = LossCoefficients(value=0.5, entropy=0.0, clip=0.2)  # c_e = 0: the rule is exact
 
 
@@ -47,6 +47,18 @@ def test_the_ten_action_cnn_refuses_another_action_count() -> None:
 def test_a_vit_refuses_frames_its_patches_do_not_tile() -> None:
     with pytest.raises(ConfigError, match="not a multiple of its 14-pixel patches"):
         create_victim("vit-tiny", frame_size=64)
+
+
+def test_a_resnet_s_projected_skips_leave_no_conv_chain_and_the_recursion_says_why() -> None:
+    """Roles are found through a skip branch that runs its own conv beside the block's (no
+    crash), the conv stack is no chain the recursion could walk, and the training-free attack
+    refuses the victim naming the layer it cannot pass."""
+    from gradleak.attacks.exact import not_applicable
+
+    victim = create_victim("resnet8", frame_size=32)
+    roles = victim.roles()
+    assert not roles.conv_chain and roles.feature_linear == "fc"
+    assert "encoder.1 is a batchnorm" in not_applicable(victim.config)
 
 
 def test_the_gru_cell_is_torchs() -> None:

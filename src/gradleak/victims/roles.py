@@ -181,10 +181,15 @@ def _conv_stack(calls: list[_Call]) -> tuple[list[_Call], int]:
 
 
 def _composes(stack: list[_Call], target: torch.Tensor) -> bool:
-    """Does running the stack's modules one after another give `target` (flattened)?"""
+    """Does running the stack's modules one after another give `target` (flattened), each
+    reading what the one before it gave? A branch beside them (a projected skip connection) or
+    an operation between them that is no module says no."""
     x = stack[0].input
     with torch.no_grad():
         for call in stack:
+            if x.shape != call.input.shape or not torch.allclose(x, call.input, rtol=1e-5,
+                                                                 atol=1e-6):
+                return False
             x = call.module(x)
     return x is not None and x.flatten(1).shape == target.shape and torch.allclose(
         x.flatten(1), target, rtol=1e-5, atol=1e-6)
