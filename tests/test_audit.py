@@ -497,6 +497,7 @@ def test_each_stage_runs_the_single_step_attacks_that_can_read_its_stream(
     declared defense: a stage's, or the capture's own (`gradleak defend`) on its clean stage;
     where it cannot model the chain, the stage says why; an aggregate runs neither."""
     from gradleak.auditing import Audit, AuditConfig
+    from gradleak.defenses import parse_defense
     from gradleak.names import DEFENSE_AWARE, TRAINING_FREE
 
     defended = tmp_path / "quant12.h5"
@@ -504,10 +505,14 @@ def test_each_stage_runs_the_single_step_attacks_that_can_read_its_stream(
                  "--quiet"]) == 0
     plain = Audit(AuditConfig(capture=str(random_capture), out=str(tmp_path / "a")),
                   progress=False)
-    assert list(plain.single_step_attacks("none")[0]) == [TRAINING_FREE]
-    assert set(plain.single_step_attacks("quant:8")[0]) == {TRAINING_FREE, DEFENSE_AWARE}
-    assert plain.single_step_attacks("agg:2")[0] == {}
     audit = Audit(AuditConfig(capture=str(defended), out=str(tmp_path / "b")), progress=False)
-    assert set(audit.single_step_attacks("none")[0]) == {TRAINING_FREE, DEFENSE_AWARE}
-    baselines, reasons = audit.single_step_attacks("quant:8")  # quant:12, then quant:8
+
+    def run_on(which: Audit, spec: str) -> dict:
+        return which.single_step_attacks(parse_defense(spec))[0]
+
+    assert list(run_on(plain, "none")) == [TRAINING_FREE]
+    assert set(run_on(plain, "quant:8")) == {TRAINING_FREE, DEFENSE_AWARE}
+    assert run_on(plain, "agg:2") == {}
+    assert set(run_on(audit, "none")) == {TRAINING_FREE, DEFENSE_AWARE}
+    baselines, reasons = audit.single_step_attacks(parse_defense("quant:8"))  # after quant:12
     assert list(baselines) == [TRAINING_FREE] and reasons[DEFENSE_AWARE]

@@ -254,12 +254,11 @@ class Audit:
             trained[display_name(kind)] = str(folder)
         return trained
 
-    def single_step_attacks(self, spec: str) -> tuple[dict[str, Any], dict[str, str | None]]:
+    def single_step_attacks(self, chain: Chain) -> tuple[dict[str, Any], dict[str, str | None]]:
         """Under one defense: every training-free single-step attack the registry offers that
         can read the stream (row name → settings), and why each other one cannot. One that
         models a declared defense is left out silently only where the stream has none (an
         undefended capture's clean stage); a capture `gradleak defend` wrote has one there."""
-        chain = parse_defense(spec, seed=self.config.seed)
         seen = self.seen(chain)
         baselines: dict[str, Any] = {}
         reasons: dict[str, str | None] = {}
@@ -277,12 +276,12 @@ class Audit:
         """Under one defense: the learned attackers and the single-step attacks that apply."""
         from gradleak.evaluation.reconstructions import evaluate
 
-        baselines, reasons = self.single_step_attacks(spec)
+        chain = parse_defense(spec, seed=self.config.seed)
+        baselines, reasons = self.single_step_attacks(chain)
         reasons["learned attackers"] = self.learned_reason
         result = evaluate([self.config.capture], attackers,
                           self.out / "eval" / slug(spec), max_windows=self.config.max_windows,
-                          defense=None if spec == "none" else parse_defense(
-                              spec, seed=self.config.seed), baselines=baselines,
+                          defense=None if spec == "none" else chain, baselines=baselines,
                           baseline_windows=dict.fromkeys(baselines,
                                                          self.config.training_free_windows),
                           progress=self.progress,

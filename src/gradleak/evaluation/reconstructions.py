@@ -63,6 +63,7 @@ class Evaluation:
         self.defense, self.data = defense, list(data)
         # each baseline's attack, its settings and any prior they name, before any work
         self.attacks: dict[str, SingleStepAttack] = {}
+        self.priors: dict[str, Any] = {}  # each baseline's learned prior, loaded on first use
         for name, config in (baselines or {}).items():
             self.attacks[name] = attack_for(config)
             self.attacks[name].check(config)
@@ -231,9 +232,10 @@ class Evaluation:
             truth, actions = batch.images[:windows], batch.actions[:windows].numpy()
             b, t = truth.shape[:2]
             flat = self._frames_observation(ObservedWindows(batch.observed.gradients[:windows]))
-            prior = self.attacks[name].prior(config)
-            context = Context(self.progress, load_prior(prior, flat) if prior else None)
-            result, seconds = run(flat, config, context)
+            if name not in self.priors:  # loaded and checked against θ0 once, not per batch
+                prior = self.attacks[name].prior(config)
+                self.priors[name] = load_prior(prior, flat) if prior else None
+            result, seconds = run(flat, config, Context(self.progress, self.priors[name]))
             images = torch.from_numpy(result.images).view(b, t, *result.images.shape[1:])
             self._add(methods[name], images.permute(0, 1, 4, 2, 3).float() / 255.0, truth,
                       np.asarray(result.actions).reshape(b, t) == actions, seconds)
