@@ -646,6 +646,48 @@ def fedavg_separation() -> tuple[str, str]:
             "image (digits, float32 wire)", "; ".join(cell(s) for s in settings))
 
 
+def fedavg_replay() -> tuple[str, str]:
+    data = load("fedavg_replay.json")
+    rows = data["rows"]
+    settings = sorted({(r["epochs"], r["samples"], r["batch"], r["lr"]) for r in rows},
+                      key=lambda s: (s[1], s[3]))
+
+    def cell(setting: tuple) -> str:
+        group = [r for r in rows if (r["epochs"], r["samples"], r["batch"], r["lr"]) == setting]
+        parts = []
+        for method in sorted({r["method"] for r in group}, key=lambda m: m != "sim"):
+            mine = [r for r in group if r["method"] == method]
+            parts.append(f"{method} {statistics.median(r['psnr'] for r in mine):.2f} dB, "
+                         f"{sum(r['recovered'] for r in mine)} of {setting[1] * len(mine)} "
+                         "recovered")
+        mean = statistics.median(r["mean_image"]["psnr"] for r in group)
+        return (f"E/N/B {setting[0]}/{setting[1]}/{setting[2]} η {setting[3]:g}: "
+                + ", ".join(parts) + f" (mean digit {mean:.2f})")
+
+    return ("Replaying the client's steps (Dimitrov et al.'s `sim`) beside SME (digits, "
+            f"Flower's template CNN, labels inferred, {data['iterations']} iterations; median "
+            "PSNR, images with SSIM ≥ 0.6)", "; ".join(cell(s) for s in settings))
+
+
+def fedavg_restarts() -> tuple[str, str]:
+    data = load("fedavg_restarts.json")
+    rows = data["rows"]
+
+    def cell(samples: int) -> str:
+        group = [r for r in rows if r["samples"] == samples]
+
+        def med(pick) -> float:
+            return statistics.median(r["starts"][pick(r)]["psnr"] for r in group)
+
+        return (f"N = {samples}: first start {med(lambda r: 0):.2f} dB, kept "
+                f"{med(lambda r: r['kept']):.2f}, best by PSNR (oracle) "
+                f"{med(lambda r: r['oracle']):.2f}")
+
+    return (f"FedAvg restarts chosen by the matching loss (IG, {data['restarts']} starts, "
+            f"{data['iterations']} iterations, Flower's template CNN, one step, digits; median "
+            "PSNR)", "; ".join(cell(n) for n in sorted({r["samples"] for r in rows})))
+
+
 def record_memory() -> tuple[str, str]:
     rows = load("record_memory.json")["rows"]
     return ("`record()`'s peak memory against the rollout's length (paper `cnn` 84×84, one "
@@ -698,7 +740,8 @@ ROWS: dict[str, Callable[[], tuple[str, str]]] = {
     "exact_speed.json": exact_speed,
     "fedavg_controls.json": fedavg_controls,
     "flower_audit.json": flower_audit, "fedavg_span.json": fedavg_span,
-    "fedavg_separation.json": fedavg_separation,
+    "fedavg_separation.json": fedavg_separation, "fedavg_replay.json": fedavg_replay,
+    "fedavg_restarts.json": fedavg_restarts,
     # every merged `gradleak experiment` (src/gradleak/experiments), once it has results
     **{f"{name}.json": experiment(name) for name in
        ("table1", "fewshot", "context", "components", "losses", "auxscale")

@@ -129,3 +129,19 @@ def test_labels_are_inferred_from_the_update_when_not_declared() -> None:
     with pytest.raises(ConfigError, match="plain-SGD update; this client used 'momentum'"):
         UpdateInversion(model, momentum, tuple(images.shape[1:]), data.classes,
                         FedAttackConfig(method="ig"))
+
+
+def test_restarts_keep_the_start_that_matches_the_update_best(client) -> None:
+    model, _, _, update = client
+    config = FedAttackConfig(labels="known", method="sme", iterations=8, restarts=3, seed=2)
+    attack = UpdateInversion(model, update, (1, 16, 16), 10, config)
+    assert not torch.equal(attack.start(0), attack.start(1))
+    result = attack.run()
+    assert len(result["restarts_l_sim"]) == 3
+    assert result["l_sim_raw"] == min(result["restarts_l_sim"])
+    assert result["restart"] == result["restarts_l_sim"].index(result["l_sim_raw"])
+    single = UpdateInversion(model, update, (1, 16, 16), 10,
+                             FedAttackConfig(labels="known", method="sme", iterations=8, seed=2))
+    assert single.run()["l_sim_raw"] == result["restarts_l_sim"][0]  # restart 0: the seed's own
+    with pytest.raises(ConfigError, match="restarts 0: expected an integer >= 1"):
+        FedAttackConfig(restarts=0).check()

@@ -109,3 +109,34 @@ def test_two_rounds_of_one_node_keep_their_own_rows_and_files(tmp_path, capsys) 
     assert main(["fedavg-invert", "--update", paths[0], paths[0], "--out",
                  str(tmp_path / "twice")]) == 2
     assert "names " + paths[0] + " twice" in capsys.readouterr().err
+
+
+def test_a_replay_the_file_cannot_drive_is_refused_before_any_method_runs(tmp_path,
+                                                                          capsys) -> None:
+    """The file declares lr and batch, not epochs: "sim" is refused before "sme" computes."""
+    path, _ = recorded_update(tmp_path)
+    out = tmp_path / "out"
+    assert main(["fedavg-invert", "--update", str(path), "--plugin", "user_models",
+                 "--method", "sme", "sim", "--steps", "4", "--out", str(out)]) == 2
+    assert f"{path}: method 'sim' replays the client's local steps and needs its epochs" in \
+        capsys.readouterr().err
+    assert main(["fedavg-invert", "--update", str(path), "--plugin", "user_models",
+                 "--method", "sme", "sim", "--epochs", "3", "--out", str(out)]) == 2
+    assert "the client took 4 local steps, its declared epochs and batch give 6" in \
+        capsys.readouterr().err
+    assert main(["fedavg-invert", "--update", str(path), "--plugin", "user_models",
+                 "--restarts", "0", "--out", str(out)]) == 2
+    assert "restarts 0: expected an integer >= 1" in capsys.readouterr().err
+    assert not out.exists()
+
+
+@pytest.mark.filterwarnings("ignore::gradleak.fedavg.FitWarning")
+def test_the_cli_replays_the_clients_steps(tmp_path, capsys) -> None:
+    path, _ = recorded_update(tmp_path)
+    out = tmp_path / "out"
+    assert main(["fedavg-invert", "--update", str(path), "--plugin", "user_models",
+                 "--method", "sim", "--epochs", "2", "--iters", "3", "--truth",
+                 str(tmp_path / "truth.safetensors"), "--out", str(out), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["sim"]["labels_inferred_right"] == 4
+    assert 0.0 <= summary["sim"]["l_sim"] < 1.0

@@ -19,7 +19,7 @@ def run(args: argparse.Namespace) -> None:
     attack = FedAttackConfig(method=args.attack, iterations=args.iters, cls=args.cls,
                              labels=args.labels, span=not args.no_span,
                              feature_span=0.0 if args.no_span else FedAttackConfig.feature_span,
-                             seed=args.seed)
+                             restarts=args.restarts, seed=args.seed)
     result = run_fedavg(args.dataset, args.model, client, attack, Path(args.out),
                         progress=progress(args))
     text = (f"{args.attack} on {result['dataset']} (E={args.epochs}, N={args.samples}, "
@@ -31,6 +31,8 @@ def run(args: argparse.Namespace) -> None:
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
+    from gradleak.fedavg.attacks import METHODS
+
     p = sub.add_parser("fedavg", help="simulate a FedAvg client and invert its update")
     common_flags(p)
     p.add_argument("--dataset", default="digits",
@@ -46,8 +48,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--optimiser", default="sgd", help="the client's: sgd, momentum, adamw")
     p.add_argument("--batchnorm-train", action="store_true",
                    help="the client trains with BatchNorm in train mode (model cnn-bn)")
-    p.add_argument("--attack", default="nlsme", help="ig, sme, nlsme, sme-dvec, nlsme-nod")
+    p.add_argument("--attack", default="nlsme", help=f"{', '.join(METHODS)} (sim replays the "
+                   "client's declared steps, after Dimitrov et al.)")
     p.add_argument("--iters", type=int, default=1000)
+    p.add_argument("--restarts", type=int, default=1, help="independent starts; the one whose "
+                   "update matches best (1 − cos) is kept")
     p.add_argument("--cls", type=float, default=0.0, help="λ_cls (uses the labels)")
     p.add_argument("--labels", default="infer", choices=["infer", "known"],
                    help="infer the client's labels from its output-layer bias update "

@@ -97,7 +97,8 @@ def run(args: argparse.Namespace) -> None:
     from gradleak.fedavg.audit import AuditOptions, audit_update, summarise
     from torch import nn
 
-    from gradleak.fedavg.invert import Training, counted_steps, inference_gap, split_state
+    from gradleak.fedavg.invert import (Training, counted_steps, inference_gap, replay_config,
+                                        split_state)
     from gradleak.fedavg.update_file import (
         check_meta,
         read_meta,
@@ -110,7 +111,7 @@ def run(args: argparse.Namespace) -> None:
 
     options = AuditOptions(methods=tuple(args.method), iterations=args.iters,
                            batchnorm=args.batchnorm, labels=args.labels, seed=args.seed,
-                           threads=args.threads)
+                           threads=args.threads, attack={"restarts": args.restarts})
     options.check()
     transform, shape = parse_transform(args.input_transform), parse_shape(args.shape)
     truth = load_truth(args.truth)
@@ -155,11 +156,17 @@ def run(args: argparse.Namespace) -> None:
                               f"{type(model).__name__}, expected a torch.nn.Module")
         for name, state in (("w0", update.w0), ("wT", update.wT)):
             split_state(model, state, f"{path}: {name}")
+        training = Training.from_mapping({**update.meta.get("config", {}),
+                                          **update.meta.get("hyperparameters", {}),
+                                          **declared}, f"{path}: hyperparameters")
+        mode = options.batchnorm or update.meta.get("batchnorm", "train")
+        if "sim" in options.methods:
+            try:
+                replay_config(model, update.w0, update.wT, int(update.meta["num_examples"]),
+                              training, mode)
+            except ConfigError as error:
+                raise ConfigError(f"{path}: {error} (here: --lr, --epochs, --batch)") from None
         if options.labels == "infer":
-            training = Training.from_mapping({**update.meta.get("config", {}),
-                                              **update.meta.get("hyperparameters", {}),
-                                              **declared}, f"{path}: hyperparameters")
-            mode = options.batchnorm or update.meta.get("batchnorm", "train")
             steps = counted_steps(model, update.w0, update.wT) if mode == "train" else None
             gap = inference_gap(training, steps or training.local_steps(
                 int(update.meta["num_examples"])))
@@ -199,6 +206,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    "arguments (its module loaded with --plugin); default: the file's")
     p.add_argument("--method", nargs="+", default=["sme"], choices=METHODS)
     p.add_argument("--iters", type=int, default=1000)
+    p.add_argument("--restarts", type=int, default=1, help="independent starts per method; the "
+                   "one whose update matches best (1 − cos) is kept")
     p.add_argument("--batchnorm", choices=["train", "eval"],
                    help="the mode the client trained BatchNorm in (default: the file's)")
     p.add_argument("--input-transform", help="none, or normalize:MEAN,STD: how [0, 1] images "

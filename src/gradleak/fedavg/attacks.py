@@ -1,16 +1,22 @@
 """IG, SME, NL-SME and the review's controls on one FedAvg update, in one optimisation loop.
 
-Every method matches the gradient of the dummy set's loss, taken at a surrogate point of the
-client's trajectory, to the observed direction w0 − w_T (1 − cosine). They differ only in the
-surrogate and the extra terms:
+Every method matches what the dummy set would have sent to the observed direction w0 − w_T
+(1 − cosine). The first five take the dummy set's gradient at one surrogate point of the
+client's trajectory; `sim` replays the client's local steps instead:
 
-| method | surrogate point | d (per-parameter scale on the gradient) |
+| method | what is matched | d (per-parameter scale on the gradient) |
 |---|---|---|
-| ig | w0 | 1 |
-| sme | (1 − α) w0 + α w_T, α learnt | 1 |
-| nlsme | (1 − t)² w0 + 2 (1 − t) t P1 + t² w_T, t and P1 learnt | learnt in [0.1, 10] |
-| sme-dvec | SME's line | learnt, as NL-SME (the review's control) |
-| nlsme-nod | NL-SME's curve | 1 (Bézier only) |
+| ig | the gradient at w0 | 1 |
+| sme | the gradient at (1 − α) w0 + α w_T, α learnt | 1 |
+| nlsme | the gradient at (1 − t)² w0 + 2(1 − t)t P1 + t² w_T; t, P1 learnt | learnt in [0.1, 10] |
+| sme-dvec | the gradient on SME's line | learnt, as NL-SME (the review's control) |
+| nlsme-nod | the gradient on NL-SME's curve | 1 (Bézier only) |
+| sim | w0 − w_T of the client's E · ⌈N / B⌉ steps replayed from w0 on the dummy set | 1 |
+
+`sim` is Dimitrov et al.'s attack (TMLR 2022, "Data Leakage in Federated Averaging"): the
+declared η, E, B and optimiser drive the replay, the same N dummy images serve every epoch, and
+each epoch's batch order is the attacker's own seeded draw (the client's shuffling is private;
+a client declared not to shuffle is replayed in order).
 
 Extra terms: TV on the dummy images, λ_P ‖P1 − midpoint‖², λ_d ‖d − 1‖², and optionally
 λ_cls · CE(f(D̃; w_T), labels). L_sim is always reported on the raw surrogate gradient (d ≡ 1)
@@ -23,18 +29,21 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad
 
 from gradleak.errors import ConfigError
-from gradleak.fedavg.client import ClientUpdate
+from gradleak.fedavg.client import ClientUpdate, batch_order, local_step
 from gradleak.fedavg.forward import ClientForward
 from gradleak.fedavg.span import ImageSpan, off_span, project_box
 
-METHODS = ("ig", "sme", "nlsme", "sme-dvec", "nlsme-nod")
+METHODS = ("ig", "sme", "nlsme", "sme-dvec", "nlsme-nod", "sim")
 CURVED = {"nlsme", "nlsme-nod"}
+RESTART_STRIDE = 1_000_003  # restart r starts from torch's generator at seed + r · stride
+REPLAY_STREAM = 0x5EED  # sim's batch orders: np.random.default_rng([seed, REPLAY_STREAM])
 SCALED = {"nlsme", "sme-dvec"}
 
 
@@ -59,6 +68,9 @@ class FedAttackConfig:
     # weight of the share of each Linear layer's dummy inputs outside the span its update
     # determines, for a one-step update (fedavg.span.feature_spans); 0 turns it off
     feature_span: float = 0.1
+    # independent starts; the one whose update matches best (lowest 1 − cos) is kept: the
+    # choice reads the matching loss, never the private images
+    restarts: int = 1
     seed: int = 0
 
     def check(self) -> None:
@@ -67,6 +79,9 @@ class FedAttackConfig:
                               f"{', '.join(METHODS)}")
         if self.iterations < 1:
             raise ConfigError(f"iterations {self.iterations}: expected >= 1")
+        if isinstance(self.restarts, bool) or not isinstance(self.restarts, int) \
+                or self.restarts < 1:
+            raise ConfigError(f"restarts {self.restarts!r}: expected an integer >= 1")
         if not (math.isfinite(self.feature_span) and self.feature_span >= 0):
             raise ConfigError(f"feature_span {self.feature_span}: expected a finite weight >= 0")
         if not (math.isfinite(self.cls) and self.cls >= 0):
@@ -80,6 +95,21 @@ class FedAttackConfig:
         return asdict(self)
 
 
+def replayed_steps(update: ClientUpdate, count: int, seed: int) -> list[np.ndarray]:
+    """The minibatches `sim` replays: the declared E and B over the dummy set, each epoch in the
+    attacker's own seeded order (a stream apart from any client's: the client's order is
+    private, and a shared seed must not hand it over)."""
+    declared = update.config
+    if declared is None:
+        raise ConfigError("method 'sim' replays the client's local steps: declare its learning "
+                          "rate, epochs and batch size (hyperparameters={'lr': ..., 'epochs': "
+                          "..., 'batch': ...})")
+    if declared.samples != count:
+        raise ConfigError(f"method 'sim': the client declared N = {declared.samples} examples, "
+                          f"the attack recovers {count}")
+    return batch_order(declared, np.random.default_rng([seed, REPLAY_STREAM]))
+
+
 class Surrogate(nn.Module):
     """The learnable part of a method: path position, control point, scale."""
 
@@ -88,8 +118,9 @@ class Surrogate(nn.Module):
         self.method = method
         self.w0 = {n: w.detach() for n, w in update.w0.items()}
         self.wT = {n: w.detach() for n, w in update.wT.items()}
-        self.position = nn.Parameter(torch.tensor(0.0 if method == "ig" else 0.5))
-        self.position.requires_grad_(method != "ig")
+        fixed = method in ("ig", "sim")  # sim replays the steps: it has no surrogate point
+        self.position = nn.Parameter(torch.tensor(0.0 if fixed else 0.5))
+        self.position.requires_grad_(not fixed)
         self.midpoint = {n: (self.w0[n] + self.wT[n]) / 2 for n in self.w0}
         self.control = nn.ParameterDict({n.replace(".", "/"): nn.Parameter(m.clone())
                                          for n, m in self.midpoint.items()}) \
@@ -166,16 +197,21 @@ class UpdateInversion:
         self.buffers = self.client.buffers
         self.direction = update.delta()
         self.direction_norm = sum(squared_norm(t) for t in self.direction.values()).sqrt()
-        generator = torch.Generator().manual_seed(config.seed)
         count = len(labels) if labels is not None else update.config.samples
-        self.images = torch.randn(count, *shape, generator=generator).clamp(0, 1)
-        self.span = span
+        self.shape, self.span = (count, *shape), span
         self.features = features if features and config.feature_span else {}
-        if span is not None:
-            self.images = project_box(span, self.images)
+        self.images = self.start(0)
         self.labels = labels if labels is not None else self._labels(classes)
+        self.steps = replayed_steps(update, count, config.seed) if config.method == "sim" \
+            else None
         self.images.requires_grad_(True)
         self.surrogate = Surrogate(update, config.method)
+
+    def start(self, restart: int) -> torch.Tensor:
+        """The dummy images restart `restart` begins from (restart 0: the seed's own draw)."""
+        generator = torch.Generator().manual_seed(self.config.seed + RESTART_STRIDE * restart)
+        images = torch.randn(self.shape, generator=generator).clamp(0, 1)
+        return project_box(self.span, images) if self.span is not None else images
 
     def _labels(self, classes: int) -> torch.Tensor:
         if self.config.labels == "known":
@@ -202,8 +238,25 @@ class UpdateInversion:
         gradient, mismatch = grad(loss, has_aux=True)(self.surrogate.point())
         return gradient, mismatch if self.client.running_targets else None
 
+    def replayed_update(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
+        """w0 − w_T of the client's local steps replayed on `images` (graph kept for them)."""
+        declared = self.update.config
+        assert declared is not None and self.steps is not None
+        weights = dict(self.update.w0)
+        state = {n: torch.zeros_like(w) for n, w in weights.items()}
+        second = {n: torch.zeros_like(w) for n, w in weights.items()}
+        for t, index in enumerate(self.steps, start=1):
+            def loss(w: dict[str, torch.Tensor], index: np.ndarray = index) -> torch.Tensor:
+                return self.client.loss(self.model, w, images[index], self.labels[index])[0]
+
+            weights = local_step(weights, grad(loss)(weights), state, second, declared, t)
+        return {n: self.update.w0[n] - weights[n] for n in weights}
+
     def objective(self) -> tuple[torch.Tensor, dict[str, float]]:
-        raw, running = self._surrogate_gradient(self.images)
+        if self.steps is not None:
+            raw, running = self.replayed_update(self.images), None
+        else:
+            raw, running = self._surrogate_gradient(self.images)
         scaled = self.surrogate.scaled(raw)
         similarity = cosine_distance(scaled, self.direction, self.direction_norm)
         total = similarity + self.config.tv * total_variation(self.images) \
@@ -260,6 +313,21 @@ class UpdateInversion:
         return groups
 
     def run(self, progress: bool = False) -> dict[str, Any]:
+        """Each restart's descent; the one that matches the update best (1 − cos, raw)."""
+        best: dict[str, Any] | None = None
+        matched = []
+        for restart in range(self.config.restarts):
+            if restart:
+                self.images = self.start(restart).requires_grad_(True)
+                self.surrogate = Surrogate(self.update, self.config.method)
+            result = self.descend(progress)
+            matched.append(result["l_sim_raw"])
+            if best is None or result["l_sim_raw"] < best["l_sim_raw"]:
+                best = {**result, "restart": restart}
+        assert best is not None
+        return {**best, "restarts_l_sim": matched}
+
+    def descend(self, progress: bool = False) -> dict[str, Any]:
         """Adam with ×0.1 steps at 3/8, 5/8, 7/8 (SME's schedule), box-clamped images."""
         from tqdm import tqdm
 

@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from gradleak.errors import ConfigError
-from gradleak.fedavg.attacks import METHODS
-from gradleak.fedavg.invert import FitWarning, Training, invert_update
+from gradleak.fedavg.attacks import METHODS, FedAttackConfig
+from gradleak.fedavg.invert import FitWarning, Training, invert_update, replay_config
 from gradleak.fedavg.scoring import label_agreement, score_recovery
 from gradleak.fedavg.update_file import read_update, transform_from_dict
 from gradleak.io import write_json
@@ -51,6 +51,12 @@ class AuditOptions:
             raise ConfigError(f"labels {self.labels!r}: expected infer or known")
         if self.threads < 1:
             raise ConfigError(f"threads {self.threads}: expected >= 1")
+        own = {"method", "iterations", "seed", "labels"}  # AuditOptions' fields say those
+        unknown = sorted(set(self.attack) - (set(FedAttackConfig.__dataclass_fields__) - own))
+        if unknown:
+            raise ConfigError(f"attack options {unknown}: expected FedAttackConfig fields other "
+                              f"than {sorted(own)}")
+        FedAttackConfig(**self.attack).check()
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -80,6 +86,9 @@ def audit_update(path: Path, model_fn: Callable[[], nn.Module], options: AuditOp
         transform_from_dict(meta.get("input_transform"), str(path))
     training = Training.from_mapping({**meta.get("config", {}), **meta.get("hyperparameters", {}),
                                       **(declared or {})}, f"{path}: hyperparameters")
+    if "sim" in options.methods:  # refused here, not after the other methods' compute
+        replay_config(model_fn(), update.w0, update.wT, int(meta["num_examples"]), training,
+                      options.batchnorm or meta.get("batchnorm", "train"))
     labels = None
     if options.labels == "known":
         if truth is None or truth.labels is None:

@@ -64,9 +64,11 @@ class ClientUpdate:
         return {name: self.w0[name] - self.wT[name] for name in self.w0}
 
 
-def batch_order(config: ClientConfig) -> list[np.ndarray]:
-    """Minibatch indices for every local step, epoch after epoch (last batch may be short)."""
-    rng = np.random.default_rng(config.seed)
+def batch_order(config: ClientConfig, rng: np.random.Generator | None = None
+                ) -> list[np.ndarray]:
+    """Minibatch indices for every local step, epoch after epoch (last batch may be short);
+    shuffled by `rng`, by default the client's own seeded one."""
+    rng = rng or np.random.default_rng(config.seed)
     steps = []
     for _ in range(config.epochs):
         order = rng.permutation(config.samples) if config.shuffle else np.arange(config.samples)
@@ -99,13 +101,14 @@ def train_client(model: nn.Module, images: torch.Tensor, labels: torch.Tensor,
     steps = batch_order(config)
     for t, index in enumerate(steps, start=1):
         gradients = step_gradient(weights, buffers, images[index], labels[index])
-        weights = _update(weights, gradients, state, second, config, t)
+        weights = local_step(weights, gradients, state, second, config, t)
     return ClientUpdate(w0, weights, config, len(steps), labels.clone() if labels_known else None)
 
 
-def _update(weights: dict[str, torch.Tensor], gradients: dict[str, torch.Tensor],
-            state: dict[str, torch.Tensor], second: dict[str, torch.Tensor],
-            config: ClientConfig, t: int) -> dict[str, torch.Tensor]:
+def local_step(weights: dict[str, torch.Tensor], gradients: dict[str, torch.Tensor],
+               state: dict[str, torch.Tensor], second: dict[str, torch.Tensor],
+               config: ClientConfig, t: int) -> dict[str, torch.Tensor]:
+    """Step t of the client's optimiser; `state` and `second` hold its moments between steps."""
     if config.optimiser == "sgd":
         return {n: w - config.lr * gradients[n] for n, w in weights.items()}
     if config.optimiser == "momentum":

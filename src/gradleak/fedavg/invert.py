@@ -30,7 +30,7 @@ from torch import nn
 
 from gradleak.errors import ConfigError
 from gradleak.fedavg.attacks import METHODS, FedAttackConfig, UpdateInversion
-from gradleak.fedavg.client import ClientUpdate
+from gradleak.fedavg.client import OPTIMISERS, ClientConfig, ClientUpdate
 from gradleak.fedavg.forward import (BATCHNORM_MODES, ClientForward, Transform, batchnorm_layers,
                                      identity, running_targets)
 from gradleak.fedavg.labels import counts_from_bias, labels_from_counts
@@ -82,6 +82,7 @@ class Training:
     batch: int | None = None
     steps: int | None = None  # local SGD steps; epochs · ⌈N / B⌉ when those are declared
     optimiser: str | None = None
+    shuffle: bool | None = None  # a new batch order every epoch (method "sim"; None: assumed)
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any] | None, source: str) -> Training:
@@ -102,8 +103,10 @@ class Training:
         if "lr" in found and not (isinstance(found["lr"], (int, float)) and
                                   math.isfinite(found["lr"]) and found["lr"] > 0):
             raise ConfigError(f"{source}: lr={found['lr']!r}, expected a finite number > 0")
-        return cls(**{k: (float(v) if k == "lr" else v if k == "optimiser" else int(v))
-                      for k, v in found.items()})
+        if "shuffle" in found and not isinstance(found["shuffle"], bool):
+            raise ConfigError(f"{source}: shuffle={found['shuffle']!r}, expected true or false")
+        return cls(**{k: (float(v) if k == "lr" else v if k in ("optimiser", "shuffle")
+                          else int(v)) for k, v in found.items()})
 
     def local_steps(self, samples: int) -> int | None:
         if self.steps is not None:
@@ -111,6 +114,22 @@ class Training:
         if self.epochs is not None and self.batch is not None:
             return self.epochs * math.ceil(samples / self.batch)
         return None
+
+    def replayable(self, samples: int, batchnorm_train: bool) -> ClientConfig:
+        """The client's training as method "sim" replays it, or why it cannot."""
+        missing = [name for name in ("lr", "epochs", "batch") if getattr(self, name) is None]
+        if missing:
+            raise ConfigError(f"method 'sim' replays the client's local steps and needs its "
+                              f"{', '.join(missing)}: declare hyperparameters={{'lr': ..., "
+                              "'epochs': ..., 'batch': ...}")
+        optimiser = self.optimiser or "sgd"
+        if optimiser not in OPTIMISERS:
+            raise ConfigError(f"method 'sim' replays {', '.join(OPTIMISERS)} steps; the client "
+                              f"declared optimiser {self.optimiser!r}")
+        assert self.lr is not None and self.epochs is not None and self.batch is not None
+        return ClientConfig(epochs=self.epochs, samples=samples, batch=self.batch, lr=self.lr,
+                            optimiser=optimiser, batchnorm_train=batchnorm_train,
+                            shuffle=self.shuffle is not False)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -132,6 +151,7 @@ class InversionResult:
     span: dict[str, Any] = field(default_factory=dict)
     classes: int = 0  # the model's output count: label_counts has one entry per class
     warnings: list[str] = field(default_factory=list)
+    restarts_l_sim: list[float] = field(default_factory=list)  # each start's 1 − cos; best kept
 
     def summary(self) -> dict[str, Any]:
         data = {k: v for k, v in asdict(self).items() if k not in ("images", "labels")}
@@ -244,6 +264,8 @@ def invert_update(model: nn.Module, w0: Mapping[str, Any], wT: Mapping[str, Any]
     paramsT, buffersT = split_state(model, wT, "w_T")
     notes: list[str] = []
     layers = batchnorm_layers(model)
+    replayed = replay_config(model, w0, wT, samples, training, batchnorm) \
+        if method == "sim" else None
     float_buffers0 = {n: b for n, b in buffers0.items() if b.is_floating_point()}
     if layers and batchnorm == "eval" and not all(f"{n}.running_mean" in float_buffers0
                                                  for n in layers):
@@ -261,7 +283,7 @@ def invert_update(model: nn.Module, w0: Mapping[str, Any], wT: Mapping[str, Any]
     classes = count_classes(model, params0, client, shape)
     chosen, inferred = resolve_labels(model, labels, samples, classes, params0, paramsT,
                                       client, training, steps, shape, seed)
-    update = ClientUpdate(params0, paramsT, None, steps or 0, chosen)
+    update = ClientUpdate(params0, paramsT, replayed, steps or 0, chosen)
     start = time.perf_counter()
     span, span_note, features = update_spans(model, params0, paramsT, shape, samples, transform,
                                              optimiser=training.optimiser, steps=steps,
@@ -283,7 +305,26 @@ def invert_update(model: nn.Module, w0: Mapping[str, Any], wT: Mapping[str, Any]
         path_position=result["position"],
         span={**(span.summary() if span is not None else {"unused": span_note}),
               "feature_spans": sorted(inversion.features)}, classes=classes,
-        warnings=notes)
+        warnings=notes, restarts_l_sim=result["restarts_l_sim"])
+
+
+def replay_config(model: nn.Module, w0: Mapping[str, Any], wT: Mapping[str, Any], samples: int,
+                  training: Training, batchnorm: str) -> ClientConfig:
+    """The client's local training as method "sim" replays it, checked against the step count
+    BatchNorm's batch counter (or the declaration) gives; one ConfigError, before any work,
+    where it cannot be replayed."""
+    _, buffers0 = split_state(model, w0, "w0")
+    _, buffersT = split_state(model, wT, "w_T")
+    layers = batchnorm_layers(model)
+    replayed = training.replayable(samples, bool(layers) and batchnorm == "train")
+    steps = (counted_steps(model, buffers0, buffersT) if batchnorm == "train" else None) \
+        or training.local_steps(samples)
+    expected = replayed.epochs * math.ceil(samples / replayed.batch)
+    if steps is not None and steps != expected:
+        raise ConfigError(f"method 'sim': BatchNorm's batch counter (or the declared steps) says "
+                          f"the client took {steps} local steps, its declared epochs and batch "
+                          f"give {expected} for {samples} examples")
+    return replayed
 
 
 def counted_steps(model: nn.Module, before: dict[str, torch.Tensor],
