@@ -661,8 +661,9 @@ def fedavg_replay() -> tuple[str, str]:
                          f"{sum(r['recovered'] for r in mine)} of {setting[1] * len(mine)} "
                          "recovered")
         mean = statistics.median(r["mean_image"]["psnr"] for r in group)
+        labels = statistics.median(r["class_mean"]["psnr"] for r in group)
         return (f"E/N/B {setting[0]}/{setting[1]}/{setting[2]} η {setting[3]:g}: "
-                + ", ".join(parts) + f" (mean digit {mean:.2f})")
+                + ", ".join(parts) + f" (class mean {labels:.2f}, mean digit {mean:.2f})")
 
     return ("Replaying the client's steps (Dimitrov et al.'s `sim`) beside SME (digits, "
             f"Flower's template CNN, labels inferred, {data['iterations']} iterations; median "
@@ -679,9 +680,11 @@ def fedavg_restarts() -> tuple[str, str]:
         def med(pick) -> float:
             return statistics.median(r["starts"][pick(r)]["psnr"] for r in group)
 
+        labels = statistics.median(r["starts"][0]["class_mean"]["psnr"] for r in group)
         return (f"N = {samples}: first start {med(lambda r: 0):.2f} dB, kept "
                 f"{med(lambda r: r['kept']):.2f}, best by PSNR (oracle) "
-                f"{med(lambda r: r['oracle']):.2f}")
+                f"{med(lambda r: r['oracle']):.2f}; each inferred label's mean digit "
+                f"{labels:.2f}")
 
     return (f"FedAvg restarts chosen by the matching loss (IG, {data['restarts']} starts, "
             f"{data['iterations']} iterations, Flower's template CNN, one step, digits; median "

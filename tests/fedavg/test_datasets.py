@@ -96,3 +96,15 @@ def test_bad_inputs_name_the_file_and_what_was_expected(tmp_path: Path, spec: st
             (tmp_path / "emnist-labels-idx1-ubyte").write_bytes(b"")
     with pytest.raises((DataFileError, ConfigError), match=message):
         load_dataset(spec.format(tmp_path))
+
+
+def test_the_rest_is_every_image_a_sample_leaves_out() -> None:
+    from gradleak.fedavg.datasets import digits
+
+    data = digits()
+    images, _ = data.sample(5, seed=3)
+    rest, rest_labels = data.rest(5, seed=3)
+    assert len(rest) == len(rest_labels) == len(data.labels) - 5
+    # the sample and the rest make the whole set: the same multiset of per-image sums
+    together = torch.cat([images, rest]).double().flatten(1).sum(1).sort().values
+    torch.testing.assert_close(together, data.images.double().flatten(1).sum(1).sort().values)

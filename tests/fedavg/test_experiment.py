@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gradleak.cli import main
-from gradleak.fedavg.scoring import hungarian_match
+from gradleak.fedavg.scoring import class_means, hungarian_match, score_recovery
 
 
 def test_hungarian_matching_undoes_a_permutation() -> None:
@@ -19,6 +19,23 @@ def test_hungarian_matching_undoes_a_permutation() -> None:
     order = hungarian_match(shuffled, private)
     torch.testing.assert_close(shuffled[order], private + 0.01)
     assert sorted(order.tolist()) == list(range(5))
+
+
+def test_the_class_mean_row_is_each_used_labels_auxiliary_mean_matched_to_the_images() -> None:
+    """Auxiliary images of class c are c-valued: the class-mean row holds each used label's
+    mean, matched to the private images whatever order the labels come in."""
+    reference = torch.cat([torch.full((3, 1, 4, 4), c / 4) for c in range(4)])
+    reference_labels = torch.arange(4).repeat_interleave(3)
+    private = torch.stack([torch.full((1, 4, 4), 0.5), torch.full((1, 4, 4), 0.25)])
+    exact = score_recovery(private, private, reference, reference_labels=reference_labels,
+                           labels=torch.tensor([1, 2]))  # labels in the other order
+    assert exact["class_mean"]["psnr"] >= 99.0  # metrics cap PSNR at 100 dB
+    wrong = score_recovery(private, private, reference, reference_labels=reference_labels,
+                           labels=torch.tensor([0, 3]))
+    assert wrong["class_mean"]["psnr"] < 20.0
+    assert "class_mean" not in score_recovery(private, private, reference)
+    lacking = class_means(reference[:3], reference_labels[:3], torch.tensor([0, 2]))
+    torch.testing.assert_close(lacking[1], reference[:3].mean(0))  # no class 2: all of them
 
 
 def test_fedavg_command_writes_metrics_and_the_grid(capsys, tmp_path: Path) -> None:

@@ -35,8 +35,8 @@ def recorded_update(tmp_path):
             "model": "tiny-classifier"}
     path = write_update(tmp_path / "node-7.safetensors", w0, model.state_dict(), meta)
     save_file({"images": images, "labels": labels}, str(tmp_path / "truth.safetensors"))
-    save_file({"images": torch.rand(16, 1, 8, 8, generator=generator)},
-              str(tmp_path / "aux.safetensors"))
+    save_file({"images": torch.rand(16, 1, 8, 8, generator=generator),
+               "labels": torch.arange(16) % 4}, str(tmp_path / "aux.safetensors"))
     return path, labels
 
 
@@ -56,6 +56,9 @@ def test_the_cli_inverts_a_recorded_update_and_scores_it(tmp_path, capsys) -> No
     assert audit["rows"][0]["training"]["steps_used"] == 4
     assert {r["batchnorm"] for r in audit["rows"]} == {"train"}
     assert summary["sme"]["mean_image_psnr"] > 0  # the reference row, on the same images
+    # the auxiliary images are labelled: each used label's mean is scored, and judged
+    assert summary["sme"]["class_mean"]["psnr"] > 0 and "class_mean_leaks" in summary["sme"]
+    assert "the labels alone, no optimisation" in (out / "report.html").read_text()
     assert (out / "report.html").is_file() and (out / "node-7-sme.png").is_file()
 
 

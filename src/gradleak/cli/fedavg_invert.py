@@ -59,21 +59,28 @@ def load_truth(path: str | None) -> Any:
     return Truth(images.float(), labels.long() if labels is not None else None)
 
 
-def load_reference(spec: str | None) -> Any:
-    """Auxiliary images for the mean-image row: a safetensors file with 'images', or one of
-    the datasets `gradleak fedavg` reads (digits, photos, femnist:PATH, cifar100:PATH)."""
+def load_reference(spec: str | None) -> tuple[Any, Any]:
+    """Auxiliary images for the mean-image row, and their labels where known (for the
+    class-mean row): a safetensors file with 'images' (and optionally 'labels'), or one of the
+    datasets `gradleak fedavg` reads (digits, photos, femnist:PATH, cifar100:PATH)."""
     from gradleak.fedavg.datasets import load_dataset
     from gradleak.io import load_tensors
 
     if spec is None:
-        return None
+        return None, None
     if spec.endswith(".safetensors"):
-        images = load_tensors(spec, "--reference").get("images")
+        tensors = load_tensors(spec, "--reference")
+        images, labels = tensors.get("images"), tensors.get("labels")
         if images is None or images.dim() != 4 or not images.is_floating_point():
             raise ConfigError(f"--reference {spec}: expected a float tensor 'images' "
                               "(M, C, H, W) in [0, 1]")
-        return images.float()
-    return load_dataset(spec).images
+        if labels is not None and (labels.is_floating_point() or labels.dim() != 1
+                                   or len(labels) != len(images)):
+            raise ConfigError(f"--reference {spec}: 'labels' must be integers, one per image "
+                              f"({len(images)})")
+        return images.float(), None if labels is None else labels.long()
+    data = load_dataset(spec)
+    return data.images, data.labels
 
 
 def update_labels(paths: list[Path]) -> list[str]:
@@ -115,7 +122,7 @@ def run(args: argparse.Namespace) -> None:
     options.check()
     transform, shape = parse_transform(args.input_transform), parse_shape(args.shape)
     truth = load_truth(args.truth)
-    reference = load_reference(args.reference)
+    reference, reference_labels = load_reference(args.reference)
     if reference is not None and truth is None:
         raise ConfigError("--reference scores the mean image beside the attack, which needs "
                           "--truth too")
@@ -180,7 +187,8 @@ def run(args: argparse.Namespace) -> None:
     for path, label in zip(updates, labels):
         rows += [{**r, "update": label} for r in audit_update(
             path, model_fn, options, out, truth=truth, reference=reference,
-            input_transform=transform, declared=declared, shape=shape, label=label)]
+            input_transform=transform, declared=declared, shape=shape, label=label,
+            reference_labels=reference_labels)]
     audit = {"format": "gradleak-fedavg-invert", "model": model_ref,
              "options": options.to_dict(), "summary": summarise(rows), "rows": rows}
     write_json(out / "audit.json", audit)
@@ -216,7 +224,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--labels", choices=["infer", "known"], default="infer")
     p.add_argument("--truth", help="safetensors with 'images' (N, C, H, W) in [0, 1] and "
                    "optionally 'labels': scores the recovery (used for nothing else)")
-    p.add_argument("--reference", help="auxiliary images whose mean is the reference row: "
+    p.add_argument("--reference", help="auxiliary images whose mean is the reference row (with "
+                   "labels, each used label's mean is scored too): "
                    "digits, photos, femnist:PATH, cifar100:PATH or a safetensors file with "
                    "'images' (needs --truth)")
     for name in ("epochs", "batch", "steps"):

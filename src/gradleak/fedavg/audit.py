@@ -73,11 +73,12 @@ class Truth:
 def audit_update(path: Path, model_fn: Callable[[], nn.Module], options: AuditOptions,
                  out: Path, truth: Truth | None = None, reference: torch.Tensor | None = None,
                  input_transform: Any = None, declared: dict[str, Any] | None = None,
-                 shape: tuple[int, ...] | None = None, label: str | None = None
-                 ) -> list[dict[str, Any]]:
+                 shape: tuple[int, ...] | None = None, label: str | None = None,
+                 reference_labels: torch.Tensor | None = None) -> list[dict[str, Any]]:
     """Each method on one update file; rows written to OUT/<label>.json (label: the file's
     stem unless given), pictures beside it. `declared` and `shape` override what the file says
-    (hyperparameters, image shape)."""
+    (hyperparameters, image shape). With the auxiliary images' labels, each row also scores
+    each used label's mean auxiliary image (the class-mean row: what the labels alone give)."""
     label = label or path.stem
     torch.set_num_threads(options.threads)
     update = read_update(path)
@@ -114,7 +115,7 @@ def audit_update(path: Path, model_fn: Callable[[], nn.Module], options: AuditOp
                "warnings": [str(w.message) for w in caught if w.category is FitWarning]}
         if truth is not None:
             row.update(score_row(result.images, result.labels, truth, reference, model,
-                                 out / f"{label}-{method}.png", method))
+                                 out / f"{label}-{method}.png", method, reference_labels))
         rows.append(row)
     write_json(out / f"{label}.json", {"rows": rows, "options": options.to_dict()})
     return rows
@@ -130,17 +131,20 @@ def update_norm(model: nn.Module, w0: dict[str, torch.Tensor], wT: dict[str, tor
 
 def score_row(images: torch.Tensor, labels: torch.Tensor, truth: Truth,
               reference: torch.Tensor | None, model: nn.Module, picture: Path,
-              method: str) -> dict[str, Any]:
+              method: str, reference_labels: torch.Tensor | None = None) -> dict[str, Any]:
     from gradleak.report.plots import plot_private_vs_reconstructed
 
     if tuple(images.shape) != tuple(truth.images.shape):
         raise ConfigError(f"the truth holds images of shape {tuple(truth.images.shape)}, the "
                           f"update's are {tuple(images.shape)}")
-    scores = score_recovery(images, truth.images, reference)
+    scores = score_recovery(images, truth.images, reference, reference_labels=reference_labels,
+                            labels=labels)
     row: dict[str, Any] = {**scores["attack"]}
     if "mean_image" in scores:
         row["mean_image"] = scores["mean_image"]
         row["psnr_gain_over_mean_image"] = row["psnr"] - scores["mean_image"]["psnr"]
+    if "class_mean" in scores:
+        row["class_mean"] = scores["class_mean"]
     # each image's own mean colour: an oracle reference (it reads the private image)
     colour = truth.images.mean((2, 3), keepdim=True).expand_as(truth.images).contiguous()
     row["mean_colour"] = image_scores(colour, truth.images)
@@ -174,13 +178,18 @@ def summarise(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
             values = [r[key] for r in scored if r.get(key) is not None]
             if values:
                 entry[key] = sum(values) / len(values)
-        for name in ("mean_image", "mean_colour"):
+        for name in ("mean_image", "mean_colour", "class_mean"):
             reference = averaged([r[name] for r in scored if name in r])
             if reference:
                 entry[name] = reference
         if "mean_image" in entry:
             entry["mean_image_psnr"] = entry["mean_image"]["psnr"]
             entry["leaks"] = leaks(entry, entry["mean_image"])
+            if "class_mean" in entry:  # the labels alone, set against the mean image as well
+                gain = entry["class_mean"]["psnr"] - entry["mean_image"]["psnr"]
+                entry["class_mean_leaks"] = leaks(
+                    {**entry["class_mean"], "psnr_gain_over_mean_image": gain},
+                    entry["mean_image"])
         labelled = [r for r in scored if "labels_right" in r and r["labels_inferred"]]
         if labelled:
             entry["labels_inferred_right"] = sum(r["labels_right"] for r in labelled)

@@ -37,10 +37,18 @@ class ImageSet:
     name: str  # how tables name it ("digits (FEMNIST stand-in)")
 
     def sample(self, count: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        index = self._chosen(count, seed)
+        return self.images[index], self.labels[index]
+
+    def rest(self, count: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every image `sample(count, seed)` leaves out: auxiliary data apart from a client's."""
+        kept = np.setdiff1d(np.arange(len(self.labels)), self._chosen(count, seed))
+        return self.images[kept], self.labels[kept]
+
+    def _chosen(self, count: int, seed: int) -> np.ndarray:
         if count > len(self.labels):
             raise ConfigError(f"{self.name} holds {len(self.labels)} images, {count} requested")
-        index = np.random.default_rng(seed).choice(len(self.labels), count, replace=False)
-        return self.images[index], self.labels[index]
+        return np.random.default_rng(seed).choice(len(self.labels), count, replace=False)
 
 
 def load_dataset(spec: str, seed: int = 0) -> ImageSet:

@@ -109,7 +109,8 @@ class AuditStrategy(Strategy):
                  hyperparameters: dict[str, Any] | None = None, iterations: int = 1000,
                  labels: str = "infer", workers: int = 1, truth: TruthFn | None = None,
                  reference: torch.Tensor | None = None, model_ref: str | None = None,
-                 options: AuditOptions | None = None) -> None:
+                 options: AuditOptions | None = None,
+                 reference_labels: torch.Tensor | None = None) -> None:
         if not isinstance(strategy, Strategy):
             raise ConfigError(f"AuditStrategy wraps a flwr.serverapp.strategy.Strategy, got "
                               f"{type(strategy).__name__}")
@@ -151,6 +152,11 @@ class AuditStrategy(Strategy):
         self.clients = clients if clients is None or isinstance(clients, int) \
             else frozenset(clients)
         self.batchnorm, self.truth, self.reference = batchnorm, truth, reference
+        if reference_labels is not None and (reference is None or len(reference_labels)
+                                             != len(reference)):
+            raise ConfigError("reference_labels: one label per reference image (the class-mean "
+                              "row), and reference= given")
+        self.reference_labels = reference_labels
         self.hyperparameters = dict(hyperparameters or {})
         self.model_ref = registered_model(model_fn, model_ref)
         self.out = self._claim(Path(out))
@@ -242,7 +248,8 @@ class AuditStrategy(Strategy):
         for method in self.options.methods:  # one job per method: a free worker takes the next
             options = dataclasses.replace(self.options, methods=(method,))
             job = (path, self.model_fn, options, path.parent, truth, self.reference,
-                   self.input_transform, None, None, f"{path.stem}-{method}")
+                   self.input_transform, None, None, f"{path.stem}-{method}",
+                   self.reference_labels)
             info = {**row, "method": method}
             if self.workers == 0:
                 say(f"round {server_round}, node {node}: {method} ...")

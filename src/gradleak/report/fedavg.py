@@ -39,10 +39,15 @@ def against(entry: dict[str, Any]) -> str:
     verdict = ("beyond it on " + ", ".join(found) + ": the update leaks more than the data's "
                "average") if found else "at it on PSNR, SSIM and LPIPS: no better than the " \
         "average image"
-    colour = entry.get("mean_colour")
+    colour, labels = entry.get("mean_colour"), entry.get("class_mean")
+    said = (f"; each used label's mean auxiliary image (the labels alone, no optimisation) "
+            f"scores {scores_text(labels)}, " + (
+                "beyond the mean image on " + ", ".join(entry["class_mean_leaks"])
+                if entry.get("class_mean_leaks") else "no better than the mean image")
+            if labels else "")
     return (f" against the mean image's {scores_text(entry['mean_image'])} (no gradient), "
-            f"{verdict}" + (f"; each image's own mean colour (an oracle) scores "
-                            f"{scores_text(colour)}" if colour else ""))
+            f"{verdict}{said}" + (f"; each image's own mean colour (an oracle) scores "
+                                  f"{scores_text(colour)}" if colour else ""))
 
 
 def verdict_lines(audit: dict[str, Any]) -> list[str]:
