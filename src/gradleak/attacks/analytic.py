@@ -157,9 +157,8 @@ def invert_features(observation: Observation, features: np.ndarray, module: str,
     squared error plus anisotropic TV, clamped to [0, 1]. Frames are independent (the loss is a
     sum over them and Adam is element-wise), so a batch solves them all at once.
 
-    Defaults from a sweep on 16 cpu-bench held-out frames (random-init cnn-small, 64×64):
-    TV 0.02 → 11 dB, 0.2 → 18.1 dB, 0.5 → 17.9 dB, 1.0 → 16.0 dB (mean of those frames:
-    21.8 dB): the 4×4×32 feature map alone does not pin the frame down."""
+    The TV weight is strong because the 4×4×32 feature map alone does not pin the frame down
+    (the sweep that chose it: docs/training-free.md, "Measured choices")."""
     victim = victim_at_theta0(observation)
     for parameter in victim.parameters():
         parameter.requires_grad_(False)

@@ -327,8 +327,8 @@ NULL_TOLERANCE = 1e-9
 # a row of the inequalities within this fraction of their median bound is taken as active
 ACTIVE_TOLERANCE = 1e-4
 # a linear programme for more free coefficients than this is not tried (their inputs are
-# marked undetermined instead): measured up to 50 (paper cnn, PPO) and 107 (cnn-small, random
-# init); at 250 one programme takes 2 s
+# marked undetermined instead): above every count met on the held-out captures, below where
+# one programme takes seconds (docs/training-free.md)
 MAX_FREE = 160
 # nor is the completion for more null-space coefficients (C_in · nullity) than this
 MAX_COEFFICIENTS = 512
@@ -342,8 +342,8 @@ _SHARED: dict[bytes, Any] | None = None
 # coefficient
 NEWTON_DAMPING = 1e-10
 # D's null space is looked for only on blocks with at most this many input pixels a channel:
-# the check costs as much as the solve itself (0.26 s per 16 steps at 441 pixels, 14 ms at
-# 100), and the null spaces measured are all on the top block (100 pixels)
+# the check costs as much as the solve itself, and the null spaces met are all on the top
+# block (docs/training-free.md)
 NULL_CHECK_PIXELS = 256
 # D(δ) whose Gram matrix's Cholesky pivots span less than this (squared) is solved by its
 # normal equations, and has no null space: cond(D) was 7–480 on every well-posed step of the
@@ -520,12 +520,10 @@ def complete_from_outputs(block: ConvBlock, fit: InputFit, outputs: KnownOutputs
 
     order = steps.nonzero().flatten().tolist()
     keys = {step: shared_key(*parts(step)) for step in order}
-    # Small solves a step, on one thread: 81 → 59 ms a frame on cnn-small, 2 cores. Two steps
-    # at a time in threads was no faster there (27.3 against 31.2 ms a frame, medians of 7
-    # side by side): the many small operations between the solves hold the GIL. The next
-    # steps' few large ones (two SVDs and a conv, which release it) run ahead in a thread
-    # instead: 0.87× the time on cnn-small, 0.93× on the PPO cnn (medians of per-round ratios,
-    # alternating in one process), every input bit for bit the same (docs/training-free.md).
+    # Small solves a step, on one thread. Two steps at a time in threads was no faster: the
+    # many small operations between the solves hold the GIL. The next steps' few large ones
+    # (two SVDs and a conv, which release it) run ahead in a thread instead, every input bit
+    # for bit the same (the timings: docs/training-free.md).
     with one_thread(), computed_ahead(
             lambda step: prepare_step(block, fit, outputs, step, read),
             first_unanswered(order, keys)) as prepared:
@@ -964,9 +962,8 @@ def robust_input(block: ConvBlock, delta: torch.Tensor, weight_gradient: torch.T
                  rounds: int = 8) -> torch.Tensor:
     """The conv's input by least squares with each output channel's rows reweighted (Cauchy
     weights on its residual against the median channel's), so that the few channels holding a
-    wrong on/off decision do not pull the input away. Measured on the paper's CNN at random
-    init under noise:1e-6, 16 steps: the 32×21×21 map's median relative error 0.116 → 0.028
-    (the true masks give 0.011)."""
+    wrong on/off decision do not pull the input away (the gain under noise:
+    docs/training-free.md)."""
     fit = least_squares(block, delta, weight_gradient)  # the first, unweighted round
     read, taps = covered_pixels(block), block.conv.kernel_size[0] ** 2
     solution = fit.solution[:, read]

@@ -270,9 +270,7 @@ def walk_every_rule(once: GradientOf, victim: Victim, down_to: str | None,
     against 4e-7, and margin 10 makes them exact). A step no rule makes consistent is finished
     once, by the first rule that paused it, beside the walks that reached its deepest input
     unpaused: finishing every rule's paused walk and keeping the least inconsistent gave the
-    same inputs on all 48 held-out captures of `benchmarks/exact_frames.py` (clean, float16 and
-    the defense grid), at up to three times the cost of such a step (cnn-small, random init:
-    one step paused by all three rules was 0.55 s of the recursion's 0.9)."""
+    same inputs at several times the cost (docs/training-free.md)."""
     blocks = conv_blocks(victim)
     deepest = checked_deepest(victim, blocks, down_to)
     start = top_descent(once, victim, blocks)
@@ -505,7 +503,7 @@ def posterior_mask(block: ConvBlock, full: torch.Tensor, relu: torch.Tensor,
                    ) -> torch.Tensor:
     """On where the posterior says so; the ambiguous units by the δ fitted to the weight
     gradient given the channel-robust input (the margins' alternation flips off-units on
-    under noise: 0.2% of units wrong → 1.3% after 3 rounds, noise:1e-6, paper CNN)."""
+    under noise: docs/training-free.md)."""
     probability = posterior_on(relu, deviation)
     mask = probability > 0.5
     ambiguous = (probability > DECIDED) & (probability < 1 - DECIDED)

@@ -270,9 +270,8 @@ class DefenseAwareConfig:
     # A frame whose row the channel leaves all but exact (less than this share of its energy
     # uncertain: pruning half a per-step gradient drops entries that are ~0 already) keeps the
     # exact attack's frame, which handles it as an undefended one. Its likelihood is then so
-    # sharp that a frame a few grey levels off the private one (50 dB) scores 1e-3 to 1e-6
-    # against the private frame's 1e-14, and descent lands on farther frames that still score
-    # better (random-init cnn, prune:0.5: 50.2 -> 41.7 dB)
+    # sharp that descent from a frame a few grey levels off lands on farther frames that still
+    # score better (docs/audit.md)
     exact_below: float = 1e-7
     # The finish's stages: each of the victim's ReLU modules as a softplus of this sharpness
     # (β = s / the median |input| of that ReLU over the start frames), sharper stage by stage.
@@ -289,8 +288,8 @@ class DefenseAwareConfig:
     # flat colour is the far more likely
     restart_above: float | None = 3.0
     # and it replaces the frame only where its likelihood is this many times higher: two
-    # distant frames' likelihoods say little about which is nearer the private one (bfloat16:
-    # a 36 dB start at 0.027, the finish from its mean colour at 0.017 and 28 dB)
+    # distant frames' likelihoods say little about which is nearer the private one (an example
+    # under bfloat16: docs/training-free.md)
     restart_gain: float = 3.0
 
     def check(self) -> None:

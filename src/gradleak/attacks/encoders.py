@@ -143,9 +143,8 @@ class StructuredInput(GradientInput):
 class WideLinear(nn.Linear):
     """A Linear from a small latent to a whole frame's worth of outputs (out ≫ in). Without
     autograd (an attack, a validation pass) it reads its weight through a contiguous copy of
-    the transpose: MKL's product with the stored (out, in) weight took 2.4 ms against 0.45–0.69
-    for one latent of 256 → 16,384 (TRACE's decoder), 1.25 against 0.33 for 256 → 12,288, 4.8
-    against 4.0 for 16 latents, 2 threads; equal to rounding. With autograd it is nn.Linear,
+    the transpose: MKL's product with the stored (out, in) weight is several times slower for
+    one latent (docs/design-attacks.md), equal to rounding. With autograd it is nn.Linear,
     so training, gradients and checkpoints are unchanged; the copy is made again whenever the
     weight changes (an optimiser step, a load, a move)."""
 
@@ -261,9 +260,8 @@ class ImageDecoder(nn.Module):
             nn.Conv2d(c, max(c // 2, 4), 3, 1, 1), nn.GELU(),
             nn.Conv2d(max(c // 2, 4), 3, 3, 1, 1), nn.Sigmoid())
 
-    # channels-last lets oneDNN skip its layout reorders around every conv: the net ran 4.4 →
-    # 2.6 ms on one latent and 59 → 30 ms on 16 (training 160 → 132), 2 cores
-    # (`benchmarks/recovery_speed.py` times TRACE's inference in both)
+    # channels-last lets oneDNN skip its layout reorders around every conv (the gain:
+    # docs/design-attacks.md; `benchmarks/recovery_speed.py` times TRACE's inference in both)
     memory_format = torch.channels_last
 
     def forward(self, latent: torch.Tensor) -> torch.Tensor:  # (B, latent) → (B, 3, H, W)

@@ -97,8 +97,8 @@ def rank_above(singular: torch.Tensor, tolerance: float) -> int:
 @torch.no_grad()
 def equation_rank(equations: FirstConvEquations, frame: int, shape: torch.Size,
                   tolerance: float = 1e-6) -> int:
-    """The rank alone, from eigenvalues without eigenvectors (measured: 3.4 minutes for one
-    84×84 frame of the paper's cnn on 2 cores)."""
+    """The rank alone, from eigenvalues without eigenvectors: minutes for one 84×84 frame of
+    the paper's cnn (docs/training-free.md)."""
     return rank_above(singular_values(equation_matrix(equations, frame, shape)), tolerance)
 
 

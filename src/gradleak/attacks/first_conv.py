@@ -118,18 +118,16 @@ class FirstConvEquations:
 GRADIENT_TOLERANCE = 1e-3
 # A first-block unit counts as on this many noise deviations above 0, and as off below: the
 # frame's equations take it as exact either way, and no weight gradient settles the rest
-# (`first_conv_equations`). Measured on 16 steps of the paper's CNN at 84×84 (PSNR, margin 20 /
-# 10 / 5): PPO noise:1e-6 30.52 / 33.83 / 34.04, noise:1e-5 29.13 / 29.65 / 28.94, bfloat16
-# 28.77 / 30.55 / 30.66; random init noise:1e-6 29.26 / 31.09 / 31.19, bfloat16 29.99 / 31.03 /
-# 30.44, float16 storage 34.92 / 35.05 / 31.64; exact gradients 37.45 at all three.
+# (`first_conv_equations`). 10 was the best of 20 / 10 / 5 over noisy and reduced-precision
+# captures (docs/training-free.md, "Measured choices").
 FIRST_BLOCK_MARGIN = 10.0
 # An undecided unit's pre-activation is at most its recovered value plus this many deviations,
 # whether it is on (then it is that value, up to its noise) or off (then it is ≤ 0): a bound
 # that holds for both, where −b₁ (exactly off) is wrong for every undecided unit that is on
 CEILING_DEVIATIONS = 3.0
 NOISE_REFERENCE = 1e-2
-# Measured: failed steps have a check of 0.99-1.0, good bfloat16 ones up to 0.93 (25-29 dB
-# there, against 23.8 for the mean-colour frame)
+# A step whose bias check exceeds this keeps its mean-colour frame: the recursion failed
+# there (failed steps' checks and good ones' lie on either side: docs/training-free.md)
 FAILED_CHECK = 0.95
 
 
@@ -139,11 +137,8 @@ class NoiseModel:
     step count 1 / (1 + (bias check / `gradient_tolerance`)²): fully on float32 (check ≈ 1e-7),
     hardly at all once δ₁ is a few percent off. The smoothness is multiplied by
     max(1, (output noise / `noise_reference`)²), so the prior takes over as the on-units'
-    values get noisier. Chosen on 7 float16 and bfloat16 captures of the paper's CNN and
-    cnn-small, 16 steps each: PSNR summed over them is 183.1 with the weight-gradient equations
-    dropped (189.9 with the smoothness scaled too), and with the weight 190.0 / 190.0 /
-    189.3 for a tolerance of 3e-4 / 1e-3 / 3e-3 (unweighted: 118.3). The weight costs nothing
-    on exact steps, where those equations add 0.6-3 dB."""
+    values get noisier. The tolerance was chosen on float16 and bfloat16 captures
+    (docs/training-free.md, "Measured choices"); the weight costs nothing on exact steps."""
 
     gradient_tolerance: float = GRADIENT_TOLERANCE
     noise_reference: float = NOISE_REFERENCE
@@ -173,8 +168,7 @@ def mean_colour(weight_gradient: torch.Tensor, bias_gradient: torch.Tensor) -> t
     """(N, C) each step's mean input per channel from the first conv's gradients alone, no δ₁:
     for a constant input m, ∇W₁[o, c, tap] = m_c · ∇b₁[o] (padding aside), so m_c is the
     least-squares ratio over o and the taps. For a real frame it is a δ₁-weighted average
-    colour; robust where the recursion fails (23.8 dB on the paper's CNN under noise:1e-05,
-    where the mean image scores 24.1)."""
+    colour; robust where the recursion fails, since it needs no δ₁."""
     gradient, bias = weight_gradient.double().flatten(3), bias_gradient.double()
     taps = gradient.shape[-1]
     return torch.einsum("noct,no->nc", gradient, bias) / (

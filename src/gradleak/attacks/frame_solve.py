@@ -48,8 +48,8 @@ from gradleak.errors import ConfigError
 from gradleak.victims.transform import InputTransform
 
 PRECISIONS = {"float64": torch.float64, "float32": torch.float32}
-# the projection's pull towards the guess, beside unit-norm equation rows: 1e-4 and 1e-3 gave
-# the unpulled projection's frames to 0.01 dB (84×84, float64)
+# the projection's pull towards the guess, beside unit-norm equation rows: small enough to
+# leave the unpulled projection's frames as they are
 PROXIMITY = 1e-4
 # consecutive steps' first-block maps this close (relative) saw one frame (`same_frames`):
 # 100x above the pairs of identical frames on a float32 capture, 100x below any other pair
@@ -68,8 +68,8 @@ class FrameSolve:
     round_iterations: int = 100  # CG iterations of each round
     edge_scale: float = 0.01  # ε of the edge weights, as a fraction of the input range; 0: off
     inequalities: bool = True  # enforce the off-units and the input range in the rounds
-    # the solve's arithmetic: float32 gives the float64 frames to 0.01 dB on the paper's cnn at
-    # 84×84 in three quarters of the time (its conv is 5x faster there)
+    # the solve's arithmetic: float32 gives the float64 frames in less time (its conv is the
+    # faster; docs/training-free.md)
     precision: str = "float32"
     # the smoothness of the colour differences (each channel minus the channels' mean), times
     # that of the brightness: the frame's colour varies much less than its brightness
@@ -285,9 +285,7 @@ def round_prior(frame: torch.Tensor, solve: FrameSolve, scale: float,
     `edge_scale` × `scale`, the input range), its colour along its own axes as far as its
     equations are trusted, by the chroma weight for the rest. `trust` (N,) is the
     weight-gradient equations' weight (None: fully): a frame solved from noisy equations has
-    axes fitted to the noise (on bfloat16, float16 and quant:12 captures the axes alone lost up
-    to 0.6 dB; blended by this weight, at most 0.08 against the chroma weighting, and up to 0.23
-    gained), and an exact one keeps them whole."""
+    axes fitted to the noise, and an exact one keeps them whole (docs/training-free.md)."""
     def edges(colour: Colour) -> EdgeWeights:
         if solve.edge_scale == 0:
             return uniform_edges(frame)
@@ -353,8 +351,8 @@ class NormalSystem:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """AᵀA x with one unfold and one fold: the output and weight-gradient equations read
-        the same patches (a conv and its adjoint for each set cost 30% more, measured at 84×84
-        over 64 frames)."""
+        the same patches, so one pass over them serves both (a conv and its adjoint for each
+        set costs more)."""
         equations, conv = self.equations, self.equations.block.conv
         patches = equations.patches(x)  # (N, C·k², P)
         weight = equations.weight.flatten(1)  # (O, C·k²)
