@@ -42,12 +42,13 @@ def test_fedavg_command_writes_metrics_and_the_grid(capsys, tmp_path: Path) -> N
     out = tmp_path / "run"
     assert main(["fedavg", "--dataset", "digits", "--model", "lenet-sigmoid", "--epochs", "2",
                  "--samples", "4", "--batch", "2", "--attack", "sme-dvec", "--iters", "5",
-                 "--cls", "0.1", "--out", str(out), "--json"]) == 0
+                 "--cls", "0.1", "--restarts", "2", "--out", str(out), "--json"]) == 0
     printed = json.loads(capsys.readouterr().out)
     saved = json.loads((out / "metrics.json").read_text())
     assert printed == saved
     assert saved["dataset"] == "digits (FEMNIST stand-in)" and saved["attack"]["cls"] == 0.1
     assert saved["l_sim_scaled"] is not None  # SME's scaled similarity is reported
+    assert len(saved["restarts_l_sim"]) == 2 and saved["l_sim_raw"] == min(saved["restarts_l_sim"])
     assert (out / "reconstructions.png").is_file()
 
 

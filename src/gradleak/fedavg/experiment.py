@@ -58,7 +58,7 @@ def run_fedavg(dataset: str, model_name: str, client: ClientConfig, attack: FedA
                "label_count_l1": int(np.abs(np.bincount(used.numpy(), minlength=data.classes)
                                             - np.bincount(labels.numpy(),
                                                           minlength=data.classes)).sum()),
-               "l_sim_raw": result["l_sim_raw"],
+               "l_sim_raw": result["l_sim_raw"], "restarts_l_sim": result["restarts_l_sim"],
                "l_sim_scaled": result["l_sim_scaled"] if attack.method in ("nlsme", "sme-dvec")
                else None,
                "path_position": result["position"], "seconds": seconds,
