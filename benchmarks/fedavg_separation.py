@@ -31,10 +31,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gradleak.fedavg.client import ClientConfig, train_client
-from gradleak.fedavg.datasets import digits
+from gradleak.fedavg.client import ClientConfig
+from gradleak.fedavg.experiment import simulate_client
 from gradleak.fedavg.forward import identity
-from gradleak.fedavg.models import FEDAVG_MODELS
 from gradleak.fedavg.span import image_span
 from gradleak.io import write_json
 
@@ -50,12 +49,9 @@ def rows_in_span(epochs: int, samples: int, batch: int, seed: int
                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
     """(the live rows of the first layer's update in the span's basis, normalised; their
     pre-activations at θ0 on the private images; the true hyperplanes' unit normals; the gap)."""
-    data = digits()
-    images, labels = data.sample(samples, seed=seed)
-    torch.manual_seed(seed)
-    model = FEDAVG_MODELS.get("mlp")(1, 28, data.classes)
-    update = train_client(model, images, labels,
-                          ClientConfig(epochs=epochs, samples=samples, batch=batch, seed=seed))
+    client = simulate_client("digits", "mlp", ClientConfig(epochs=epochs, samples=samples,
+                                                           batch=batch, seed=seed))
+    images, model, update = client.images, client.model, client.update
     span, why = image_span(model, update.w0, update.wT, (1, 28, 28), samples, identity)
     if span is None:
         raise SystemExit(f"E={epochs} N={samples} B={batch} seed {seed}: no span ({why})")

@@ -143,3 +143,18 @@ def test_the_cli_replays_the_clients_steps(tmp_path, capsys) -> None:
     summary = json.loads(capsys.readouterr().out)
     assert summary["sim"]["labels_inferred_right"] == 4
     assert 0.0 <= summary["sim"]["l_sim"] < 1.0
+
+
+def test_separate_needs_auxiliary_images_of_the_clients_shape(tmp_path, capsys) -> None:
+    path, _ = recorded_update(tmp_path)
+    out = tmp_path / "out"
+    assert main(["fedavg-invert", "--update", str(path), "--plugin", "user_models",
+                 "--method", "sme", "separate", "--out", str(out)]) == 2
+    assert "--method separate starts from auxiliary images of the task" in \
+        capsys.readouterr().err
+    save_file({"images": torch.rand(5, 1, 6, 6)}, str(tmp_path / "small.safetensors"))
+    assert main(["fedavg-invert", "--update", str(path), "--plugin", "user_models",
+                 "--method", "separate", "--reference", str(tmp_path / "small.safetensors"),
+                 "--out", str(out)]) == 2
+    assert "--reference images are (1, 6, 6)" in capsys.readouterr().err
+    assert not out.exists()

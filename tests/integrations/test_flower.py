@@ -153,6 +153,9 @@ def test_audit_settings_are_checked_before_any_round(tmp_path) -> None:
     with pytest.raises(ConfigError, match="needs truth"):
         AuditStrategy(FedAvg(), model_fn=Net, shape=(1, 16, 16), out=tmp_path / "c",
                       labels="known")
+    with pytest.raises(ConfigError, match=r"'separate' .* reference= images of shape \(M, 1"):
+        AuditStrategy(FedAvg(), model_fn=Net, shape=(1, 16, 16), out=tmp_path / "d",
+                      methods=("separate",))
 
 
 @pytest.mark.parametrize("settings, fragment", [

@@ -22,9 +22,13 @@ def run(args: argparse.Namespace) -> None:
                              restarts=args.restarts, seed=args.seed)
     result = run_fedavg(args.dataset, args.model, client, attack, Path(args.out),
                         progress=progress(args))
+    separation = result["separation"]
+    matched = (f"separated: {separation['hyperplanes']} of {args.samples} hyperplanes"
+               + ("" if separation["complete"] else ", images from sme")
+               if separation else f"L_sim raw {result['l_sim_raw']:.4f}")
     text = (f"{args.attack} on {result['dataset']} (E={args.epochs}, N={args.samples}, "
             f"B={args.batch}): PSNR {result['psnr']:.2f} ± {result['psnr_std']:.2f} dB, SSIM "
-            f"{result['ssim']:.3f}, L_sim raw {result['l_sim_raw']:.4f}"
+            f"{result['ssim']:.3f}, {matched}"
             + (f" (scaled {result['l_sim_scaled']:.4f})" if result["l_sim_scaled"] is not None
                else "") + f", {result['seconds']:.1f} s -> {args.out}")
     emit(args, result, text)
@@ -49,7 +53,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batchnorm-train", action="store_true",
                    help="the client trains with BatchNorm in train mode (model cnn-bn)")
     p.add_argument("--attack", default="nlsme", help=f"{', '.join(METHODS)} (sim replays the "
-                   "client's declared steps, after Dimitrov et al.)")
+                   "client's declared steps, after Dimitrov et al.; separate tells model mlp's "
+                   "images apart exactly, from the dataset's other images)")
     p.add_argument("--iters", type=int, default=1000)
     p.add_argument("--restarts", type=int, default=1, help="independent starts; the one whose "
                    "update matches best (1 − cos) is kept")

@@ -123,10 +123,15 @@ def run(args: argparse.Namespace) -> None:
     transform, shape = parse_transform(args.input_transform), parse_shape(args.shape)
     truth = load_truth(args.truth)
     reference, reference_labels = load_reference(args.reference)
-    if reference is not None and truth is None:
+    separating = "separate" in options.methods
+    if separating and reference is None:
+        raise ConfigError("--method separate starts from auxiliary images of the task (never "
+                          "the client's): give them with --reference")
+    if reference is not None and truth is None and not separating:
         raise ConfigError("--reference scores the mean image beside the attack, which needs "
                           "--truth too")
-    if reference is not None and tuple(reference.shape[1:]) != tuple(truth.images.shape[1:]):
+    if reference is not None and truth is not None and \
+            tuple(reference.shape[1:]) != tuple(truth.images.shape[1:]):
         raise ConfigError(f"--reference images are {tuple(reference.shape[1:])}, the truth's "
                           f"{tuple(truth.images.shape[1:])}")
     if options.labels == "known" and (truth is None or truth.labels is None):
@@ -139,6 +144,9 @@ def run(args: argparse.Namespace) -> None:
     for path, meta in zip(updates, metas):
         if shape is not None:
             check_meta({**meta, "shape": list(shape)}, f"{path} with --shape", ConfigError)
+        if separating and tuple(reference.shape[1:]) != tuple(shape or meta["shape"]):
+            raise ConfigError(f"--reference images are {tuple(reference.shape[1:])}, {path}'s "
+                              f"client trained on {tuple(shape or meta['shape'])}")
         if transform is None:
             transform_from_dict(meta.get("input_transform"), str(path))
         Training.from_mapping({**meta.get("config", {}), **meta.get("hyperparameters", {}),
@@ -193,7 +201,10 @@ def run(args: argparse.Namespace) -> None:
              "options": options.to_dict(), "summary": summarise(rows), "rows": rows}
     write_json(out / "audit.json", audit)
     write_fedavg_report(out, audit)
-    lines = [f"{r['update']} {r['method']}: 1 − cos {r['l_sim']:.4f}"
+    lines = [f"{r['update']} {r['method']}: "
+             + (f"{r['separation']['hyperplanes']} of {r['num_examples']} hyperplanes"
+                + ("" if r["separation"]["complete"] else ", images from sme")
+                if r.get("separation") else f"1 − cos {r['l_sim']:.4f}")
              + (f", PSNR {r['psnr']:.2f} dB, SSIM {r['ssim']:.3f}" if "psnr" in r else "")
              + (f" (mean image {r['mean_image']['psnr']:.2f} dB)" if "mean_image" in r else "")
              + "".join(f"\n  warning: {w}" for w in r["warnings"]) for r in rows]
@@ -224,10 +235,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--labels", choices=["infer", "known"], default="infer")
     p.add_argument("--truth", help="safetensors with 'images' (N, C, H, W) in [0, 1] and "
                    "optionally 'labels': scores the recovery (used for nothing else)")
-    p.add_argument("--reference", help="auxiliary images whose mean is the reference row (with "
-                   "labels, each used label's mean is scored too): "
-                   "digits, photos, femnist:PATH, cifar100:PATH or a safetensors file with "
-                   "'images' (needs --truth)")
+    p.add_argument("--reference", help="auxiliary images of the task, none the client's: with "
+                   "--truth their mean is the reference row (with labels, each used label's mean "
+                   "is scored too); method separate starts from them. digits, photos, "
+                   "femnist:PATH, cifar100:PATH or a safetensors file with 'images'")
     for name in ("epochs", "batch", "steps"):
         p.add_argument(f"--{name}", type=int, help=f"the client's {name} (overrides the file)")
     p.add_argument("--lr", type=float, help="the client's learning rate (overrides the file)")

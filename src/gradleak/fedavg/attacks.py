@@ -40,7 +40,10 @@ from gradleak.fedavg.client import ClientUpdate, batch_order, local_step
 from gradleak.fedavg.forward import ClientForward
 from gradleak.fedavg.span import ImageSpan, off_span, project_box
 
-METHODS = ("ig", "sme", "nlsme", "sme-dvec", "nlsme-nod", "sim")
+METHODS = ("ig", "sme", "nlsme", "sme-dvec", "nlsme-nod", "sim", "separate")
+# not an optimisation: the images told apart inside an MLP client's span (fedavg.separate),
+# with FALLBACK where that is incomplete
+SEPARATE, FALLBACK = "separate", "sme"
 CURVED = {"nlsme", "nlsme-nod"}
 RESTART_STRIDE = 1_000_003  # restart r starts from torch's generator at seed + r · stride
 REPLAY_STREAM = 0x5EED  # sim's batch orders: np.random.default_rng([seed, REPLAY_STREAM])
@@ -191,6 +194,9 @@ class UpdateInversion:
         the images' span, which every step projects the dummy images back onto. `features`:
         for a one-step update, the span of each Linear layer's inputs (a penalty term)."""
         config.check()
+        if config.method == SEPARATE:
+            raise ConfigError(f"UpdateInversion optimises; {SEPARATE!r} is fedavg.separate's, "
+                              f"with {FALLBACK!r} where it is incomplete")
         self.model, self.update, self.config = model.eval(), update, config
         self.client = client or ClientForward(
             buffers={n: b.detach() for n, b in model.named_buffers()})

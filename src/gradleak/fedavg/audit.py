@@ -87,6 +87,9 @@ def audit_update(path: Path, model_fn: Callable[[], nn.Module], options: AuditOp
         transform_from_dict(meta.get("input_transform"), str(path))
     training = Training.from_mapping({**meta.get("config", {}), **meta.get("hyperparameters", {}),
                                       **(declared or {})}, f"{path}: hyperparameters")
+    if "separate" in options.methods and reference is None:
+        raise ConfigError("method 'separate' starts from the auxiliary images: give them "
+                          "(--reference, AuditStrategy(reference=))")
     if "sim" in options.methods:  # refused here, not after the other methods' compute
         replay_config(model_fn(), update.w0, update.wT, int(meta["num_examples"]), training,
                       options.batchnorm or meta.get("batchnorm", "train"))
@@ -108,7 +111,8 @@ def audit_update(path: Path, model_fn: Callable[[], nn.Module], options: AuditOp
                 shape=tuple(shape or meta["shape"]), labels=labels, input_transform=transform,
                 batchnorm=options.batchnorm or meta.get("batchnorm", "train"), method=method,
                 hyperparameters=training, iterations=options.iterations,
-                running_stats=options.running_stats, seed=options.seed, **options.attack)
+                running_stats=options.running_stats, seed=options.seed,
+                auxiliary=reference if method == "separate" else None, **options.attack)
         row = {"update": path.name, "round": meta["round"], "node_id": meta["node_id"],
                "num_examples": meta["num_examples"], **result.summary(),
                "update_norm": update_norm(model, update.w0, update.wT),

@@ -29,11 +29,13 @@ import torch
 from torch import nn
 
 from gradleak.errors import ConfigError
-from gradleak.fedavg.attacks import METHODS, FedAttackConfig, UpdateInversion
+from gradleak.fedavg.attacks import (FALLBACK, METHODS, SEPARATE, FedAttackConfig,
+                                     UpdateInversion)
 from gradleak.fedavg.client import OPTIMISERS, ClientConfig, ClientUpdate
 from gradleak.fedavg.forward import (BATCHNORM_MODES, ClientForward, Transform, batchnorm_layers,
                                      identity, running_targets)
 from gradleak.fedavg.labels import counts_from_bias, labels_from_counts
+from gradleak.fedavg.separate import Separation, separate_update
 from gradleak.fedavg.span import update_spans
 
 # 1 − cosine above this after the optimisation: the dummy data do not explain the update
@@ -152,6 +154,9 @@ class InversionResult:
     classes: int = 0  # the model's output count: label_counts has one entry per class
     warnings: list[str] = field(default_factory=list)
     restarts_l_sim: list[float] = field(default_factory=list)  # each start's 1 − cos; best kept
+    # method "separate": whether every image was told apart in the span, and how many
+    # hyperplanes were found (fedavg.separate); the images are FALLBACK's where it was not
+    separation: dict[str, Any] = field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
         data = {k: v for k, v in asdict(self).items() if k not in ("images", "labels")}
@@ -234,13 +239,16 @@ def invert_update(model: nn.Module, w0: Mapping[str, Any], wT: Mapping[str, Any]
                   hyperparameters: Training | Mapping[str, Any] | None = None,
                   iterations: int = 1000, running_stats: bool = True,
                   running_weight: float = 1.0, seed: int = 0, progress: bool = False,
-                  **attack_options: Any) -> InversionResult:
+                  auxiliary: torch.Tensor | None = None, **attack_options: Any
+                  ) -> InversionResult:
     """Recover the `samples` images of one client's update w0 → w_T (see the module doc).
 
     batchnorm: the mode the client trained BatchNorm in ("train", the default here and in
     AuditStrategy: per-minibatch statistics, as every torch training loop; "eval": frozen
     running statistics, as SME).
     running_stats: in train mode, also match the batch statistics the running buffers reveal.
+    auxiliary: (M, C, H, W) images of the task in [0, 1], none of them the client's: where
+    method "separate" starts from (fedavg.separate).
     attack_options: FedAttackConfig fields (tv, lr_images, cls, ...)."""
     training = hyperparameters if isinstance(hyperparameters, Training) else \
         Training.from_mapping(hyperparameters, "hyperparameters")
@@ -280,17 +288,29 @@ def invert_update(model: nn.Module, w0: Mapping[str, Any], wT: Mapping[str, Any]
     if batchnorm == "train" and running_stats and steps:
         client.running_targets = running_targets(model, float_buffers0, buffersT, steps)
     model.eval()
+    start = time.perf_counter()
+    span, span_note, features = update_spans(model, params0, paramsT, shape, samples, transform,
+                                             optimiser=training.optimiser, steps=steps,
+                                             image=config.span or method == SEPARATE)
+    if method == SEPARATE:
+        check_separable(span, span_note, auxiliary, shape)
     classes = count_classes(model, params0, client, shape)
     chosen, inferred = resolve_labels(model, labels, samples, classes, params0, paramsT,
                                       client, training, steps, shape, seed)
     update = ClientUpdate(params0, paramsT, replayed, steps or 0, chosen)
-    start = time.perf_counter()
-    span, span_note, features = update_spans(model, params0, paramsT, shape, samples, transform,
-                                             optimiser=training.optimiser, steps=steps,
-                                             image=config.span)
+    separation: Separation | None = None
+    if method == SEPARATE:
+        assert span is not None
+        separation = separate_update(span, params0, paramsT, transform, auxiliary, seed)
+        config = FedAttackConfig(**{**config.to_dict(), "method": FALLBACK})
+        if not separation.complete:
+            notes.append(f"method 'separate' found {separation.hyperplanes} of {samples} "
+                         f"hyperplanes, too few to tell the images apart: the images are "
+                         f"{FALLBACK}'s, kept in the span")
     inversion = UpdateInversion(model, update, shape, classes, config, labels=chosen,
                                 client=client, span=span, features=features)
-    result = inversion.run(progress)
+    result = separation.as_result() \
+        if separation is not None and separation.complete else inversion.run(progress)
     if result["l_sim_raw"] > POOR_FIT:
         notes.append(f"the dummy data explain the update poorly (1 − cosine "
                      f"{result['l_sim_raw']:.3f} > {POOR_FIT}): check input_transform (the "
@@ -305,7 +325,27 @@ def invert_update(model: nn.Module, w0: Mapping[str, Any], wT: Mapping[str, Any]
         path_position=result["position"],
         span={**(span.summary() if span is not None else {"unused": span_note}),
               "feature_spans": sorted(inversion.features)}, classes=classes,
-        warnings=notes, restarts_l_sim=result["restarts_l_sim"])
+        warnings=notes, restarts_l_sim=result["restarts_l_sim"],
+        separation=separation.summary() if separation is not None else {})
+
+
+def check_separable(span: Any, why: str, auxiliary: torch.Tensor | None,
+                    shape: tuple[int, ...]) -> None:
+    """Method "separate" needs an image span and auxiliary images of the client's shape; one
+    ConfigError before any work otherwise."""
+    if span is None:
+        raise ConfigError(f"method 'separate' tells the images apart inside the span a first "
+                          f"Linear layer's update gives, and this update has none: {why}")
+    if auxiliary is None:
+        raise ConfigError("method 'separate' starts from auxiliary images of the task (never "
+                          "the client's): pass auxiliary= (M, C, H, W) in [0, 1]")
+    if not isinstance(auxiliary, torch.Tensor) or auxiliary.dim() != 4 or \
+            tuple(auxiliary.shape[1:]) != tuple(shape) or not len(auxiliary):
+        raise ConfigError(f"auxiliary: expected a tensor (M >= 1, {', '.join(map(str, shape))}) "
+                          f"in [0, 1], found {getattr(auxiliary, 'shape', type(auxiliary))}")
+    if not bool(torch.isfinite(auxiliary).all()) or float(auxiliary.min()) < 0 or \
+            float(auxiliary.max()) > 1:
+        raise ConfigError("auxiliary: images must be finite and in [0, 1]")
 
 
 def replay_config(model: nn.Module, w0: Mapping[str, Any], wT: Mapping[str, Any], samples: int,

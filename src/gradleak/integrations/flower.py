@@ -157,6 +157,10 @@ class AuditStrategy(Strategy):
             raise ConfigError("reference_labels: one label per reference image (the class-mean "
                               "row), and reference= given")
         self.reference_labels = reference_labels
+        if "separate" in self.options.methods and (
+                reference is None or tuple(reference.shape[1:]) != tuple(shape)):
+            raise ConfigError(f"method 'separate' starts from auxiliary images of the task: "
+                              f"give reference= images of shape (M, {', '.join(map(str, shape))})")
         self.hyperparameters = dict(hyperparameters or {})
         self.model_ref = registered_model(model_fn, model_ref)
         self.out = self._claim(Path(out))
