@@ -310,7 +310,11 @@ class _Rows:
         """Refit each hyperplane on the rows of the units its own image keeps off at θ0, and
         recompute the images, until nothing moves: a hyperplane mixed from several true ones
         leans toward the one whose image it holds."""
-        normals = np.array([self.grow(normal) for normal in normals])
+        normals = normals.copy()
+        for n in range(len(normals)):  # a refit that drifts onto another's span is undone
+            grown = self.grow(normals[n])
+            if self.clear_of(grown, np.delete(normals, n, 0)):
+                normals[n] = grown
         images = self.duals(normals)
         for _ in range(rounds):
             if images is None:
@@ -318,8 +322,10 @@ class _Rows:
             refit = normals.copy()
             for n in range(len(normals)):
                 allowed = self.start_pre @ images[n] < self.config.margin
-                refit[n] = self.polish(self.refine(normals[n], allowed), allowed)
-                refit[n] *= np.sign(refit[n] @ normals[n]) or 1.0
+                turned = self.polish(self.refine(normals[n], allowed), allowed)
+                turned *= np.sign(turned @ normals[n]) or 1.0
+                if self.clear_of(turned, np.delete(refit, n, 0)):
+                    refit[n] = turned
             if np.allclose(np.abs(np.sum(refit * normals, 1)), 1.0, atol=1e-12):
                 break
             normals, images = refit, self.duals(refit)
