@@ -13,7 +13,9 @@ from gradleak.errors import ConfigError
 from gradleak.fedavg import invert_update
 from gradleak.fedavg.client import ClientConfig
 from gradleak.fedavg.experiment import simulate_client
+from gradleak.fedavg.datasets import digits as digits_stand_in
 from gradleak.fedavg.forward import identity
+from gradleak.fedavg.models import FEDAVG_MODELS
 from gradleak.fedavg.scoring import hungarian_match
 from gradleak.fedavg.separate import (Separation, SeparationConfig, _Rows, box_repair,
                                       raw_rows, separate_update)
@@ -128,3 +130,35 @@ def test_refusals_name_what_is_missing_before_any_work() -> None:
         invert_update(conv, state, {k: v + 0.01 for k, v in state.items()}, samples=4,
                       shape=(1, 28, 28), method="separate", auxiliary=auxiliary,
                       hyperparameters=declared)
+
+
+def test_a_client_that_normalises_its_inputs_is_separated_in_raw_pixels() -> None:
+    """torch's own loop on Normalize(0.5, 0.5) inputs: the update is a sum over [a·x + c, 1],
+    and its rows are read back over raw [x, 1] before the hyperplanes are sought."""
+    import copy
+
+    import torch.nn.functional as F
+
+    from gradleak.fedavg import Normalize
+
+    data = digits_stand_in()
+    images, labels = data.sample(10, seed=3)
+    auxiliary, _ = data.rest(10, seed=3)
+    torch.manual_seed(3)
+    model = FEDAVG_MODELS.get("mlp")(1, 28, data.classes)
+    transform = Normalize(0.5, 0.5)
+    w0 = copy.deepcopy(model.state_dict())
+    optimiser = torch.optim.SGD(model.parameters(), lr=0.004)
+    for _ in range(3):  # three epochs of two batches, in order
+        for start in (0, 5):
+            optimiser.zero_grad()
+            F.cross_entropy(model(transform(images[start:start + 5])),
+                            labels[start:start + 5]).backward()
+            optimiser.step()
+    wT = model.state_dict()
+    span, why = image_span(model, w0, wT, (1, 28, 28), 10, transform)
+    assert span is not None, why
+    result = separate_update(span, w0, wT, transform, auxiliary[:300])
+    assert result.complete
+    recovered = result.images[hungarian_match(result.images, images)]
+    assert float((recovered - images).abs().max()) < 1e-3

@@ -123,10 +123,16 @@ class _Rows:
     """The live rows of one update in the span's coordinates, with what the search reads."""
 
     def __init__(self, span: ImageSpan, first: np.ndarray, last: np.ndarray,
-                 config: SeparationConfig) -> None:
+                 config: SeparationConfig,
+                 affine: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         basis = span.basis.numpy()
         self.basis, self.samples, self.config = basis, span.rank, config
-        full = first - last
+        full = first - last  # the layer's change as a map on [raw pixels, 1] ...
+        if affine is not None:  # ... and as the sum Σ_n d_n [x_n, 1]ᵀ over raw images
+            a, c = (t.double().numpy() for t in affine)
+            weight = full[:, :-1] / a
+            bias = full[:, -1] - weight @ c
+            full = np.concatenate([(weight - bias[:, None] * c[None]) / a, bias[:, None]], 1)
         rows = full @ basis.T
         # each row's rounding: its share outside the span, per coordinate
         noise = np.linalg.norm(full - rows @ basis, axis=1) / np.sqrt(full.shape[1] - span.rank)
@@ -438,10 +444,12 @@ def box_repair(pixels: np.ndarray, images: np.ndarray) -> tuple[np.ndarray, int]
 
 
 def separate(span: ImageSpan, first: np.ndarray, last: np.ndarray, auxiliary: torch.Tensor,
-             seed: int = 0, config: SeparationConfig | None = None) -> Separation:
+             seed: int = 0, config: SeparationConfig | None = None,
+             affine: tuple[torch.Tensor, torch.Tensor] | None = None) -> Separation:
     """The client's images from its first layer's rows at w0 (`first`) and w_T (`last`), both
-    (units, pixels + 1) acting on [raw pixels, 1] (`raw_rows`), starting from `auxiliary`
-    images (M, C, H, W) in [0, 1] of the task, none of them the client's."""
+    (units, pixels + 1) acting on [raw pixels, 1] (`raw_rows` of the per-pixel `affine` the
+    model reads, a·x + c; None: the identity), starting from `auxiliary` images (M, C, H, W) in
+    [0, 1] of the task, none of them the client's."""
     config = config or SeparationConfig()
     config.check()
     pixels = int(np.prod(span.shape))
@@ -453,7 +461,7 @@ def separate(span: ImageSpan, first: np.ndarray, last: np.ndarray, auxiliary: to
         raise ConfigError(f"separate: auxiliary images of shape {tuple(auxiliary.shape)}, "
                           f"expected (M >= 1, {', '.join(map(str, span.shape))})")
     start = time.perf_counter()
-    rows = _Rows(span, first, last, config)
+    rows = _Rows(span, first, last, config, affine)
     samples, rng = span.rank, np.random.default_rng(seed)
     flat = auxiliary.detach().flatten(1).double().numpy()
     estimates = np.concatenate([flat, np.ones((len(flat), 1))], 1) @ rows.basis.T
@@ -533,4 +541,4 @@ def separate_update(span: ImageSpan, w0: dict[str, torch.Tensor], wT: dict[str, 
         raise ConfigError("method 'separate': the input transform is not per-pixel a·x + c")
     weight, bias = f"{span.layer}.weight", f"{span.layer}.bias"
     return separate(span, raw_rows(w0[weight], w0[bias], affine),
-                    raw_rows(wT[weight], wT[bias], affine), auxiliary, seed, config)
+                    raw_rows(wT[weight], wT[bias], affine), auxiliary, seed, config, affine)
