@@ -274,42 +274,12 @@ class _Rows:
         scale = self.bias @ duals
         return None if np.any(np.abs(scale) < 1e-12) else (duals / scale).T
 
-    def count(self, normal: np.ndarray) -> int:
-        return len(self.on(normal))
-
     def clear_of(self, normal: np.ndarray, others: np.ndarray) -> bool:
         """Whether the unit normal stands NEW_DIRECTION clear of the others' span."""
         if not len(others):
             return True
         inside = np.linalg.lstsq(others.T, normal, rcond=None)[0] @ others
         return bool(np.linalg.norm(normal - inside) >= NEW_DIRECTION)
-
-    def unmix(self, normals: np.ndarray) -> np.ndarray:
-        """Replace a hyperplane that is a mix of true ones: in its plane with each other found
-        one, the angle where most rows vanish, when that holds more rows than it, is certified
-        and stands clear of the others."""
-        normals = normals.copy()
-        for i in range(len(normals)):
-            own = len(self.on(normals[i]))
-            for j in range(len(normals)):
-                other = normals[j] - (normals[j] @ normals[i]) * normals[i]
-                if j == i or np.linalg.norm(other) < 1e-9:
-                    continue
-                other /= np.linalg.norm(other)
-                angles = np.sort(np.arctan2(-(self.weighted @ normals[i]),
-                                            self.weighted @ other) % np.pi)
-                circle = np.concatenate([angles, angles + np.pi])
-                shared = np.searchsorted(circle, circle + 1e-3) - np.arange(len(circle))
-                best = int(np.argmax(shared[:len(angles)]))
-                if shared[best] <= own:
-                    continue
-                angle = float(np.median(circle[best:best + shared[best]]))
-                turned = self.grow(self.refine(np.cos(angle) * normals[i]
-                                               + np.sin(angle) * other, None))
-                if len(self.on(turned)) > own and self.certified(turned) and \
-                        self.clear_of(turned, np.delete(normals, i, 0)):
-                    normals[i], own = turned, len(self.on(turned))
-        return normals
 
     def consistent(self, normals: np.ndarray, rounds: int = 10
                    ) -> tuple[np.ndarray, np.ndarray | None]:
@@ -335,9 +305,6 @@ class _Rows:
             if np.allclose(np.abs(np.sum(refit * normals, 1)), 1.0, atol=1e-12):
                 break
             normals, images = refit, self.duals(refit)
-        unmixed = self.unmix(normals)
-        if not np.array_equal(unmixed, normals):
-            normals, images = unmixed, self.duals(unmixed)
         return normals, images
 
     def into_open(self, estimate: np.ndarray, normals: np.ndarray) -> np.ndarray:
@@ -474,9 +441,7 @@ def separate(span: ImageSpan, first: np.ndarray, last: np.ndarray, auxiliary: to
     def keep(normal: np.ndarray, certified: bool) -> bool:
         # a new hyperplane must stand clear of the found ones' span: a mix of two found ones
         # (two same-label images' near-proportional gradient sums) holds many rows too
-        if not certified or (normals and np.linalg.norm(
-                normal - np.linalg.lstsq(open_space().T, normal, rcond=None)[0]
-                @ open_space()) < NEW_DIRECTION):
+        if not certified or not rows.clear_of(normal, open_space()):
             return False
         normals.append(normal)
         return True
