@@ -145,3 +145,29 @@ def test_restarts_keep_the_start_that_matches_the_update_best(client) -> None:
     assert single.run()["l_sim_raw"] == result["restarts_l_sim"][0]  # restart 0: the seed's own
     with pytest.raises(ConfigError, match="restarts 0: expected an integer >= 1"):
         FedAttackConfig(restarts=0).check()
+
+
+def test_a_simulated_batchnorm_train_client_is_replayed_in_train_mode() -> None:
+    """`gradleak fedavg --batchnorm-train`: the server's replay normalises each minibatch by
+    itself, as the client did, so the true images explain a one-step update exactly; replayed
+    in eval mode they would not (cosine 0.46 here), and the attack would be blind to them."""
+    from gradleak.fedavg.experiment import run_fedavg, simulate_client
+    from gradleak.fedavg.forward import ClientForward
+
+    config = ClientConfig(epochs=1, samples=4, batch=4, lr=0.05, batchnorm_train=True, seed=3)
+    simulated = simulate_client("digits", "cnn-bn", config)
+    delta = simulated.update.delta()
+    shape = tuple(simulated.images.shape[1:])
+
+    def cosine(client: ClientForward) -> float:
+        attack = UpdateInversion(simulated.model, simulated.update, shape, 10,
+                                 FedAttackConfig(method="ig"), client=client,
+                                 labels=simulated.labels)
+        gradient = attack.surrogate_gradient(simulated.images)
+        return 1.0 - float(cosine_distance(gradient, delta))
+
+    assert cosine(simulated.forward()) > 0.9999
+    eval_mode = ClientForward(buffers=dict(simulated.update.buffers0))
+    assert cosine(eval_mode) < 0.9
+    result = run_fedavg("digits", "cnn-bn", config, FedAttackConfig(method="ig", iterations=1))
+    assert result["batchnorm"] == "train"

@@ -98,3 +98,7 @@ def test_batchnorm_in_train_mode_matches_torch_and_updates_its_statistics() -> N
         optimiser.step()
     for name, p in reference.named_parameters():
         torch.testing.assert_close(update.wT[name], p.detach(), rtol=1e-4, atol=1e-6)
+    for name, b in reference.named_buffers():  # what the client sends beside w_T
+        torch.testing.assert_close(update.buffersT[name].float(), b.float(), rtol=1e-4,
+                                   atol=1e-6)
+        assert not torch.equal(update.buffers0[name], update.buffersT[name])

@@ -9,6 +9,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.func import grad
 
 from user_models import TinyClassifier

@@ -11,6 +11,7 @@ from torch import nn
 
 from gradleak.errors import ConfigError
 from gradleak.fedavg import invert_update
+from gradleak.fedavg.attacks import FedAttackConfig
 from gradleak.fedavg.client import ClientConfig
 from gradleak.fedavg.experiment import simulate_client
 from gradleak.fedavg.datasets import digits as digits_stand_in
@@ -162,3 +163,19 @@ def test_a_client_that_normalises_its_inputs_is_separated_in_raw_pixels() -> Non
     assert result.complete
     recovered = result.images[hungarian_match(result.images, images)]
     assert float((recovered - images).abs().max()) < 1e-3
+
+
+def test_the_experiment_refuses_separate_before_training_a_client_it_cannot_separate(
+        monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    import gradleak.fedavg.experiment as experiment
+
+    def trained(*_args, **_kwargs):
+        raise AssertionError("the client was trained before the refusal")
+
+    monkeypatch.setattr(experiment, "train_client", trained)
+    attack = FedAttackConfig(method="separate")
+    with pytest.raises(ConfigError, match="model cnn gives no image span .*Conv2d, not Linear"):
+        experiment.run_fedavg("digits", "cnn", ClientConfig(), attack, out=tmp_path / "out")
+    with pytest.raises(ConfigError, match="optimiser \\(adamw\\) rescales each entry"):
+        experiment.run_fedavg("digits", "mlp", ClientConfig(optimiser="adamw"), attack)
+    assert not (tmp_path / "out").exists()

@@ -42,7 +42,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dataset", default="digits",
                    help="digits, photos (embedded stand-ins), femnist:PATH or cifar100:PATH")
     p.add_argument("--model", default="cnn",
-                   help="cnn (LEAF/SME), cnn-bn, lenet-sigmoid, flower-cnn (Flower's template) or "
+                   help="cnn (LEAF/SME), cnn-bn, resnet8, lenet-sigmoid, flower-cnn (Flower's "
+                   "template) or "
                    "mlp (first layer Linear on the image: its update holds the images' span, "
                    "which the attack keeps to)")
     p.add_argument("--epochs", type=int, default=20)
@@ -51,7 +52,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--client-lr", type=float, default=0.004)
     p.add_argument("--optimiser", default="sgd", help="the client's: sgd, momentum, adamw")
     p.add_argument("--batchnorm-train", action="store_true",
-                   help="the client trains with BatchNorm in train mode (model cnn-bn)")
+                   help="the client trains with BatchNorm in train mode (models cnn-bn, resnet8), "
+                   "and the attack replays it so")
     p.add_argument("--attack", default="nlsme", help=f"{', '.join(METHODS)} (sim replays the "
                    "client's declared steps, after Dimitrov et al.; separate tells model mlp's "
                    "images apart exactly, from the dataset's other images)")

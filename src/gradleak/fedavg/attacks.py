@@ -228,7 +228,7 @@ class UpdateInversion:
         from gradleak.fedavg.labels import infer_label_counts, labels_from_counts
 
         return labels_from_counts(infer_label_counts(self.model, self.update, self.images,
-                                                     classes))
+                                                     classes, self.client))
 
     def surrogate_gradient(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
         """∇_w of the dummy set's mean loss at the surrogate point (graph kept for the images)."""

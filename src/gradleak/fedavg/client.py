@@ -8,7 +8,7 @@ failure that broke the public SME code.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -29,7 +29,7 @@ class ClientConfig:
     batch: int = 10  # B
     lr: float = 0.004  # η (SME's victim)
     optimiser: str = "sgd"  # robustness settings: "momentum" (0.9), "adamw"
-    batchnorm_train: bool = False  # BatchNorm in train mode (SME keeps it in eval mode)
+    batchnorm_train: bool = False  # BatchNorm in train mode (SME's victim keeps eval mode)
     shuffle: bool = True  # a new batch order every epoch
     seed: int = 0
 
@@ -58,6 +58,9 @@ class ClientUpdate:
     config: ClientConfig | None  # None: the server was not told how the client trained
     steps: int
     labels: torch.Tensor | None  # only when the experiment declares labels known (an oracle)
+    # the buffers the client sent with w0 and w_T (BatchNorm's running statistics and counters)
+    buffers0: dict[str, torch.Tensor] = field(default_factory=dict)
+    buffersT: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def delta(self) -> dict[str, torch.Tensor]:
         """w0 − w_T: the direction the client's gradients summed to."""
@@ -87,7 +90,8 @@ def train_client(model: nn.Module, images: torch.Tensor, labels: torch.Tensor,
                           f"its config says N = {config.samples}")
     model.train(config.batchnorm_train)
     w0 = {name: p.detach().clone() for name, p in model.named_parameters()}
-    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    initial = {name: b.detach().clone() for name, b in model.named_buffers()}
+    buffers = {name: b.clone() for name, b in initial.items()}  # BatchNorm updates these
     weights = {name: p.clone() for name, p in w0.items()}
 
     def loss(parameters: dict[str, torch.Tensor], running: dict[str, torch.Tensor],
@@ -102,7 +106,8 @@ def train_client(model: nn.Module, images: torch.Tensor, labels: torch.Tensor,
     for t, index in enumerate(steps, start=1):
         gradients = step_gradient(weights, buffers, images[index], labels[index])
         weights = local_step(weights, gradients, state, second, config, t)
-    return ClientUpdate(w0, weights, config, len(steps), labels.clone() if labels_known else None)
+    return ClientUpdate(w0, weights, config, len(steps), labels.clone() if labels_known else None,
+                        initial, buffers)
 
 
 def local_step(weights: dict[str, torch.Tensor], gradients: dict[str, torch.Tensor],

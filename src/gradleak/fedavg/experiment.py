@@ -16,10 +16,10 @@ from gradleak.fedavg.attacks import FALLBACK, SEPARATE, FedAttackConfig, UpdateI
 from gradleak.fedavg.client import ClientConfig, ClientUpdate, train_client
 from gradleak.fedavg.datasets import ImageSet, load_dataset
 from gradleak.fedavg.models import FEDAVG_MODELS
-from gradleak.fedavg.forward import identity
+from gradleak.fedavg.forward import ClientForward, client_forward, identity
 from gradleak.fedavg.scoring import hungarian_match
-from gradleak.fedavg.separate import separate_update
-from gradleak.fedavg.span import update_spans
+from gradleak.fedavg.separate import Separation, separate_update
+from gradleak.fedavg.span import LINEAR_OPTIMISERS, ImageSpan, first_linear, update_spans
 from gradleak.errors import ConfigError
 from gradleak.io import check_output, write_json
 from gradleak.metrics.images import mse, psnr, ssim
@@ -39,6 +39,56 @@ class SimulatedClient:
     model: nn.Module
     update: ClientUpdate
 
+    def forward(self) -> ClientForward:
+        """The client's forward pass as the server replays it: BatchNorm in the mode the client
+        trained it in, matched to the running statistics its buffers carry."""
+        config = self.update.config
+        assert config is not None  # a simulated client declares how it trained
+        return client_forward(self.model, self.update.buffers0, self.update.buffersT,
+                              batchnorm="train" if config.batchnorm_train else "eval",
+                              batch=config.batch, steps=self.update.steps)
+
+    def attack(self, attack: FedAttackConfig, progress: bool = False) -> Attacked:
+        """The server's attack: from the update, the declared settings, the model and (for
+        method separate) the dataset's other images, never the client's own."""
+        update, shape = self.update, tuple(self.images.shape[1:])
+        config = update.config
+        assert config is not None
+        start = time.perf_counter()
+        span, span_note, features = update_spans(self.model, update.w0, update.wT, shape,
+                                                 config.samples, identity,
+                                                 optimiser=config.optimiser, steps=update.steps,
+                                                 image=attack.span or attack.method == SEPARATE)
+        separation, optimised = None, attack
+        if attack.method == SEPARATE:
+            if span is None:
+                raise ConfigError(f"--attack {SEPARATE}: the client's update gives no image "
+                                  f"span ({span_note})")
+            auxiliary, _ = self.data.rest(config.samples, seed=config.seed)
+            separation = separate_update(span, update.w0, update.wT, identity, auxiliary,
+                                         attack.seed)
+            optimised = FedAttackConfig(**{**attack.to_dict(), "method": FALLBACK})
+        inversion = UpdateInversion(self.model, update, shape, self.data.classes, optimised,
+                                    client=self.forward(), span=span, features=features)
+        result = separation.as_result() \
+            if separation is not None and separation.complete else inversion.run(progress)
+        return Attacked(result, inversion.labels, time.perf_counter() - start, span, span_note,
+                        sorted(inversion.features), separation, inversion.client.batchnorm)
+
+
+@dataclass
+class Attacked:
+    """What the server's attack on one simulated client gave."""
+
+    result: dict[str, Any]  # UpdateInversion.run's keys (images, l_sim_raw, ...)
+    labels: torch.Tensor  # the labels the attack used (inferred unless declared known)
+    seconds: float
+    span: ImageSpan | None
+    span_note: str  # why there is no span, where there is none
+    feature_spans: list[str]
+    separation: Separation | None
+    batchnorm: str  # the mode the replay ran BatchNorm in
+
 
 def simulate_client(dataset: str, model_name: str, client: ClientConfig,
                     labels_known: bool = False) -> SimulatedClient:
@@ -53,6 +103,20 @@ def simulate_client(dataset: str, model_name: str, client: ClientConfig,
     return SimulatedClient(data, images, labels, model, update)
 
 
+def check_span_possible(dataset: str, model_name: str, client: ClientConfig) -> None:
+    """Before any training: the model's first layer reads the flattened image and the client's
+    optimiser sums gradients, which the separation needs (the rank gap is checked after)."""
+    data = load_dataset(dataset, seed=client.seed)
+    shape = tuple(data.images.shape[1:])
+    model = FEDAVG_MODELS.get(model_name)(shape[0], shape[-1], data.classes)
+    layer, why = first_linear(model, shape, identity)
+    if layer is None:
+        raise ConfigError(f"--attack {SEPARATE}: model {model_name} gives no image span ({why})")
+    if client.optimiser not in LINEAR_OPTIMISERS:
+        raise ConfigError(f"--attack {SEPARATE}: the client's optimiser ({client.optimiser}) "
+                          "rescales each entry, so its update spans nothing")
+
+
 def run_fedavg(dataset: str, model_name: str, client: ClientConfig, attack: FedAttackConfig,
                out: Path | None = None, progress: bool = False) -> dict[str, Any]:
     client.check()  # every argument, and the output location, before any work
@@ -60,36 +124,19 @@ def run_fedavg(dataset: str, model_name: str, client: ClientConfig, attack: FedA
     FEDAVG_MODELS.get(model_name)
     if out is not None:
         check_output(out, "--out", directory=True)
+    if attack.method == SEPARATE:
+        check_span_possible(dataset, model_name, client)
     simulated = simulate_client(dataset, model_name, client, attack.labels == "known")
     data, images, labels = simulated.data, simulated.images, simulated.labels
-    model, update = simulated.model, simulated.update
-    rss_before, start = peak_rss_mb(), time.perf_counter()
-    span, span_note, features = update_spans(model, update.w0, update.wT,
-                                             tuple(images.shape[1:]), client.samples, identity,
-                                             optimiser=client.optimiser, steps=update.steps,
-                                             image=attack.span or attack.method == SEPARATE)
-    separation = None
-    optimised = attack
-    if attack.method == SEPARATE:
-        if span is None:
-            raise ConfigError(f"--attack {SEPARATE}: {model_name} gives no image span "
-                              f"({span_note})")
-        # the server's auxiliary images: the dataset without this client's
-        auxiliary, _ = data.rest(client.samples, seed=client.seed)
-        separation = separate_update(span, update.w0, update.wT, identity, auxiliary,
-                                     attack.seed)
-        optimised = FedAttackConfig(**{**attack.to_dict(), "method": FALLBACK})
-    inversion = UpdateInversion(model, update, tuple(images.shape[1:]), data.classes, optimised,
-                                span=span, features=features)
-    used = inversion.labels
-    result = separation.as_result() \
-        if separation is not None and separation.complete else inversion.run(progress)
-    seconds = time.perf_counter() - start
+    rss_before = peak_rss_mb()
+    attacked = simulated.attack(attack, progress)
+    result, used, seconds = attacked.result, attacked.labels, attacked.seconds
+    span, span_note, separation = attacked.span, attacked.span_note, attacked.separation
     recovered = result["images"][hungarian_match(result["images"], images)]
     scores = {"psnr": psnr(recovered, images).numpy(), "ssim": ssim(recovered, images).numpy(),
               "mse": mse(recovered, images).numpy()}
     summary = {"dataset": data.name, "model": model_name, "client": client.to_dict(),
-               "attack": attack.to_dict(),
+               "attack": attack.to_dict(), "batchnorm": attacked.batchnorm,
                "labels": "known (an oracle: the client's true labels, handed to the attack)"
                if attack.labels == "known" else "inferred from the output layer's bias update",
                "label_count_l1": int(np.abs(np.bincount(used.numpy(), minlength=data.classes)
@@ -101,7 +148,7 @@ def run_fedavg(dataset: str, model_name: str, client: ClientConfig, attack: FedA
                "path_position": result["position"], "seconds": seconds,
                "separation": separation.summary() if separation is not None else None,
                "span": {**(span.summary() if span is not None else {"unused": span_note}),
-                        "feature_spans": sorted(inversion.features)},
+                        "feature_spans": attacked.feature_spans},
                "peak_rss_growth_mb": max(0.0, peak_rss_mb() - rss_before),
                **{k: float(v.mean()) for k, v in scores.items()},
                **{f"{k}_std": float(v.std()) for k, v in scores.items()}}

@@ -121,3 +121,18 @@ def running_targets(model: nn.Module, before: dict[str, torch.Tensor],
                               .float() for k in keys)
     return targets
 
+
+
+def client_forward(model: nn.Module, buffers0: dict[str, torch.Tensor],
+                   buffersT: dict[str, torch.Tensor], *, batchnorm: str, batch: int | None,
+                   steps: int | None, transform: Transform = identity,
+                   running_stats: bool = True, running_weight: float = 1.0) -> ClientForward:
+    """The forward pass as the client ran it, from the buffers it sent with w0 and w_T: in
+    train mode the dummy set is normalised per minibatch of `batch` and, where `running_stats`,
+    matched to the statistics the running buffers moved by over `steps`."""
+    floats = {name: b for name, b in buffers0.items() if b.is_floating_point()}
+    client = ClientForward(buffers=dict(floats), transform=transform, batchnorm=batchnorm,
+                           batch=batch, running_weight=running_weight)
+    if batchnorm == "train" and running_stats and steps:
+        client.running_targets = running_targets(model, floats, buffersT, steps)
+    return client

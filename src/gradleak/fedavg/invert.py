@@ -33,7 +33,7 @@ from gradleak.fedavg.attacks import (FALLBACK, METHODS, SEPARATE, FedAttackConfi
                                      UpdateInversion)
 from gradleak.fedavg.client import OPTIMISERS, ClientConfig, ClientUpdate
 from gradleak.fedavg.forward import (BATCHNORM_MODES, ClientForward, Transform, batchnorm_layers,
-                                     identity, running_targets)
+                                     client_forward, identity)
 from gradleak.fedavg.labels import counts_from_bias, labels_from_counts
 from gradleak.fedavg.separate import Separation, separate_update
 from gradleak.fedavg.span import update_spans
@@ -282,11 +282,9 @@ def invert_update(model: nn.Module, w0: Mapping[str, Any], wT: Mapping[str, Any]
     steps = counted_steps(model, buffers0, buffersT) if batchnorm == "train" else None
     steps = steps or training.local_steps(samples)
     notes += batchnorm_mismatch(layers, batchnorm, float_buffers0, buffersT)
-    client = ClientForward(buffers=dict(float_buffers0), transform=transform,
-                           batchnorm=batchnorm, batch=training.batch,
-                           running_weight=running_weight)
-    if batchnorm == "train" and running_stats and steps:
-        client.running_targets = running_targets(model, float_buffers0, buffersT, steps)
+    client = client_forward(model, buffers0, buffersT, batchnorm=batchnorm,
+                            batch=training.batch, steps=steps, transform=transform,
+                            running_stats=running_stats, running_weight=running_weight)
     model.eval()
     start = time.perf_counter()
     span, span_note, features = update_spans(model, params0, paramsT, shape, samples, transform,

@@ -37,13 +37,14 @@ def output_bias(model: nn.Module, classes: int) -> str:
 
 
 def infer_label_counts(model: nn.Module, update: ClientUpdate, dummy: torch.Tensor,
-                       classes: int) -> np.ndarray:
-    """(classes,) non-negative integer counts summing to the client's N."""
+                       classes: int, client: ClientForward | None = None) -> np.ndarray:
+    """(classes,) non-negative integer counts summing to the client's N; `client`: how its
+    forward pass ran (by default the model's buffers, BatchNorm in eval mode)."""
     config = update.config
     if config.optimiser != "sgd":
         raise ConfigError(f"label inference reads a plain-SGD update; this client used "
                           f"{config.optimiser!r}: declare its labels known (--labels known)")
-    client = ClientForward(buffers={n: b.detach() for n, b in model.named_buffers()})
+    client = client or ClientForward(buffers={n: b.detach() for n, b in model.named_buffers()})
     return counts_from_bias(model, update.w0, update.wT, client, dummy, classes,
                             lr=config.lr, steps=update.steps, samples=config.samples)
 

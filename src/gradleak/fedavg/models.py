@@ -7,6 +7,7 @@ from collections.abc import Callable
 from torch import nn
 
 from gradleak.registry import Registry
+from gradleak.victims.resnet import BasicBlock
 
 FEDAVG_MODELS: Registry[Callable[..., nn.Module]] = Registry("FedAvg model")
 
@@ -68,3 +69,14 @@ def flower_cnn(channels: int, size: int, classes: int) -> nn.Module:
                          nn.Conv2d(6, 16, 5), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
                          nn.Linear(16 * pooled * pooled, 120), nn.ReLU(), nn.Linear(120, 84),
                          nn.ReLU(), nn.Linear(84, classes))
+
+
+@FEDAVG_MODELS.register("resnet8")
+def resnet8(channels: int, size: int, classes: int) -> nn.Module:
+    """A CIFAR ResNet-8 as federated clients train it: Conv → BatchNorm → ReLU stem, three
+    stages of one basic block (16, 32, 64 channels; the later two halve the map), global
+    average pooling, Linear. Any input size; BatchNorm in train mode with `--batchnorm-train`."""
+    return nn.Sequential(nn.Conv2d(channels, 16, 3, 1, 1, bias=False), nn.BatchNorm2d(16),
+                         nn.ReLU(), BasicBlock(16, 16, 1), BasicBlock(16, 32, 2),
+                         BasicBlock(32, 64, 2), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Linear(64, classes))
