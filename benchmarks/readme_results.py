@@ -667,6 +667,28 @@ def fedavg_separate() -> tuple[str, str]:
             "float32 wire, ≥ 40 dB)", "; ".join(cell(s) for s in settings))
 
 
+def fedavg_ladder() -> tuple[str, str]:
+    rows = load("fedavg_ladder.json")["rows"]
+    names = list(dict.fromkeys(r["name"] for r in rows))
+
+    def cell(name: str) -> str:
+        group = [r for r in rows if r["name"] == name]
+        methods = {r["method"] for r in group}
+        best = max(methods, key=lambda m: statistics.median(r["psnr"] for r in group
+                                                            if r["method"] == m))
+        mine = [r for r in group if r["method"] == best]
+        images = sum(r["samples"] for r in mine)
+        return (f"{name} ({mine[0]['model']}): {best} "
+                f"{statistics.median(r['psnr'] for r in mine):.2f} dB against the mean image's "
+                f"{statistics.median(r['mean_image']['psnr'] for r in mine):.2f}, "
+                f"{sum(r['exact'] for r in mine)} of {images} exact, "
+                f"{sum(r['above_mean_image'] for r in mine)} above the mean image "
+                f"(target {mine[0]['target']})")
+
+    return ("FedAvg ladder: the strongest method per client setting (digits; photos for the "
+            "ResNet)", "; ".join(cell(n) for n in names))
+
+
 def fedavg_replay() -> tuple[str, str]:
     data = load("fedavg_replay.json")
     rows = data["rows"]
@@ -765,7 +787,7 @@ ROWS: dict[str, Callable[[], tuple[str, str]]] = {
     "fedavg_controls.json": fedavg_controls,
     "flower_audit.json": flower_audit, "fedavg_span.json": fedavg_span,
     "fedavg_separation.json": fedavg_separation, "fedavg_separate.json": fedavg_separate,
-    "fedavg_replay.json": fedavg_replay,
+    "fedavg_replay.json": fedavg_replay, "fedavg_ladder.json": fedavg_ladder,
     "fedavg_restarts.json": fedavg_restarts,
     # every merged `gradleak experiment` (src/gradleak/experiments), once it has results
     **{f"{name}.json": experiment(name) for name in

@@ -158,3 +158,24 @@ def test_separate_needs_auxiliary_images_of_the_clients_shape(tmp_path, capsys) 
                  "--out", str(out)]) == 2
     assert "--reference images are (1, 6, 6)" in capsys.readouterr().err
     assert not out.exists()
+
+
+@pytest.mark.filterwarnings("ignore::gradleak.fedavg.FitWarning")
+def test_the_class_mean_start_reads_labelled_auxiliary_images(tmp_path, capsys) -> None:
+    path, _ = recorded_update(tmp_path)
+    out = tmp_path / "out"
+    save_file({"images": torch.rand(5, 1, 8, 8)}, str(tmp_path / "unlabelled.safetensors"))
+    assert main(["fedavg-invert", "--update", str(path), "--plugin", "user_models",
+                 "--start", "class-mean", "--reference", str(tmp_path / "unlabelled.safetensors"),
+                 "--out", str(out)]) == 2
+    assert "--start class-mean begins from each label's mean auxiliary image" in \
+        capsys.readouterr().err
+    assert not out.exists()
+    assert main(["fedavg-invert", "--update", str(path), "--plugin", "user_models",
+                 "--start", "class-mean", "--reference", str(tmp_path / "aux.safetensors"),
+                 "--iters", "2", "--truth", str(tmp_path / "truth.safetensors"),
+                 "--out", str(out), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert json.loads((out / "audit.json").read_text())["options"]["attack"]["start"] == \
+        "class-mean"
+    assert summary["sme"]["labels_inferred_right"] == 4

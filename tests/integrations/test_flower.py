@@ -17,7 +17,7 @@ from helpers import CHROMIUM, render_in_chromium  # noqa: E402
 
 from gradleak.errors import ConfigError  # noqa: E402
 from gradleak.fedavg import Normalize, invert_update  # noqa: E402
-from gradleak.fedavg.audit import Truth  # noqa: E402
+from gradleak.fedavg.audit import AuditOptions, Truth  # noqa: E402
 from gradleak.fedavg.update_file import read_update  # noqa: E402
 from gradleak.integrations.flower import AuditStrategy, run_in_process  # noqa: E402
 
@@ -156,6 +156,10 @@ def test_audit_settings_are_checked_before_any_round(tmp_path) -> None:
     with pytest.raises(ConfigError, match=r"'separate' .* reference= images of shape \(M, 1"):
         AuditStrategy(FedAvg(), model_fn=Net, shape=(1, 16, 16), out=tmp_path / "d",
                       methods=("separate",))
+    with pytest.raises(ConfigError, match="start 'class-mean' .* reference_labels="):
+        AuditStrategy(FedAvg(), model_fn=Net, shape=(1, 16, 16), out=tmp_path / "e",
+                      options=AuditOptions(attack={"start": "class-mean"}),
+                      reference=torch.rand(4, 1, 16, 16))
 
 
 @pytest.mark.parametrize("settings, fragment", [

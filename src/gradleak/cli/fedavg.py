@@ -19,7 +19,7 @@ def run(args: argparse.Namespace) -> None:
     attack = FedAttackConfig(method=args.attack, iterations=args.iters, cls=args.cls,
                              labels=args.labels, span=not args.no_span,
                              feature_span=0.0 if args.no_span else FedAttackConfig.feature_span,
-                             restarts=args.restarts, seed=args.seed)
+                             restarts=args.restarts, start=args.start, seed=args.seed)
     result = run_fedavg(args.dataset, args.model, client, attack, Path(args.out),
                         progress=progress(args))
     separation = result["separation"]
@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> None:
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
-    from gradleak.fedavg.attacks import METHODS
+    from gradleak.fedavg.attacks import METHODS, STARTS
 
     p = sub.add_parser("fedavg", help="simulate a FedAvg client and invert its update")
     common_flags(p)
@@ -60,6 +60,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--iters", type=int, default=1000)
     p.add_argument("--restarts", type=int, default=1, help="independent starts; the one whose "
                    "update matches best (1 − cos) is kept")
+    p.add_argument("--start", choices=list(STARTS), default="random",
+                   help="where the dummy images start: random, or class-mean (each inferred "
+                   "label's mean image among the dataset's other images)")
     p.add_argument("--cls", type=float, default=0.0, help="λ_cls (uses the labels)")
     p.add_argument("--labels", default="infer", choices=["infer", "known"],
                    help="infer the client's labels from its output-layer bias update "

@@ -118,7 +118,8 @@ def run(args: argparse.Namespace) -> None:
 
     options = AuditOptions(methods=tuple(args.method), iterations=args.iters,
                            batchnorm=args.batchnorm, labels=args.labels, seed=args.seed,
-                           threads=args.threads, attack={"restarts": args.restarts})
+                           threads=args.threads,
+                           attack={"restarts": args.restarts, "start": args.start})
     options.check()
     transform, shape = parse_transform(args.input_transform), parse_shape(args.shape)
     truth = load_truth(args.truth)
@@ -127,7 +128,11 @@ def run(args: argparse.Namespace) -> None:
     if separating and reference is None:
         raise ConfigError("--method separate starts from auxiliary images of the task (never "
                           "the client's): give them with --reference")
-    if reference is not None and truth is None and not separating:
+    if args.start == "class-mean" and reference_labels is None:
+        raise ConfigError("--start class-mean begins from each label's mean auxiliary image: "
+                          "give labelled images with --reference (digits, photos, or a "
+                          "safetensors file with 'images' and 'labels')")
+    if reference is not None and truth is None and not separating and args.start == "random":
         raise ConfigError("--reference scores the mean image beside the attack, which needs "
                           "--truth too")
     if reference is not None and truth is not None and \
@@ -212,7 +217,7 @@ def run(args: argparse.Namespace) -> None:
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
-    from gradleak.fedavg.attacks import METHODS
+    from gradleak.fedavg.attacks import METHODS, STARTS
 
     p = sub.add_parser("fedavg-invert", help="invert recorded FedAvg client updates (files "
                        "written by gradleak.integrations.flower)")
@@ -227,6 +232,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--iters", type=int, default=1000)
     p.add_argument("--restarts", type=int, default=1, help="independent starts per method; the "
                    "one whose update matches best (1 − cos) is kept")
+    p.add_argument("--start", choices=list(STARTS), default="random",
+                   help="where the dummy images start: random, or class-mean (each inferred "
+                   "label's mean --reference image, a label-conditioned prior)")
     p.add_argument("--batchnorm", choices=["train", "eval"],
                    help="the mode the client trained BatchNorm in (default: the file's)")
     p.add_argument("--input-transform", help="none, or normalize:MEAN,STD: how [0, 1] images "

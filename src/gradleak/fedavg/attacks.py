@@ -38,6 +38,7 @@ from torch.func import functional_call, grad
 from gradleak.errors import ConfigError
 from gradleak.fedavg.client import ClientUpdate, batch_order, local_step
 from gradleak.fedavg.forward import ClientForward
+from gradleak.fedavg.scoring import class_means
 from gradleak.fedavg.span import ImageSpan, off_span, project_box
 
 METHODS = ("ig", "sme", "nlsme", "sme-dvec", "nlsme-nod", "sim", "separate")
@@ -48,13 +49,18 @@ CURVED = {"nlsme", "nlsme-nod"}
 RESTART_STRIDE = 1_000_003  # restart r starts from torch's generator at seed + r · stride
 REPLAY_STREAM = 0x5EED  # sim's batch orders: np.random.default_rng([seed, REPLAY_STREAM])
 SCALED = {"nlsme", "sme-dvec"}
+STARTS = ("random", "class-mean")
+START_NOISE = 0.1  # a class-mean restart's perturbation, in pixel units
+START_LR = {"random": 1.0, "class-mean": 0.01}
 
 
 @dataclass
 class FedAttackConfig:
     method: str = "nlsme"
     iterations: int = 1000
-    lr_images: float = 1.0  # the public SME code's CNN setting
+    # Adam's step on the images; None: the start's own (START_LR: 1.0 from random, the public
+    # SME code's CNN setting; 0.01 from the class means, which a step of 1.0 throws away)
+    lr_images: float | None = None
     lr_path: float = 1e-3  # α or t, as SME's α
     lr_control: float = 1e-4  # P1 (chosen here: no NL-SME code is public)
     lr_scale: float = 1e-2  # d (chosen here)
@@ -74,6 +80,10 @@ class FedAttackConfig:
     # independent starts; the one whose update matches best (lowest 1 − cos) is kept: the
     # choice reads the matching loss, never the private images
     restarts: int = 1
+    # where the dummy images start: "random" (uniform noise, SME's), or "class-mean": each
+    # used label's mean auxiliary image (labelled images of the task, none the client's), a
+    # label-conditioned prior; later restarts add noise of std START_NOISE to it
+    start: str = "random"
     seed: int = 0
 
     def check(self) -> None:
@@ -93,9 +103,32 @@ class FedAttackConfig:
             raise ConfigError(f"--seed {self.seed}: expected a non-negative integer")
         if self.labels not in ("infer", "known"):
             raise ConfigError(f"--labels {self.labels!r}: expected infer or known")
+        if self.lr_images is not None and not (math.isfinite(self.lr_images)
+                                               and self.lr_images > 0):
+            raise ConfigError(f"lr_images {self.lr_images}: expected a finite step > 0")
+        if self.start not in STARTS:
+            raise ConfigError(f"--start {self.start!r}: expected {' or '.join(STARTS)}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def check_labelled(auxiliary: tuple[torch.Tensor, torch.Tensor] | None,
+                   shape: tuple[int, ...]) -> None:
+    """The class-mean start's auxiliary data: labelled images of the client's shape."""
+    if auxiliary is None or auxiliary[1] is None:
+        raise ConfigError("start 'class-mean' begins from each label's mean auxiliary image: "
+                          "give labelled images of the task, none the client's (--reference "
+                          "with labels, auxiliary= and auxiliary_labels=)")
+    images, labels = auxiliary
+    if tuple(images.shape[1:]) != tuple(shape) or len(labels) != len(images) or not len(images):
+        raise ConfigError(f"start 'class-mean': {len(images)} auxiliary images of shape "
+                          f"{tuple(images.shape[1:])} with {len(labels)} labels; expected one "
+                          f"label per image, images of the client's shape {tuple(shape)}")
+    if not bool(torch.isfinite(images).all()) or float(images.min()) < 0 \
+            or float(images.max()) > 1:
+        raise ConfigError("start 'class-mean': the auxiliary images must lie in [0, 1], as the "
+                          "client's raw images do")
 
 
 def replayed_steps(update: ClientUpdate, count: int, seed: int) -> list[np.ndarray]:
@@ -185,15 +218,20 @@ class UpdateInversion:
     def __init__(self, model: nn.Module, update: ClientUpdate, shape: tuple[int, ...],
                  classes: int, config: FedAttackConfig, *, labels: torch.Tensor | None = None,
                  client: ClientForward | None = None, span: ImageSpan | None = None,
-                 features: dict[str, torch.Tensor] | None = None) -> None:
+                 features: dict[str, torch.Tensor] | None = None,
+                 auxiliary: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """What the server holds: the model (architecture, w0), the update w0 → w_T and the
         client's declared settings. Labels are inferred from the update unless the config
         declares them known (the update then carries them) or they are given here. `client`
         says how the client's forward pass ran (input transform, BatchNorm mode, buffers); by
         default the model's own buffers with BatchNorm in eval mode, inputs in [0, 1]. `span`:
         the images' span, which every step projects the dummy images back onto. `features`:
-        for a one-step update, the span of each Linear layer's inputs (a penalty term)."""
+        for a one-step update, the span of each Linear layer's inputs (a penalty term).
+        `auxiliary`: labelled images of the task, none the client's (images in [0, 1] of the
+        client's shape, labels), which the class-mean start reads."""
         config.check()
+        if config.start == "class-mean":
+            check_labelled(auxiliary, shape)
         if config.method == SEPARATE:
             raise ConfigError(f"UpdateInversion optimises; {SEPARATE!r} is fedavg.separate's, "
                               f"with {FALLBACK!r} where it is incomplete")
@@ -206,17 +244,31 @@ class UpdateInversion:
         count = len(labels) if labels is not None else update.config.samples
         self.shape, self.span = (count, *shape), span
         self.features = features if features and config.feature_span else {}
-        self.images = self.start(0)
+        self.auxiliary = auxiliary
+        self.images = self.random_start(0)  # label inference reads dummy images
         self.labels = labels if labels is not None else self._labels(classes)
+        self.images = self.start(0)
         self.steps = replayed_steps(update, count, config.seed) if config.method == "sim" \
             else None
         self.images.requires_grad_(True)
         self.surrogate = Surrogate(update, config.method)
 
-    def start(self, restart: int) -> torch.Tensor:
-        """The dummy images restart `restart` begins from (restart 0: the seed's own draw)."""
+    def noise(self, restart: int) -> torch.Tensor:
         generator = torch.Generator().manual_seed(self.config.seed + RESTART_STRIDE * restart)
-        images = torch.randn(self.shape, generator=generator).clamp(0, 1)
+        return torch.randn(self.shape, generator=generator)
+
+    def start(self, restart: int) -> torch.Tensor:
+        """The dummy images restart `restart` begins from (restart 0: the seed's own draw, or
+        the class means themselves)."""
+        if self.config.start == "random":
+            return self.random_start(restart)
+        assert self.auxiliary is not None
+        means = class_means(*self.auxiliary, self.labels).to(torch.float32)
+        images = (means + START_NOISE * self.noise(restart) if restart else means).clamp(0, 1)
+        return project_box(self.span, images) if self.span is not None else images
+
+    def random_start(self, restart: int) -> torch.Tensor:
+        images = self.noise(restart).clamp(0, 1)
         return project_box(self.span, images) if self.span is not None else images
 
     def _labels(self, classes: int) -> torch.Tensor:
@@ -307,7 +359,9 @@ class UpdateInversion:
                    for name, basis in self.features.items()).float()
 
     def parameter_groups(self) -> list[dict[str, Any]]:
-        groups = [{"params": [self.images], "lr": self.config.lr_images}]
+        lr = self.config.lr_images if self.config.lr_images is not None \
+            else START_LR[self.config.start]
+        groups = [{"params": [self.images], "lr": lr}]
         if self.surrogate.position.requires_grad:
             groups.append({"params": [self.surrogate.position], "lr": self.config.lr_path})
         if self.surrogate.control is not None:

@@ -90,6 +90,10 @@ def audit_update(path: Path, model_fn: Callable[[], nn.Module], options: AuditOp
     if "separate" in options.methods and reference is None:
         raise ConfigError("method 'separate' starts from the auxiliary images: give them "
                           "(--reference, AuditStrategy(reference=))")
+    if options.attack.get("start") == "class-mean" and reference_labels is None:
+        raise ConfigError("start 'class-mean' begins from each label's mean auxiliary image: "
+                          "give labelled auxiliary images (--reference with labels, "
+                          "AuditStrategy(reference=, reference_labels=))")
     if "sim" in options.methods:  # refused here, not after the other methods' compute
         replay_config(model_fn(), update.w0, update.wT, int(meta["num_examples"]), training,
                       options.batchnorm or meta.get("batchnorm", "train"))
@@ -112,7 +116,7 @@ def audit_update(path: Path, model_fn: Callable[[], nn.Module], options: AuditOp
                 batchnorm=options.batchnorm or meta.get("batchnorm", "train"), method=method,
                 hyperparameters=training, iterations=options.iterations,
                 running_stats=options.running_stats, seed=options.seed,
-                auxiliary=reference if method == "separate" else None, **options.attack)
+                auxiliary=reference, auxiliary_labels=reference_labels, **options.attack)
         row = {"update": path.name, "round": meta["round"], "node_id": meta["node_id"],
                "num_examples": meta["num_examples"], **result.summary(),
                "update_norm": update_norm(model, update.w0, update.wT),

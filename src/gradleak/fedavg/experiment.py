@@ -50,7 +50,8 @@ class SimulatedClient:
 
     def attack(self, attack: FedAttackConfig, progress: bool = False) -> Attacked:
         """The server's attack: from the update, the declared settings, the model and (for
-        method separate) the dataset's other images, never the client's own."""
+        method separate and the class-mean start) the dataset's other images, never the
+        client's own."""
         update, shape = self.update, tuple(self.images.shape[1:])
         config = update.config
         assert config is not None
@@ -69,7 +70,8 @@ class SimulatedClient:
                                          attack.seed)
             optimised = FedAttackConfig(**{**attack.to_dict(), "method": FALLBACK})
         inversion = UpdateInversion(self.model, update, shape, self.data.classes, optimised,
-                                    client=self.forward(), span=span, features=features)
+                                    client=self.forward(), span=span, features=features,
+                                    auxiliary=self.data.rest(config.samples, seed=config.seed))
         result = separation.as_result() \
             if separation is not None and separation.complete else inversion.run(progress)
         return Attacked(result, inversion.labels, time.perf_counter() - start, span, span_note,

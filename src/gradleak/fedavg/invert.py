@@ -30,7 +30,7 @@ from torch import nn
 
 from gradleak.errors import ConfigError
 from gradleak.fedavg.attacks import (FALLBACK, METHODS, SEPARATE, FedAttackConfig,
-                                     UpdateInversion)
+                                     UpdateInversion, check_labelled)
 from gradleak.fedavg.client import OPTIMISERS, ClientConfig, ClientUpdate
 from gradleak.fedavg.forward import (BATCHNORM_MODES, ClientForward, Transform, batchnorm_layers,
                                      client_forward, identity)
@@ -239,8 +239,8 @@ def invert_update(model: nn.Module, w0: Mapping[str, Any], wT: Mapping[str, Any]
                   hyperparameters: Training | Mapping[str, Any] | None = None,
                   iterations: int = 1000, running_stats: bool = True,
                   running_weight: float = 1.0, seed: int = 0, progress: bool = False,
-                  auxiliary: torch.Tensor | None = None, **attack_options: Any
-                  ) -> InversionResult:
+                  auxiliary: torch.Tensor | None = None, auxiliary_labels: Any = None,
+                  **attack_options: Any) -> InversionResult:
     """Recover the `samples` images of one client's update w0 → w_T (see the module doc).
 
     batchnorm: the mode the client trained BatchNorm in ("train", the default here and in
@@ -248,7 +248,8 @@ def invert_update(model: nn.Module, w0: Mapping[str, Any], wT: Mapping[str, Any]
     running statistics, as SME).
     running_stats: in train mode, also match the batch statistics the running buffers reveal.
     auxiliary: (M, C, H, W) images of the task in [0, 1], none of them the client's: where
-    method "separate" starts from (fedavg.separate).
+    method "separate" starts from (fedavg.separate); with `auxiliary_labels` (M,), what
+    start="class-mean" begins from (each used label's mean auxiliary image).
     attack_options: FedAttackConfig fields (tv, lr_images, cls, ...)."""
     training = hyperparameters if isinstance(hyperparameters, Training) else \
         Training.from_mapping(hyperparameters, "hyperparameters")
@@ -266,6 +267,12 @@ def invert_update(model: nn.Module, w0: Mapping[str, Any], wT: Mapping[str, Any]
     config = FedAttackConfig(method=method, iterations=iterations, seed=seed,
                              **{k: v for k, v in attack_options.items() if k != "labels"})
     config.check()
+    labelled = None
+    if config.start == "class-mean":
+        labelled = (auxiliary, None if auxiliary_labels is None else
+                    torch.as_tensor(np.asarray(auxiliary_labels)).long().reshape(-1)) \
+            if auxiliary is not None else None
+        check_labelled(labelled, shape)
     transform = input_transform or identity
     check_transform(transform, shape, input_range)
     params0, buffers0 = split_state(model, w0, "w0")
@@ -306,7 +313,8 @@ def invert_update(model: nn.Module, w0: Mapping[str, Any], wT: Mapping[str, Any]
                          f"hyperplanes, too few to tell the images apart: the images are "
                          f"{FALLBACK}'s, kept in the span")
     inversion = UpdateInversion(model, update, shape, classes, config, labels=chosen,
-                                client=client, span=span, features=features)
+                                client=client, span=span, features=features,
+                                auxiliary=labelled)
     result = separation.as_result() \
         if separation is not None and separation.complete else inversion.run(progress)
     if result["l_sim_raw"] > POOR_FIT:
