@@ -39,14 +39,14 @@ import torch  # noqa: E402
 from gradleak.fedavg.attacks import FedAttackConfig  # noqa: E402
 from gradleak.fedavg.client import ClientConfig  # noqa: E402
 from gradleak.fedavg.experiment import simulate_client  # noqa: E402
-from gradleak.fedavg.scoring import label_agreement, score_recovery  # noqa: E402
+from gradleak.fedavg.scoring import (better_everywhere, class_means,  # noqa: E402
+                                     hungarian_match, label_agreement, per_image_scores,
+                                     score_recovery)
 from gradleak.io import write_json  # noqa: E402
-from gradleak.metrics.images import psnr, ssim  # noqa: E402
-from gradleak.metrics.lpips import installed_lpips  # noqa: E402
 from gradleak.metrics.scores import image_scores  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "fedavg_ladder"
-EXACT_DB, RECOVERED_SSIM = 40.0, 0.6
+RECOVERED_SSIM = 0.6
 
 
 @dataclass(frozen=True)
@@ -83,26 +83,6 @@ RUNGS = (
 )
 
 
-def per_image(guess: torch.Tensor, truth: torch.Tensor) -> dict[str, list[float]]:
-    scores = {"psnr": psnr(guess, truth).tolist(), "ssim": ssim(guess, truth).tolist()}
-    metric = installed_lpips()
-    if metric is not None:
-        scores["lpips"] = [float(v) for v in metric(guess.float(), truth.float())]
-    return scores
-
-
-def better_than(attack: dict[str, list[float]], reference: dict[str, list[float]]) -> int:
-    """Images the attack scores better on than the reference in every metric at once."""
-    count = 0
-    for i in range(len(attack["psnr"])):
-        better = attack["psnr"][i] > reference["psnr"][i] and \
-            attack["ssim"][i] > reference["ssim"][i]
-        if "lpips" in attack:
-            better = better and attack["lpips"][i] < reference["lpips"][i]
-        count += int(better)
-    return count
-
-
 def one_client(rung: Rung, seed: int, iterations: int, methods: list[str]
                ) -> tuple[list[dict], dict]:
     iterations = min(iterations, rung.iterations or iterations)
@@ -113,7 +93,7 @@ def one_client(rung: Rung, seed: int, iterations: int, methods: list[str]
     auxiliary, auxiliary_labels = data.rest(rung.samples, seed=seed)
     mean = auxiliary.mean(0, keepdim=True).expand_as(images).contiguous()
     colour = images.mean((2, 3), keepdim=True).expand_as(images).contiguous()
-    mean_per_image = per_image(mean, images)
+    mean_per_image = per_image_scores(mean, images)
     rows, best = [], {}
     for method in methods:
         name, _, start = method.partition("/")
@@ -121,15 +101,20 @@ def one_client(rung: Rung, seed: int, iterations: int, methods: list[str]
                                                     start=start or "random", seed=seed))
         scored = score_recovery(attacked.result["images"], images, auxiliary,
                                 reference_labels=auxiliary_labels, labels=attacked.labels)
-        scores = per_image(scored["matched"], images)
+        scores = scored["per_image"]
+        guess = class_means(auxiliary, auxiliary_labels, attacked.labels)
+        prior = per_image_scores(guess[hungarian_match(guess, images)], images)
         separation = attacked.separation
         rows.append({
             **asdict(rung), "seed": seed, "method": method, "iterations": iterations,
             "seconds": attacked.seconds, "l_sim": attacked.result["l_sim_raw"],
             "batchnorm": attacked.batchnorm, **scored["attack"],
-            "exact": sum(v >= EXACT_DB for v in scores["psnr"]),
+            "exact": scored["exact"],
             "recovered": sum(v >= RECOVERED_SSIM for v in scores["ssim"]),
-            "above_mean_image": better_than(scores, mean_per_image),
+            "above_mean_image": scored["above_mean_image"],
+            # the same counts for the class means alone (no optimisation)
+            "class_mean_recovered": sum(v >= RECOVERED_SSIM for v in prior["ssim"]),
+            "class_mean_above_mean_image": sum(better_everywhere(prior, mean_per_image)),
             "labels": label_agreement(attacked.labels, simulated.labels, data.classes),
             "separation": separation.summary() if separation is not None else None,
             "mean_image": scored["mean_image"], "class_mean": scored["class_mean"],
@@ -149,9 +134,14 @@ def markdown(rows: list[dict], iterations: int, seeds: int) -> str:
              "inferred right. References (medians): the mean auxiliary image, each inferred "
              "label's mean auxiliary image (class mean), each image's own mean colour (an "
              "oracle). Digits: the 28×28 stand-in; photos: 32×32 crops (CIFAR stand-in).", "",
-             "| rung | model | E / N / B | method | iters | PSNR / SSIM / LPIPS | exact | recovered | "
-             "above mean image | labels | mean image | class mean | mean colour | s / client | "
-             "target |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "The class means' own counts (no optimisation) follow each count after a slash: "
+             "on the digits stand-in (8×8 digits resized, little variation within a class) an "
+             "SSIM of 0.6 is within reach of the labels alone, so \"recovered\" says little "
+             "unless it beats them.", "",
+             "| rung | model | E / N / B | method | iters | PSNR / SSIM / LPIPS | exact | "
+             "recovered / class mean's | above mean image / class mean's | labels | mean image | "
+             "class mean | mean colour | s / client | target |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for rung in RUNGS:
         for method in rung.methods:
             group = [r for r in rows if r["name"] == rung.name and r["method"] == method]
@@ -174,8 +164,10 @@ def markdown(rows: list[dict], iterations: int, seeds: int) -> str:
                 f"| {rung.name} | `{rung.model}`{bn} | {rung.epochs} / {rung.samples} / "
                 f"{rung.batch} | {method} | {group[0]['iterations']} | {triple(None)} | "
                 f"{sum(r['exact'] for r in group)} of {total} | "
-                f"{sum(r['recovered'] for r in group)} of {total} | "
-                f"{sum(r['above_mean_image'] for r in group)} of {total} | "
+                f"{sum(r['recovered'] for r in group)} / "
+                f"{sum(r['class_mean_recovered'] for r in group)} of {total} | "
+                f"{sum(r['above_mean_image'] for r in group)} / "
+                f"{sum(r['class_mean_above_mean_image'] for r in group)} of {total} | "
                 f"{sum(r['labels']['right'] for r in group)} of {total} | "
                 f"{triple('mean_image')} | {triple('class_mean')} | {triple('mean_colour')} | "
                 f"{med('seconds'):.1f} | {rung.target} |")
@@ -207,7 +199,7 @@ def picture(best: dict[str, dict], path: Path) -> None:
             label = textwrap.fill(name, 18) if row == 0 else best[name]["method"]
             axes[2 * k + row, 0].set_ylabel(label, fontsize=6, rotation=0, ha="right")
     figure.tight_layout()
-    figure.savefig(path, dpi=90)
+    figure.savefig(path, dpi=72)
     plt.close(figure)
 
 

@@ -24,7 +24,7 @@ import torch
 from gradleak.fedavg.client import ClientConfig
 from gradleak.fedavg.experiment import simulate_client
 from gradleak.fedavg.forward import identity
-from gradleak.fedavg.scoring import score_recovery
+from gradleak.fedavg.scoring import EXACT_DB, score_recovery
 from gradleak.fedavg.separate import separate_update
 from gradleak.fedavg.span import image_span
 from gradleak.io import write_json
@@ -35,7 +35,6 @@ RESULTS = Path(__file__).parent / "results" / "fedavg_separate"
 # (E, N, B): one step of four; three epochs of twelve; Dimitrov et al.'s FEMNIST setting (10
 # epochs of 10 batches of 5); the NL-SME paper's (20 epochs, 50 images, batches of 10)
 SETTINGS = ((1, 4, 4), (3, 12, 4), (10, 50, 5), (20, 50, 10))
-EXACT_DB = 40.0
 
 
 def one_client(epochs: int, samples: int, batch: int, seed: int) -> dict:

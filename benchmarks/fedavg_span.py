@@ -30,7 +30,7 @@ from gradleak.fedavg.client import ClientConfig, train_client
 from gradleak.fedavg.datasets import digits
 from gradleak.fedavg.forward import identity
 from gradleak.fedavg.models import FEDAVG_MODELS
-from gradleak.fedavg.scoring import score_recovery
+from gradleak.fedavg.scoring import EXACT_DB, score_recovery
 from gradleak.fedavg.span import feature_spans, image_span
 from gradleak.io import write_json
 from gradleak.metrics.images import psnr
@@ -40,7 +40,6 @@ RESULTS = Path(__file__).parent / "results" / "fedavg_span"
 SETTINGS = (("mlp", 1, 1, 1), ("mlp", 1, 4, 4), ("mlp", 20, 50, 10),
             ("flower-cnn", 1, 1, 1), ("flower-cnn", 1, 4, 4))  # (model, E, N, B)
 METHODS = ("ig", "sme", "nlsme")
-EXACT_DB = 40.0
 
 
 def one_client(name: str, epochs: int, samples: int, batch: int, seed: int, iterations: int

@@ -6,10 +6,12 @@ through the in-process grid), the PyTorch template's CNN with Normalize(0.5, 0.5
 same with BatchNorm (clients train it in train mode), and DLG's sigmoid LeNet. Each client is
 audited with IG, SME and NL-SME (labels inferred from the output bias), SME again with the
 labels known, the template CNN with a stronger TV prior (lambda_TV 0.1, the best of a sweep
-0.0001..1 on 8 other digits, against SME's 0.01), and under Flower's own defenses: client-side fixed clipping
-(`fixedclipping_mod` with DifferentialPrivacyClientSideFixedClipping, whose noise is added to
-the aggregate, after the server has seen each client) and `LocalDpMod`.
-Reference row: the mean image of all digits (no gradient). Writes
+0.0001..1 on 8 other digits, against SME's 0.01), started from each inferred label's mean
+auxiliary digit (`start="class-mean"`), and under Flower's own defenses: client-side fixed
+clipping (`fixedclipping_mod` with DifferentialPrivacyClientSideFixedClipping, whose noise is
+added to the aggregate, after the server has seen each client) and `LocalDpMod`.
+Reference rows: the mean auxiliary digit (the digits no client holds; no gradient) and each
+inferred label's mean auxiliary digit (the class mean). Writes
 benchmarks/results/flower_audit.{json,md}.
 
     python benchmarks/flower_audit.py [--iters 1000] [--workers 2]
@@ -116,15 +118,24 @@ def client_app(model_fn, mods) -> ClientApp:
     return app
 
 
+def auxiliary() -> tuple[torch.Tensor, torch.Tensor]:
+    """The server's auxiliary digits: every digit no client holds, with its label."""
+    data = load_dataset("digits")
+    order = torch.randperm(len(data.labels), generator=torch.Generator().manual_seed(0))
+    rest = order[CLIENTS * PER_CLIENT:]
+    return data.images[rest], data.labels[rest]
+
+
 def run_setting(model_fn, batchnorm: bool, options: AuditOptions, out: Path, workers: int,
-                reference: torch.Tensor, mods=(), wrap=None) -> dict:
+                reference: tuple[torch.Tensor, torch.Tensor], mods=(), wrap=None) -> dict:
     def main(grid: Grid, context: Context) -> None:
         inner = FedAvg(fraction_train=1.0, fraction_evaluate=0.0, min_available_nodes=CLIENTS)
         if wrap is not None:
             inner = wrap(inner)
         strategy = AuditStrategy(inner, model_fn=model_fn, shape=(1, 28, 28), out=out,
                                  input_transform=NORMALIZE, options=options, truth=truth,
-                                 reference=reference, workers=workers,
+                                 reference=reference[0], reference_labels=reference[1],
+                                 workers=workers,
                                  batchnorm="train" if batchnorm else "eval",
                                  hyperparameters={"epochs": EPOCHS, "batch": BATCH})
         torch.manual_seed(0)
@@ -144,14 +155,14 @@ def run_setting(model_fn, batchnorm: bool, options: AuditOptions, out: Path, wor
 def rows_of(audit: dict, model: str, setting: str, labels: str) -> list[dict]:
     out = []
     for method, entry in audit["summary"].items():
-        scored = [r for r in audit["rows"] if r["method"] == method]
-        mean_ref = {k: sum(r["mean_image"][k] for r in scored) / len(scored)
-                    for k in ("psnr", "ssim", "lpips") if all(k in r["mean_image"]
-                                                              for r in scored)}
+        mean_ref, class_ref = entry["mean_image"], entry.get("class_mean", {})
         out.append({"model": model, "setting": setting, "method": method, "labels": labels,
                     "clients": entry["updates"], "psnr": entry.get("psnr"),
                     "ssim": entry.get("ssim"), "lpips": entry.get("lpips"),
-                    "mean_image": mean_ref, "gain_db": entry.get("psnr_gain_over_mean_image"),
+                    "mean_image": mean_ref, "class_mean": class_ref,
+                    "images": entry.get("images"), "exact": entry.get("exact"),
+                    "above_mean_image": entry.get("above_mean_image"),
+                    "gain_db": entry.get("psnr_gain_over_mean_image"),
                     "labels_right": entry.get("labels_inferred_right"),
                     "labels_of": entry.get("labels_inferred_of"), "l_sim": entry["l_sim"],
                     "seconds_per_client": entry["seconds"],
@@ -162,15 +173,26 @@ def rows_of(audit: dict, model: str, setting: str, labels: str) -> list[dict]:
 def markdown(result: dict) -> str:
     lines = ["# Flower FedAvg audited by gradleak (`python benchmarks/flower_audit.py`)", "",
              result["setting"], "",
-             "| model | setting | method | labels | PSNR | SSIM | LPIPS | mean image PSNR / "
-             "SSIM / LPIPS | gain dB | labels right | 1 − cos | s/client |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "Above the mean image: images closer than the mean auxiliary digit on PSNR, SSIM "
+             "and LPIPS at once (the target: at least half). Class mean: each inferred label's "
+             "mean auxiliary digit, no optimisation. The auxiliary digits are those no client "
+             "holds.", "",
+             "| model | setting | method | labels | PSNR | SSIM | LPIPS | above mean image | "
+             "mean image PSNR / SSIM / LPIPS | class mean PSNR / SSIM / LPIPS | gain dB | "
+             "labels right | 1 − cos | s/client |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def triple(ref: dict) -> str:
+        return f"{ref['psnr']:.2f} / {ref['ssim']:.3f} / {ref.get('lpips', float('nan')):.3f}" \
+            if ref else "-"
+
     for r in result["rows"]:
-        ref = r["mean_image"]
+        above = f"{r['above_mean_image']} of {r['images']}" \
+            if r.get("above_mean_image") is not None else "-"
         lines.append(
             f"| {r['model']} | {r['setting']} | {r['method']} | {r['labels']} | "
             f"{r['psnr']:.2f} | {r['ssim']:.3f} | {r.get('lpips') or float('nan'):.3f} | "
-            f"{ref['psnr']:.2f} / {ref['ssim']:.3f} / {ref.get('lpips', float('nan')):.3f} | "
+            f"{above} | {triple(r['mean_image'])} | {triple(r.get('class_mean'))} | "
             f"{r['gain_db']:+.2f} | "
             + (f"{r['labels_right']}/{r['labels_of']}" if r["labels_right"] is not None
                else "given") + f" | {r['l_sim']:.4f} | {r['seconds_per_client']:.1f} |")
@@ -192,7 +214,7 @@ def main() -> None:
         return
     import flwr
 
-    reference = load_dataset("digits").images
+    reference = auxiliary()
     start, rows = time.perf_counter(), []
     base = dict(iterations=args.iters, threads=1)
     with tempfile.TemporaryDirectory() as scratch:
@@ -206,6 +228,9 @@ def main() -> None:
                 runs += [("clean, λ_TV 0.1", "inferred",
                           AuditOptions(methods=("sme", "nlsme"), attack={"tv": 0.1}, **base),
                           (), None),
+                         ("clean, class-mean start", "inferred",
+                          AuditOptions(methods=("ig", "sme"), attack={"start": "class-mean"},
+                                       **base), (), None),
                          ("fixedclipping_mod C=0.1", "inferred",
                           AuditOptions(methods=("sme",), **base), [fixedclipping_mod],
                           lambda s: DifferentialPrivacyClientSideFixedClipping(

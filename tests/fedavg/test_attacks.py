@@ -147,7 +147,8 @@ def test_restarts_keep_the_start_that_matches_the_update_best(client) -> None:
         FedAttackConfig(restarts=0).check()
 
 
-def test_a_simulated_batchnorm_train_client_is_replayed_in_train_mode() -> None:
+@pytest.mark.parametrize("model", ["cnn-bn", "resnet8"])
+def test_a_simulated_batchnorm_train_client_is_replayed_in_train_mode(model: str) -> None:
     """`gradleak fedavg --batchnorm-train`: the server's replay normalises each minibatch by
     itself, as the client did, so the true images explain a one-step update exactly; replayed
     in eval mode they would not (cosine 0.46 here), and the attack would be blind to them."""
@@ -155,7 +156,7 @@ def test_a_simulated_batchnorm_train_client_is_replayed_in_train_mode() -> None:
     from gradleak.fedavg.forward import ClientForward
 
     config = ClientConfig(epochs=1, samples=4, batch=4, lr=0.05, batchnorm_train=True, seed=3)
-    simulated = simulate_client("digits", "cnn-bn", config)
+    simulated = simulate_client("digits", model, config)
     delta = simulated.update.delta()
     shape = tuple(simulated.images.shape[1:])
 
@@ -169,7 +170,7 @@ def test_a_simulated_batchnorm_train_client_is_replayed_in_train_mode() -> None:
     assert cosine(simulated.forward()) > 0.9999
     eval_mode = ClientForward(buffers=dict(simulated.update.buffers0))
     assert cosine(eval_mode) < 0.9
-    result = run_fedavg("digits", "cnn-bn", config, FedAttackConfig(method="ig", iterations=1))
+    result = run_fedavg("digits", model, config, FedAttackConfig(method="ig", iterations=1))
     assert result["batchnorm"] == "train"
 
 

@@ -50,3 +50,23 @@ def test_a_labels_known_audit_is_named_an_oracle() -> None:
     assert "oracle. The" not in " ".join(verdict_lines({"rows": rows,
                                                          "summary": summarise(rows),
                                                          "options": {"labels": "infer"}}))
+
+
+def test_the_audit_counts_the_images_that_came_back_exactly(tmp_path) -> None:
+    """Per image, not on average: two of three images returned to float32 rounding, one
+    replaced by the mean image, scores 2 exact, 2 closer than the mean image on every metric;
+    the counts add up over updates and the verdict says them."""
+    generator = torch.Generator().manual_seed(0)
+    images = torch.rand(3, 1, 8, 8, generator=generator)
+    reference = torch.rand(20, 1, 8, 8, generator=generator)
+    recovered = images.clone()
+    recovered[1] = reference.mean(0)
+    recovered[0] += 1e-5 * torch.randn(1, 8, 8, generator=generator)
+    scored = score_row(recovered.clamp(0, 1), torch.tensor([0, 1, 2]), Truth(images), reference,
+                       None, tmp_path / "p.png", "sme")
+    assert (scored["images"], scored["exact"], scored["above_mean_image"]) == (3, 2, 2)
+    rows = [{**row(20.0, 0.8, 0.05), **scored}, {**row(20.0, 0.8, 0.05), **scored}]
+    summary = summarise(rows)
+    assert (summary["sme"]["images"], summary["sme"]["exact"]) == (6, 4)
+    text = " ".join(verdict_lines({"rows": rows, "summary": summary}))
+    assert "4 of 6 images came back exactly (≥ 40 dB), 4 closer than the mean image" in text

@@ -210,7 +210,8 @@ def run(args: argparse.Namespace) -> None:
              + (f"{r['separation']['hyperplanes']} of {r['num_examples']} hyperplanes"
                 + ("" if r["separation"]["complete"] else ", images from sme")
                 if r.get("separation") else f"1 − cos {r['l_sim']:.4f}")
-             + (f", PSNR {r['psnr']:.2f} dB, SSIM {r['ssim']:.3f}" if "psnr" in r else "")
+             + (f", PSNR {r['psnr']:.2f} dB, SSIM {r['ssim']:.3f}, {r['exact']} of "
+                f"{r['images']} exact" if "psnr" in r else "")
              + (f" (mean image {r['mean_image']['psnr']:.2f} dB)" if "mean_image" in r else "")
              + "".join(f"\n  warning: {w}" for w in r["warnings"]) for r in rows]
     emit(args, audit["summary"], "\n".join(lines) + f"\n-> {out / 'report.html'}")

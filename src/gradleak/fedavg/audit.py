@@ -147,9 +147,11 @@ def score_row(images: torch.Tensor, labels: torch.Tensor, truth: Truth,
                           f"update's are {tuple(images.shape)}")
     scores = score_recovery(images, truth.images, reference, reference_labels=reference_labels,
                             labels=labels)
-    row: dict[str, Any] = {**scores["attack"]}
+    row: dict[str, Any] = {**scores["attack"], "images": len(truth.images),
+                           "exact": scores["exact"], "per_image_psnr": scores["per_image"]["psnr"]}
     if "mean_image" in scores:
         row["mean_image"] = scores["mean_image"]
+        row["above_mean_image"] = scores["above_mean_image"]
         row["psnr_gain_over_mean_image"] = row["psnr"] - scores["mean_image"]["psnr"]
     if "class_mean" in scores:
         row["class_mean"] = scores["class_mean"]
@@ -186,6 +188,9 @@ def summarise(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
             values = [r[key] for r in scored if r.get(key) is not None]
             if values:
                 entry[key] = sum(values) / len(values)
+        for key in ("images", "exact", "above_mean_image"):  # image counts, summed
+            if scored and all(key in r for r in scored):
+                entry[key] = sum(r[key] for r in scored)
         for name in ("mean_image", "mean_colour", "class_mean"):
             reference = averaged([r[name] for r in scored if name in r])
             if reference:

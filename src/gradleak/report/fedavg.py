@@ -25,6 +25,13 @@ def common_norm(rows: Sequence[dict[str, Any]]) -> float | None:
     return high if high > 0 and (high - low) <= 1e-4 * high else None
 
 
+def counted(entry: dict[str, Any], key: str) -> str | None:
+    """"k of n" images, where the entry was scored against the truth."""
+    if key not in entry or "images" not in entry:
+        return None
+    return f"{entry[key]} of {entry['images']}"
+
+
 def scores_text(scores: dict[str, float]) -> str:
     return ", ".join([f"PSNR {scores['psnr']:.2f} dB"] + [f"{k.upper()} {scores[k]:.3f}"
                                                          for k in ("ssim", "lpips") if k in scores])
@@ -64,6 +71,11 @@ def verdict_lines(audit: dict[str, Any]) -> list[str]:
             lines.append(f"{method}: {entry['psnr']:.2f} dB, SSIM {entry['ssim']:.3f}"
                          + (f", LPIPS {entry['lpips']:.3f}" if "lpips" in entry else "")
                          + against(entry) + ".")
+            if "images" in entry:
+                lines.append(f"{method}: {entry['exact']} of {entry['images']} images came back "
+                             "exactly (≥ 40 dB)" + (
+                                 f", {entry['above_mean_image']} closer than the mean image on "
+                                 "every metric" if "above_mean_image" in entry else "") + ".")
         else:
             lines.append(f"{method}: matching loss {entry['l_sim']:.4f} (no truth to score).")
         if "labels_inferred_right" in entry:
@@ -88,11 +100,15 @@ def write_fedavg_report(out: Path, audit: dict[str, Any]) -> Path:
                     "SSIM": _fixed(e.get("ssim"), 3), "LPIPS": _fixed(e.get("lpips"), 3),
                     "mean image PSNR": _fixed(e.get("mean_image_psnr"), 2),
                     "gain (dB)": _fixed(e.get("psnr_gain_over_mean_image"), 2),
+                    "exact": counted(e, "exact"),
+                    "beat the mean image": counted(e, "above_mean_image"),
                     "1 − cos": _fixed(e["l_sim"], 4), "s per update": _fixed(e["seconds"], 1)}
                    for m, e in summary.items()]
     update_rows = [{"round": r["round"], "node": r["node_id"], "N": r["num_examples"],
                     "method": r["method"], "PSNR": _fixed(r.get("psnr"), 2),
                     "SSIM": _fixed(r.get("ssim"), 3), "LPIPS": _fixed(r.get("lpips"), 3),
+                    "exact": counted(r, "exact"),
+                    "beat the mean image": counted(r, "above_mean_image"),
                     "labels": ("inferred" if r["labels_inferred"] else "given")
                     + (f", {r['labels_right']}/{r['num_examples']} right"
                        if "labels_right" in r else ""),
@@ -106,10 +122,12 @@ def write_fedavg_report(out: Path, audit: dict[str, Any]) -> Path:
              + "</ul></div>",
              "<h2>Per method</h2>",
              table(method_rows, ["method", "updates", "PSNR", "SSIM", "LPIPS",
-                                 "mean image PSNR", "gain (dB)", "1 − cos", "s per update"]),
+                                 "mean image PSNR", "gain (dB)", "exact",
+                                 "beat the mean image", "1 − cos", "s per update"]),
              "<h2>Per client update</h2>",
              table(update_rows, ["round", "node", "N", "method", "PSNR", "SSIM", "LPIPS",
-                                 "labels", "1 − cos", "‖w0 − w_T‖", "warnings"])]
+                                 "exact", "beat the mean image", "labels", "1 − cos",
+                                 "‖w0 − w_T‖", "warnings"])]
     if audit.get("failures"):
         parts += ["<h2>Failures</h2>", table(audit["failures"], ["round", "node_id", "error"])]
     for row in audit.get("rows", []):
