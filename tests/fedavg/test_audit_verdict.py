@@ -70,3 +70,13 @@ def test_the_audit_counts_the_images_that_came_back_exactly(tmp_path) -> None:
     assert (summary["sme"]["images"], summary["sme"]["exact"]) == (6, 4)
     text = " ".join(verdict_lines({"rows": rows, "summary": summary}))
     assert "4 of 6 images came back exactly (≥ 40 dB), 4 closer than the mean image" in text
+
+
+def test_the_verdict_leads_with_the_strongest_method_per_client_update() -> None:
+    rows = [{**row(12.0, 0.5, 0.2), "method": "sme", "update": "node-1"},
+            {**row(15.0, 0.6, 0.1), "method": "nlsme", "update": "node-1"},
+            {**row(14.0, 0.6, 0.1), "method": "sme", "update": "node-2"},
+            {**row(13.0, 0.6, 0.1), "method": "nlsme", "update": "node-2"}]
+    text = " ".join(verdict_lines({"rows": rows, "summary": summarise(rows)}))
+    assert "Strongest method per client update: node-1: nlsme 15.00 dB; node-2: sme 14.00 dB" \
+        in text

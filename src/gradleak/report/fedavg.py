@@ -57,6 +57,18 @@ def against(entry: dict[str, Any]) -> str:
                                   f"{scores_text(colour)}" if colour else ""))
 
 
+def strongest_per_update(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per scored update, the row of the method closest to the truth (highest PSNR)."""
+    best: dict[tuple[Any, Any, Any], dict[str, Any]] = {}
+    for row in rows:
+        if "psnr" not in row:
+            continue
+        key = (row.get("round"), row.get("node_id"), row.get("update"))
+        if key not in best or row["psnr"] > best[key]["psnr"]:
+            best[key] = row
+    return [best[key] for key in sorted(best, key=str)]
+
+
 def verdict_lines(audit: dict[str, Any]) -> list[str]:
     rows, summary = audit.get("rows", []), audit.get("summary", {})
     if not rows:
@@ -85,6 +97,12 @@ def verdict_lines(audit: dict[str, Any]) -> list[str]:
         if entry.get("poor_fit"):
             lines.append(f"{method}: {entry['poor_fit']} update(s) carry a warning (poor fit "
                          "or a BatchNorm mode the running statistics contradict).")
+    strongest = strongest_per_update(rows)
+    if strongest:
+        lines.append("Strongest method per client update: " + "; ".join(
+            f"{r.get('update')}: {r['method']} {r['psnr']:.2f} dB"
+            + (f", {r['exact']} of {r['images']} exact" if "exact" in r else "")
+            for r in strongest) + ".")
     norm = common_norm(rows)
     if norm is not None:
         lines.append(f"Every update has the same norm, {norm:.4g}: a clipping bound. Clipping "
@@ -115,7 +133,8 @@ def write_fedavg_report(out: Path, audit: dict[str, Any]) -> Path:
                     "1 − cos": _fixed(r["l_sim"], 4),
                     "‖w0 − w_T‖": _fixed(r.get("update_norm"), 4),
                     "warnings": "; ".join(r["warnings"])}
-                   for r in audit.get("rows", [])]
+                   for r in sorted(audit.get("rows", []), key=lambda r: (
+                       r["round"], r["node_id"], -(r.get("psnr") or 0.0)))]
     parts = [f"<h1>FedAvg audit: {html.escape(str(audit.get('model', 'model')))}</h1>",
              "<div class='verdict'><ul>" + "".join(f"<li>{html.escape(line)}</li>"
                                                     for line in verdict_lines(audit))
