@@ -170,6 +170,9 @@ def test_the_class_mean_start_reads_labelled_auxiliary_images(tmp_path, capsys) 
                  "--out", str(out)]) == 2
     assert "--start class-mean begins from each label's mean auxiliary image" in \
         capsys.readouterr().err
+    assert main(["fedavg-invert", "--update", str(path), "--plugin", "user_models",
+                 "--start", "class-mean", "--reference", "digits", "--out", str(out)]) == 2
+    assert "--reference images are (1, 28, 28)" in capsys.readouterr().err
     assert not out.exists()
     assert main(["fedavg-invert", "--update", str(path), "--plugin", "user_models",
                  "--start", "class-mean", "--reference", str(tmp_path / "aux.safetensors"),

@@ -160,6 +160,10 @@ def test_audit_settings_are_checked_before_any_round(tmp_path) -> None:
         AuditStrategy(FedAvg(), model_fn=Net, shape=(1, 16, 16), out=tmp_path / "e",
                       options=AuditOptions(attack={"start": "class-mean"}),
                       reference=torch.rand(4, 1, 16, 16))
+    with pytest.raises(ConfigError, match=r"start 'class-mean' .* shape \(M, 1, 16, 16\)"):
+        AuditStrategy(FedAvg(), model_fn=Net, shape=(1, 16, 16), out=tmp_path / "f",
+                      options=AuditOptions(attack={"start": "class-mean"}),
+                      reference=torch.rand(4, 1, 8, 8), reference_labels=torch.arange(4))
 
 
 @pytest.mark.parametrize("settings, fragment", [

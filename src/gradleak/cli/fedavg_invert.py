@@ -149,7 +149,8 @@ def run(args: argparse.Namespace) -> None:
     for path, meta in zip(updates, metas):
         if shape is not None:
             check_meta({**meta, "shape": list(shape)}, f"{path} with --shape", ConfigError)
-        if separating and tuple(reference.shape[1:]) != tuple(shape or meta["shape"]):
+        reads_reference = separating or args.start == "class-mean"
+        if reads_reference and tuple(reference.shape[1:]) != tuple(shape or meta["shape"]):
             raise ConfigError(f"--reference images are {tuple(reference.shape[1:])}, {path}'s "
                               f"client trained on {tuple(shape or meta['shape'])}")
         if transform is None:

@@ -157,9 +157,11 @@ class AuditStrategy(Strategy):
             raise ConfigError("reference_labels: one label per reference image (the class-mean "
                               "row), and reference= given")
         self.reference_labels = reference_labels
-        if self.options.attack.get("start") == "class-mean" and reference_labels is None:
+        if self.options.attack.get("start") == "class-mean" and (
+                reference_labels is None or tuple(reference.shape[1:]) != tuple(shape)):
             raise ConfigError("start 'class-mean' begins from each label's mean auxiliary "
-                              "image: give reference= images with reference_labels=")
+                              "image: give reference= images of shape "
+                              f"(M, {', '.join(map(str, shape))}) with reference_labels=")
         if "separate" in self.options.methods and (
                 reference is None or tuple(reference.shape[1:]) != tuple(shape)):
             raise ConfigError(f"method 'separate' starts from auxiliary images of the task: "
