@@ -131,7 +131,9 @@ def run_case(path: Path, defenses: list[str], frames: int, picture: list[str]
 def bottleneck(path: Path, spec: str, frames: int) -> dict[str, Any]:
     """Why the frames fall short under `spec` (an oracle analysis: it reads the private
     frames, actions and advantages to form the true maps and output gradients)."""
-    from gradleak.attacks.conv_blocks import bn_affine, conv_blocks, solve_input
+    from gradleak.attacks.conv_blocks import conv_blocks
+    from gradleak.attacks.layers.affine_norm import bn_affine
+    from gradleak.attacks.layers.conv import solve_input
     from gradleak.attacks.conv_recovery import observed_conv_inputs
     from gradleak.attacks.optim.matching import coefficients_from
     from gradleak.evaluation.analytic import score_conv_stack

@@ -12,28 +12,21 @@ import torch
 from helpers import mlp_observation, observe, smooth_frame, victim_with_statistics
 
 from gradleak.attacks.analytic import module_input
-from gradleak.attacks.conv_blocks import (
-    KnownOutputs,
-    as_map,
-    block_forward,
-    bn_affine,
-    conv_blocks,
-    deepest_inputs,
-    least_squares,
-    posterior_on,
-    robust_input,
-    solve_input,
-    solve_input_with_noise,
-)
-from gradleak.attacks import conv_recovery
+from gradleak.attacks.conv_blocks import block_forward, conv_blocks, deepest_inputs
+from gradleak.attacks.layers.affine_norm import bn_affine
+from gradleak.attacks.layers.conv import (least_squares, robust_input, solve_input,
+                                          solve_input_with_noise)
+from gradleak.attacks.layers.conv_equations import as_map
+from gradleak.attacks.layers.null_space import KnownOutputs
+from gradleak.attacks.layers.linear import linear_input_with_noise
+from gradleak.attacks.layers.relu import MaskRule, posterior_on
+from gradleak.attacks.layers import linear
 from gradleak.attacks.conv_recovery import (
     CONSISTENT,
     DEEPEST_RULE,
     MASK_RULES,
     ConvInputs,
-    MaskRule,
     Run,
-    linear_input_with_noise,
     observed_conv_inputs,
     walk_down,
 )
@@ -290,7 +283,7 @@ def test_a_completed_input_is_no_surer_than_its_completion(dead_top_channels) ->
     """The completion's own error (float32 weight gradients: ~1e-6 of the map) is above the
     fit's residual; its noise is floored at COMPLETION_NOISE of the map's largest value, so the
     block below does not take a unit that close to 0 as surely on or off."""
-    from gradleak.attacks.conv_blocks import COMPLETION_NOISE
+    from gradleak.attacks.layers.conv import COMPLETION_NOISE
 
     top, below, inputs, pre, delta, gradient = dead_top_channels
     outputs = KnownOutputs(pre.relu(), pre > 0, below)
@@ -326,7 +319,7 @@ def test_the_noise_spread_is_the_pseudo_inverses_diagonal_on_definite_and_singul
     """diag(G⁻¹) by Cholesky where G is definite equals the pseudo-inverse's; a singular G
     (a null direction, as on a trained victim's top conv) and an all-zero one (every unit
     off under a defense) in the same batch fall back to the pseudo-inverse instead of failing."""
-    from gradleak.attacks.conv_blocks import DenseOperator, Gram, inverse_diagonal
+    from gradleak.attacks.layers.conv_equations import DenseOperator, Gram, inverse_diagonal
 
     generator = torch.Generator().manual_seed(0)
     rows = torch.randn(3, 12, 5, generator=generator, dtype=torch.float64)
@@ -343,7 +336,7 @@ def test_least_squares_by_normal_equations_match_gelsd_and_fall_back_where_singu
     the same batch are not well posed, and get the minimum-norm solution, not a failed
     factor's, the same on every call (torch's gelsy returned rank 11, 7, 5 or 4 for the
     rank-11 step from one call to the next)."""
-    from gradleak.attacks.conv_blocks import DenseOperator, Gram, solve_least_squares
+    from gradleak.attacks.layers.conv_equations import DenseOperator, Gram, solve_least_squares
 
     generator = torch.Generator().manual_seed(1)
     matrix = torch.randn(4, 40, 12, generator=generator, dtype=torch.float64)
@@ -460,7 +453,11 @@ def vertex_programme(slack_everywhere: bool = False, seed: int = 0
 
 
 def test_the_newton_vertex_is_the_linear_programmes_and_the_truth() -> None:
-    from gradleak.attacks.conv_blocks import least_violation, linear_programme, newton_steps
+    from gradleak.attacks.layers.least_violation import (
+        least_violation,
+        linear_programme,
+        newton_steps,
+    )
 
     rows, bounds, truth = vertex_programme()
     end = newton_steps(rows, bounds)
@@ -477,7 +474,7 @@ def test_a_polytope_with_room_inside_keeps_the_feasible_point_without_a_programm
     point that violates nothing while the active rows leave coefficients free), no vertex is
     singled out: that point is kept and HiGHS is not asked. Where noise leaves no point that
     violates nothing, the linear programme still decides."""
-    import gradleak.attacks.conv_blocks as blocks
+    import gradleak.attacks.layers.least_violation as blocks
 
     programmes = []
     solve = blocks.linear_programme
@@ -515,7 +512,7 @@ def test_completions_run_ahead_in_a_thread_equal_those_run_one_by_one(dead_top_c
     import contextlib
     import threading
 
-    import gradleak.attacks.conv_blocks as blocks
+    import gradleak.attacks.layers.null_space as blocks
 
     top, below, _, pre, delta, gradient = dead_top_channels
     outputs = KnownOutputs(pre.relu(), pre > 0, below)
@@ -545,7 +542,7 @@ def test_a_completion_met_again_within_one_recovery_is_solved_once(dead_top_chan
     """The mask rules' walks meet the same completions on the steps where their masks agree:
     inside one recovery each is solved once and answered alike after; outside, a benchmark's
     repeats pay for every solve."""
-    import gradleak.attacks.conv_blocks as blocks
+    import gradleak.attacks.layers.null_space as blocks
 
     top, below, _, pre, delta, gradient = dead_top_channels
     outputs = KnownOutputs(pre.relu(), pre > 0, below)
@@ -572,7 +569,7 @@ def test_the_implicit_weight_gradient_operator_equals_the_dense_matrix(geometry)
     """D(δ)'s Gram matrix, adjoint and product, computed tap by tap without forming D, equal
     the dense matrix's (with per-channel weights), for a strided conv, a padded one, and one
     that leaves the last rows and columns unread."""
-    from gradleak.attacks.conv_blocks import TapOperator, read_pixels, tap_map
+    from gradleak.attacks.layers.conv_equations import TapOperator, read_pixels, tap_map
 
     size, kernel, stride, padding = geometry
     generator = torch.Generator().manual_seed(2)
@@ -601,7 +598,7 @@ def test_the_fc_fit_a_few_steps_at_a_time_equals_all_at_once(monkeypatch) -> Non
     bias = torch.randn(5, 6, generator=generator)
     bias[3] = 0  # nothing flowed back: x is 0 there
     whole = linear_input_with_noise(weight.double(), bias.double())
-    monkeypatch.setattr(conv_recovery, "FLOAT64_CHUNK_BYTES", 2 * 8 * 6 * 7)
+    monkeypatch.setattr(linear, "FLOAT64_CHUNK_BYTES", 2 * 8 * 6 * 7)
     chunked = linear_input_with_noise(weight, bias)
     assert all(torch.equal(a, b) for a, b in zip(whole, chunked))
     assert float(chunked[0][3].abs().max()) == 0.0
@@ -613,7 +610,7 @@ def test_the_active_rows_least_squares_matches_gelsd_and_refuses_rank_deficiency
     """The Newton checks' least squares: the normal equations where they are well conditioned,
     gelsd where they are not, None where the rows do not fix every coefficient (exactly, or
     to machine precision), as gelsd's rank says."""
-    from gradleak.attacks.conv_blocks import full_rank_least_squares
+    from gradleak.attacks.layers.least_violation import full_rank_least_squares
 
     rng = np.random.default_rng(0)
     matrix, target = rng.standard_normal((300, 100)), rng.standard_normal(300)

@@ -33,49 +33,21 @@ under the strided 8×8 first conv of the paper's CNN): that layer needs a prior.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from gradleak.attacks.closed_form import linear_input
-from gradleak.attacks.conv_blocks import (
-    ConvBlock,
-    KnownOutputs,
-    block_forward,
-    conv_blocks,
-    deepest_inputs,
-    fitted_output_gradient,
-    posterior_on,
-    completions_shared,
-    robust_input,
-    solve_input,
-    solve_input_with_noise,
-    unit_deviations,
-    unit_states,
-)
+from gradleak.attacks.conv_blocks import ConvBlock, block_forward, conv_blocks, deepest_inputs
+from gradleak.attacks.layers.affine_norm import AffineNorm
+from gradleak.attacks.layers.base import GradientOf, Known
+from gradleak.attacks.layers.conv import Conv
+from gradleak.attacks.layers.linear import Linear
+from gradleak.attacks.layers.null_space import completions_shared
+from gradleak.attacks.layers.relu import MaskRule, Relu
 from gradleak.errors import ConfigError
 from gradleak.threat import Observation
 from gradleak.victims.base import Victim, victim_at_theta0
 
-GradientOf = Callable[[str], torch.Tensor]  # parameter name → (N, *shape) per-step gradients
-
-
-@dataclass(frozen=True)
-class MaskRule:
-    """How one walk of the recursion decides which ReLU units are on. With a `margin`: on
-    above that many noise deviations, off below minus it, the units within settled by `rounds`
-    alternations against the weight gradient. Without (the noise-aware rule): each unit's
-    posterior probability of being on given its recovered value and deviation
-    (`posterior_on`), the ambiguous ones settled by `rounds` alternations against a fit that
-    down-weighs the channels a wrong decision shows in (`conv_blocks.robust_input`)."""
-
-    margin: float | None = None
-    rounds: int = 3
-
-    @property
-    def label(self) -> str:
-        return "posterior" if self.margin is None else f"margin {self.margin:g}"
 
 
 # Why these three: the margins suit exact and float16/bfloat16-rounded gradients (no single one
@@ -97,7 +69,6 @@ CONSISTENT = 1e-4
 # units never brought one closer (quant:8 and noise:1e-3, paper cnn, PPO: 0 of 32 steps, at
 # twice the recursion's time), while under bfloat16 steps at 0.04-0.24 came to 0.002-0.04
 RESETTLE_GAP = 0.25
-FLOAT64_CHUNK_BYTES = 16 << 20  # float64 temporaries within what malloc keeps for reuse
 
 
 @dataclass
@@ -320,14 +291,11 @@ def top_descent(gradient_of: GradientOf, victim: Victim, blocks: list[ConvBlock]
     """Every step above the top block: its output (the FC layer's input) and the gradient
     reaching it, from the FC gradients alone, whatever the masks."""
     feature_linear = victim.roles().feature_linear
-    fc_weight, fc_bias = gradient_of(f"{feature_linear}.weight"), gradient_of(
-        f"{feature_linear}.bias").double()
-    count = len(fc_bias)
-    last = blocks[-1].conv.out_channels
-    side = int(round((fc_weight.shape[-1] / last) ** 0.5))
-    y, noise = linear_input_with_noise(fc_weight, fc_bias)
-    y, noise = y.view(count, last, side, side), noise.view(count, last, side, side)
-    upstream = (fc_bias @ victim.get_submodule(feature_linear).weight.double()).view_as(y)
+    top = Linear(feature_linear, victim.get_submodule(feature_linear)).invert(None, gradient_of)
+    count, last = len(top.value), blocks[-1].conv.out_channels
+    side = int(round((top.value.shape[-1] / last) ** 0.5))
+    y, noise = top.value.view(count, last, side, side), top.noise.view(count, last, side, side)
+    upstream = top.gradient.view_as(y)
     return Descent(torch.arange(count), ConvInputs({}, {}, {}, features=y), y, noise, upstream,
                    len(blocks) - 1)
 
@@ -344,14 +312,11 @@ def descend(gradient_of: GradientOf, blocks: list[ConvBlock], deepest: str, rule
     for index in range(state.index, -1, -1):
         block, below = blocks[index], blocks[index - 1] if index else None
         weight_gradient = gradient_of(f"{block.name}.weight")[state.rows].double()
-        delta, outputs = output_gradient(block, below, state.y, state.noise, state.upstream,
-                                         weight_gradient, rule)
-        y, noise, completed = solve_input_with_noise(block, delta, weight_gradient, outputs)
+        at_input, on = invert_block(block, below, Known(state.y, state.noise, state.upstream),
+                                    weight_gradient, rule)
+        y, noise, upstream = at_input.value, at_input.noise, at_input.gradient
         found.inputs[block.name], found.noise[block.name] = y, noise
-        found.masks[block.name], found.completed[block.name] = outputs.on, completed
-        upstream = torch.nn.grad.conv2d_input(y.shape, block.conv.weight.double(), delta,
-                                              stride=block.conv.stride,
-                                              padding=block.conv.padding)
+        found.masks[block.name], found.completed[block.name] = on, at_input.completed
         found.upstream[block.name] = upstream
         state = Descent(state.rows, found, y, noise, upstream, index - 1, state.clean)
         if block.name == deepest:
@@ -390,20 +355,19 @@ def resettle_deepest(gradient_of: GradientOf, blocks: list[ConvBlock], deepest: 
     if not len(rows):
         return found
     weight_gradient = gradient_of(f"{block.name}.weight")[rows].double()
-    delta, outputs = output_gradient(block, below, found.inputs[above][rows],
-                                     found.noise[above][rows], found.upstream[above][rows],
-                                     weight_gradient, rule)
-    y, noise, completed = solve_input_with_noise(block, delta, weight_gradient, outputs)
+    at_input, on = invert_block(block, below, Known(found.inputs[above][rows],
+                                                    found.noise[above][rows],
+                                                    found.upstream[above][rows]),
+                                weight_gradient, rule)
+    y, noise, completed = at_input.value, at_input.noise, at_input.completed
     # a step whose units all came out as before has the same input (up to rounding)
-    moved = (outputs.on != found.masks[deepest][rows]).flatten(1).any(1)
+    moved = (on != found.masks[deepest][rows]).flatten(1).any(1)
     better = moved & (forward_gap(blocks[index:], y, found.features[rows]) < gap[rows])
     if not bool(better.any()):
         return found
     steps = rows[better]
-    upstream = torch.nn.grad.conv2d_input(y.shape, block.conv.weight.double(), delta,
-                                          stride=block.conv.stride, padding=block.conv.padding)
-    for part, value in (("inputs", y), ("noise", noise), ("masks", outputs.on),
-                         ("completed", completed), ("upstream", upstream)):
+    for part, value in (("inputs", y), ("noise", noise), ("masks", on),
+                         ("completed", completed), ("upstream", at_input.gradient)):
         getattr(found, part)[deepest][steps] = value[better]
     if found.rules is not None:
         for step in steps.tolist():
@@ -440,104 +404,16 @@ def refresh_upward(found: ConvInputs, blocks: list[ConvBlock]) -> ConvInputs:
     return found
 
 
-def linear_input_with_noise(weight_gradient: torch.Tensor, bias_gradient: torch.Tensor
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x = ∇Wᵀ∇b/‖∇b‖² (N, in), and its noise: the rank-one fit's residual per entry over ‖∇b‖.
-    Storage rounding alone makes a unit that is exactly off come back as ±1e-7 (float32) or
-    ±1e-3 (float16) after BN⁻¹, so even the top layer needs this margin. In float64, a few
-    steps at a time from the stored (float32) rows: the paper cnn's FC gradient is 819k
-    entries a step, and a float64 copy of 16 steps (105 MB), with the residual as large, is
-    beyond what glibc's malloc keeps for reuse (32 MB at most), so each one was mapped afresh
-    and paid its page faults, 0.5–0.9 s on this machine's VM against 0.02 s in reused memory:
-    most of the recursion inside the attack."""
-    size = max(1, FLOAT64_CHUNK_BYTES // (8 * max(1, weight_gradient.shape[1:].numel())))
-    parts = [rank_one_fit(weight_gradient[start:start + size].double(),
-                          bias_gradient[start:start + size].double())
-             for start in range(0, max(1, len(bias_gradient)), size)]  # no steps: one empty
-    return torch.cat([x for x, _ in parts]), torch.cat([noise for _, noise in parts])
-
-
-def rank_one_fit(weight_gradient: torch.Tensor, bias_gradient: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`linear_input_with_noise` on float64 rows."""
-    norm = (bias_gradient ** 2).sum(1, keepdim=True)
-    x = torch.nan_to_num(linear_input(weight_gradient, bias_gradient), nan=0.0)
-    # one fused product and a norm: the paper's FC gradient is 1.6M entries a step, and
-    # forming (W − b xᵀ)² in separate passes took 2.5x as long
-    residual = torch.baddbmm(weight_gradient, bias_gradient[:, :, None], x[:, None, :],
-                             alpha=-1)
-    outputs, inputs = weight_gradient.shape[1:]
-    dof = max(1, outputs * inputs - outputs - inputs)
-    squares = torch.linalg.vector_norm(residual, dim=(1, 2)) ** 2
-    sigma = torch.nan_to_num((squares / dof / norm[:, 0]).sqrt())
-    return x, sigma[:, None].expand_as(x)
-
-
-def output_gradient(block: ConvBlock, below: ConvBlock | None, y: torch.Tensor,
-                    noise: torch.Tensor, upstream: torch.Tensor, weight_gradient: torch.Tensor,
-                    rule: MaskRule) -> tuple[torch.Tensor, KnownOutputs]:
-    """δ at the conv's output (before ReLU), and the ReLU output with the on-units it used."""
-    if rule.margin is None:
-        relu, deviation, gain = unit_deviations(block, y, noise)
-        full = upstream * gain
-        mask = posterior_mask(block, full, relu, deviation, weight_gradient, rule.rounds)
-        return full * mask, KnownOutputs(relu, mask, below)
-    relu, sure, undecided, gain = unit_states(block, y, noise, rule.margin)
-    full = upstream * gain  # δ where the unit is on
-    mask = sure.clone()
-    rows = undecided.flatten(1).any(1).nonzero().flatten()
-    if rule.rounds and len(rows):
-        # without `below`: the rounds need the masks right, not every null direction fixed
-        # (the linear programme, 0.1 s a step, is left to the final solve)
-        mask[rows] = settle_masks(block, full[rows], KnownOutputs(relu[rows], sure[rows]),
-                                  undecided[rows], weight_gradient[rows], rule.rounds)
-    return full * mask, KnownOutputs(relu, mask, below)
-
-
-# a unit whose posterior is within this of 0 or 1 keeps it; the rest are settled by the fit
-DECIDED = 1e-3
-
-
-def posterior_mask(block: ConvBlock, full: torch.Tensor, relu: torch.Tensor,
-                   deviation: torch.Tensor, weight_gradient: torch.Tensor, rounds: int = 1
-                   ) -> torch.Tensor:
-    """On where the posterior says so; the ambiguous units by the δ fitted to the weight
-    gradient given the channel-robust input (the margins' alternation flips off-units on
-    under noise: docs/training-free.md)."""
-    probability = posterior_on(relu, deviation)
-    mask = probability > 0.5
-    ambiguous = (probability > DECIDED) & (probability < 1 - DECIDED)
-    rows = ambiguous.flatten(1).any(1).nonzero().flatten()
-    for _ in range(rounds):
-        if not len(rows):
-            break
-        inputs = robust_input(block, (full * mask)[rows], weight_gradient[rows])
-        fitted = nearer_on(block, inputs, full[rows], weight_gradient[rows])
-        settled = torch.where(ambiguous[rows], fitted, mask[rows])
-        moved = (settled != mask[rows]).flatten(1).any(1)
-        mask[rows] = settled
-        rows = rows[moved]  # a step whose units all stayed is settled
-    return mask
-
-
-def settle_masks(block: ConvBlock, full: torch.Tensor, surely_on: KnownOutputs,
-                 undecided: torch.Tensor, weight_gradient: torch.Tensor,
-                 rounds: int) -> torch.Tensor:
-    """Alternate: input from δ, δ from input; keep an undecided unit on where the fitted δ is
-    nearer the on-value than 0. Only the surely-on units' values are trusted as equations."""
-    sure = surely_on.on
-    mask = sure.clone()
-    for _ in range(rounds):
-        a = solve_input(block, full * mask, weight_gradient, surely_on)
-        mask = torch.where(undecided, nearer_on(block, a, full, weight_gradient), sure)
-    return mask
-
-
-def nearer_on(block: ConvBlock, inputs: torch.Tensor, full: torch.Tensor,
-              weight_gradient: torch.Tensor) -> torch.Tensor:
-    """Where the δ fitted to the weight gradient given `inputs` is nearer its on-value than 0."""
-    fitted = fitted_output_gradient(block, inputs, weight_gradient)
-    return (fitted - full).abs() < fitted.abs()
+def invert_block(block: ConvBlock, below: ConvBlock | None, at_output: Known,
+                 weight_gradient: torch.Tensor, rule: MaskRule) -> tuple[Known, torch.Tensor]:
+    """One block down, by its layers' inverses: its norm, its ReLU (units decided by `rule`)
+    and its conv (`below`: the block whose output the conv reads). What is known at the conv's
+    input, and the on-units used."""
+    relu_output = AffineNorm(block).invert(at_output)
+    pre_activation = Relu(rule, block, weight_gradient).invert(relu_output)
+    at_input = Conv(block, below).invert(pre_activation,
+                                         {f"{block.name}.weight": weight_gradient}.__getitem__)
+    return at_input, pre_activation.on
 
 
 def observed_conv_inputs(observation: Observation, down_to: str | None = None,

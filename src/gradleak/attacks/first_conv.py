@@ -30,7 +30,10 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from gradleak.attacks.conv_blocks import ConvBlock, bn_inverse, conv_blocks, unit_states
+from gradleak.attacks.conv_blocks import ConvBlock, conv_blocks
+from gradleak.attacks.layers.affine_norm import AffineNorm
+from gradleak.attacks.layers.base import Known
+from gradleak.attacks.layers.relu import margin_states
 from gradleak.victims.base import Victim
 
 
@@ -190,15 +193,17 @@ def first_conv_equations(victim: Victim, first_output: torch.Tensor, noise: torc
     settle them with here."""
     first = conv_blocks(victim)[0]
     with torch.no_grad():
-        relu, on, _, gain = unit_states(first, first_output.double(), noise.double(), threshold)
-        _, deviation, rounding, _ = bn_inverse(first, first_output.double(), noise.double())
+        relu_output = AffineNorm(first).invert(Known(first_output.double(), noise.double(),
+                                                     upstream.double()))
+        relu, deviation, rounding = relu_output.value, relu_output.noise, relu_output.rounding
+        on, _ = margin_states(relu_output, threshold)
         known = torch.isfinite(noise)  # a unit no conv above reads says nothing
         on, off = on & known, ~on & known
         bias = first.conv.bias.double()[:, None, None]
-        outputs, delta = (relu - bias) * on, upstream.double() * gain * on
+        outputs, delta = (relu - bias) * on, relu_output.gradient * on
         spread = torch.where(known, CEILING_DEVIATIONS * deviation + rounding, 0.0)
         ceiling = (relu + spread).clamp_min(0.0) - bias
-        unit_noise = torch.where(known, noise.double(), 0.0) / gain.abs() * on
+        unit_noise = torch.where(known, relu_output.noise, 0.0) * on
         output_noise = relative(unit_noise, outputs)
         bias_check = None if bias_gradient is None else relative(
             delta.sum((2, 3)) - bias_gradient.double(), bias_gradient.double())

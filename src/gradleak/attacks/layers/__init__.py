@@ -1,0 +1,19 @@
+"""The training-free attack's layer inverses, one module per layer kind (`layers.base`): the
+Linear reading the features, the affine normalisation, the ReLU, the conv (with its
+equations, null-space completion and least-violation point in modules of their own), and the
+kinds the walk knows but cannot pass yet (max-pooling, GroupNorm), which say why. Importing
+this package registers them all."""
+
+from gradleak.attacks.layers import conv, group_norm, linear, max_pool, relu  # noqa: F401
+from gradleak.attacks.layers.affine_norm import AffineNorm, identity_norm
+from gradleak.attacks.layers.base import (
+    LAYER_INVERSES,
+    Known,
+    LayerInverse,
+    inverse_for_kind,
+    refusal_of,
+    register_layer_inverse,
+)
+
+__all__ = ["LAYER_INVERSES", "AffineNorm", "Known", "LayerInverse", "identity_norm",
+           "inverse_for_kind", "refusal_of", "register_layer_inverse"]

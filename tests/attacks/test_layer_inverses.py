@@ -1,0 +1,119 @@
+"""Each layer kind's inverse returns its input on a synthetic layer to float64 precision, and
+the gradient reaching that input; the kinds the walk cannot pass say why, by name, before any
+gradient is read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from torch import nn
+
+from gradleak.attacks.conv_blocks import conv_blocks
+from gradleak.attacks.layers import LAYER_INVERSES, AffineNorm, Known, refusal_of
+from gradleak.attacks.layers.conv import Conv
+from gradleak.attacks.layers.linear import Linear
+from gradleak.attacks.layers.relu import MaskRule, Relu
+from gradleak.errors import ConfigError
+from gradleak.victims import create_victim
+from gradleak.victims.roles import KINDS
+
+
+def relative(estimate: torch.Tensor, truth: torch.Tensor) -> float:
+    return float((estimate - truth).norm() / truth.norm())
+
+
+@dataclass(frozen=True)
+class Layer:  # what the conv, norm and ReLU inverses read of a walk's block
+    name: str
+    conv: nn.Conv2d
+    norm: nn.BatchNorm2d
+    input_size: int
+
+
+def per_sample_gradients(module: nn.Module, inputs: torch.Tensor, delta: torch.Tensor
+                         ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Each sample's parameter gradients for output gradient `delta`, and the gradient
+    reaching each input."""
+    grads: dict[str, list[torch.Tensor]] = {}
+    reaching = []
+    for x, d in zip(inputs, delta):
+        x = x[None].clone().requires_grad_(True)
+        module.zero_grad()
+        module(x).backward(d[None])
+        for name, parameter in module.named_parameters():
+            grads.setdefault(name, []).append(parameter.grad.clone())
+        reaching.append(x.grad[0])
+    return {name: torch.stack(values) for name, values in grads.items()}, torch.stack(reaching)
+
+
+def test_the_linear_inverse_returns_its_input_and_the_gradient_reaching_it() -> None:
+    torch.manual_seed(0)
+    layer = nn.Linear(12, 5).double()
+    x, delta = torch.randn(4, 12, dtype=torch.float64), torch.randn(4, 5, dtype=torch.float64)
+    grads, reaching = per_sample_gradients(layer, x, delta)
+    found = Linear("fc", layer).invert(None, lambda name: grads[name.removeprefix("fc.")])
+    assert relative(found.value, x) <= 1e-12
+    assert relative(found.gradient, reaching) <= 1e-12
+    assert float(found.noise.max()) <= 1e-12 * float(x.abs().max())
+
+
+def test_the_affine_norm_inverse_returns_its_input_and_the_gradient_reaching_it() -> None:
+    torch.manual_seed(1)
+    norm = nn.BatchNorm2d(3).double().eval()
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 2.0), norm.bias.uniform_(-1, 1)
+        norm.running_mean.uniform_(-1, 1), norm.running_var.uniform_(0.5, 2.0)
+    r = torch.randn(2, 3, 5, 5, dtype=torch.float64).relu()
+    delta = torch.randn(2, 3, 5, 5, dtype=torch.float64)
+    _, reaching = per_sample_gradients(norm, r, delta)
+    layer = Layer("norm", nn.Conv2d(1, 3, 1), norm, 5)
+    found = AffineNorm(layer).invert(Known(norm(r).detach(), torch.zeros_like(r), delta))
+    assert relative(found.value, r) <= 1e-12
+    assert relative(found.gradient, reaching) <= 1e-12
+
+
+def test_the_relu_inverse_keeps_the_on_units_and_masks_the_gradient() -> None:
+    torch.manual_seed(2)
+    pre = torch.randn(3, 4, 6, 6, dtype=torch.float64)
+    delta = torch.randn_like(pre)
+    conv = nn.Conv2d(2, 4, 3, padding=1).double()
+    layer = Layer("c", conv, nn.BatchNorm2d(4), 6)
+    relu = Relu(MaskRule(None, rounds=0), layer, torch.zeros(3, 4, 2, 3, 3, dtype=torch.float64))
+    found = relu.invert(Known(pre.relu(), torch.full_like(pre, 1e-9), delta))
+    assert torch.equal(found.on, pre > 0)
+    assert torch.equal(found.gradient, delta * (pre > 0))
+    assert torch.equal(found.value[found.on], pre[pre > 0])
+
+
+def test_the_conv_inverse_returns_its_input_and_the_gradient_reaching_it() -> None:
+    """32 output channels × 9 taps = 288 equations per input channel for its 36 pixels."""
+    torch.manual_seed(3)
+    conv = nn.Conv2d(3, 32, 3, padding=1).double()
+    x = torch.randn(4, 3, 6, 6, dtype=torch.float64)
+    delta = torch.randn(4, 32, 6, 6, dtype=torch.float64)
+    grads, reaching = per_sample_gradients(conv, x, delta)
+    layer = Layer("c", conv, nn.BatchNorm2d(32), 6)
+    found = Conv(layer).invert(Known(torch.zeros_like(delta), torch.zeros_like(delta), delta),
+                               lambda name: grads[name.removeprefix("c.")])
+    assert relative(found.value, x) <= 1e-10
+    assert relative(found.gradient, reaching) <= 1e-12
+
+
+def test_every_conv_stack_kind_has_an_inverse_or_a_stated_reason() -> None:
+    kinds = {kind for name in LAYER_INVERSES for kind in LAYER_INVERSES.get(name).kinds}
+    assert set(KINDS.values()) - {"flatten"} <= kinds
+    assert "argmax switches" in refusal_of("maxpool", nn.MaxPool2d(2))
+    assert "per-sample statistics" in refusal_of("groupnorm", nn.GroupNorm(2, 4))
+    assert "no layer inverse is registered for a leakyrelu" in refusal_of("leakyrelu",
+                                                                          nn.LeakyReLU())
+    assert "no groups, no dilation" in refusal_of("conv", nn.Conv2d(2, 2, 3, dilation=2))
+    assert refusal_of("conv", nn.Conv2d(2, 2, 3)) is None
+    assert "running statistics" in refusal_of("batchnorm",
+                                              nn.BatchNorm2d(2, track_running_stats=False))
+
+
+def test_a_victim_the_walk_cannot_pass_is_refused_naming_the_module_and_why() -> None:
+    with pytest.raises(ConfigError, match=r"cannot pass encoder\.\S+, a groupnorm: GroupNorm"):
+        conv_blocks(create_victim("impala-small"))
