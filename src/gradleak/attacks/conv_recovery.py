@@ -5,19 +5,20 @@ The FC layer's input y (the last block's output) comes out of the gradient exact
 block is Conv → ReLU → BatchNorm (eval mode: a known per-channel affine map), so walking down one
 block at a time:
 
-1. BN⁻¹ gives the ReLU output r from y; the unit is on where r > 0, and the conv's output
-   gradient is δ = g_y · γ/σ · [r > 0].
+1. BN⁻¹ gives the ReLU output r from y (`layers.affine_norm`); the unit is on where r > 0,
+   and the conv's output gradient is δ = g_y · γ/σ · [r > 0] (`layers.relu`).
 2. On one sample the conv's weight gradient is Σ_p δ(p) ⊗ patch_p(a) — linear in the conv's
    input a, with one matrix D(δ) shared by all input channels. Where D has at least as many rows
    (C_out·k²) as a channel has pixels, a is its least-squares solution: exact without noise.
-3. The gradient reaching a is conv_transpose(δ, W), exact given δ; then the block below.
+3. The gradient reaching a is conv_transpose(δ, W), exact given δ (`layers.conv`); then the
+   block below (`invert_block` composes the three inverses).
 
 Where D(δ) is rank-deficient (a trained victim's top conv has output channels off on the whole
 frame, and under a stride-2 conv the pixels only the centre tap reads then meet fewer live
 channels than there are of them), the input is fixed in D's null space by the block's own
 outputs (the on-units' pre-activations, linear in the input and coupling its channels) and then
 by inequalities: the input is a ReLU → BN output of the block below (BN⁻¹ of it ≥ 0, half of it
-exactly 0) and the off-units' pre-activations are ≤ 0 (`conv_blocks.complete_from_outputs`).
+exactly 0) and the off-units' pre-activations are ≤ 0 (`layers.null_space`).
 What stays free is marked undetermined, so the block below leaves those units undecided.
 
 So errors do not compound through the activations, only through the on/off masks. A `MaskRule`
@@ -52,22 +53,17 @@ from gradleak.victims.base import Victim, victim_at_theta0
 
 # Why these three: the margins suit exact and float16/bfloat16-rounded gradients (no single one
 # every step; see `recover_conv_inputs`), the posterior suits added noise, whose deviation the
-# fit's residual estimates well (|error| / deviation has quantiles 0.64 / 1.59 / 2.51 at 50 /
-# 90 / 99%, a Gaussian's 0.67 / 1.64 / 2.58, under noise:1e-6 and 1e-5 on the paper's CNN).
-# (A margin of 40 as well was never the better run once runs are compared by consistency.)
-# The first is walked on every step, the others only where it is not consistent to float32
-# rounding (`CONSISTENT`): on exact gradients one walk instead of three.
+# fit's residual estimates well. The first is walked on every step, the others only where it
+# is not consistent to float32 rounding (`CONSISTENT`): on exact gradients one walk, not three.
 MASK_RULES = (MaskRule(None, rounds=1), MaskRule(10.0), MaskRule(20.0))
 # The deepest block's on-units, whichever rule walked the blocks above: the frame solve reads
 # that block's input, and there the posterior with four alternations of a channel-robust input
-# and its fitted δ decides best (bfloat16, paper cnn, PPO, 8 steps: 4264 of 51200 units wrong
-# under the walk's own rule, 1893 under this one)
+# and its fitted δ decides best
 DEEPEST_RULE = MaskRule(None, rounds=4)
 # a step whose deepest map reproduces the features to this relative error is taken as exact
 CONSISTENT = 1e-4
-# and one further off than this went wrong above the deepest block: re-deciding that block's
-# units never brought one closer (quant:8 and noise:1e-3, paper cnn, PPO: 0 of 32 steps, at
-# twice the recursion's time), while under bfloat16 steps at 0.04-0.24 came to 0.002-0.04
+# and one further off than this went wrong above the deepest block, where re-deciding that
+# block's units does not bring it closer
 RESETTLE_GAP = 0.25
 
 
@@ -201,11 +197,8 @@ def recover_conv_inputs(gradient_of: GradientOf, victim: Victim, down_to: str | 
     Why several rules: no single one suits every step (a unit's noise varies with the step's
     advantage and how many units are on; rounding and added noise differ) and the features,
     exact from the FC gradient whatever the masks, say which run went right: per step the run
-    whose deepest map, passed forward through the blocks above, is nearest them is kept. On
-    the paper's CNN at 84×84 (16 held-out steps, random init / PPO) that choice has the
-    oracle's median error under noise:1e-6 and 1e-5, float16 and bfloat16; the estimated
-    relative noise, the earlier yardstick, picked a margin of 40 on 6 of 16 steps under
-    noise:1e-5 (median 0.32 / 0.078 against 0.29 / 0.041). The first rule is walked on every
+    whose deepest map, passed forward through the blocks above, is nearest them is kept (the
+    attacker's own criterion; it matches the oracle's choice). The first rule is walked on every
     step, the others only on the steps it leaves inconsistent. Then `deepest_rule` (None: none)
     decides the deepest block's units again where no walk was consistent
     (`resettle_deepest`)."""
@@ -231,17 +224,13 @@ def walk_every_rule(once: GradientOf, victim: Victim, down_to: str | None,
                     rules: tuple[MaskRule, ...]) -> ConvInputs:
     """Each rule walks the steps every rule before it left inconsistent (the first: all);
     per step the walk whose features agree best. A step a rule makes consistent is exact to
-    float32 rounding, so the rules after it are not walked there (the paper's cnn, PPO: margin
-    10 makes the posterior's 3 inconsistent steps of 16 exact, and margin 20's walk of them then
-    only matched it to 2e-8).
+    float32 rounding, so the rules after it are not walked there.
 
     A walk pauses a step where, consistent after the top block, it turns inconsistent above the
     deepest input: a wrong mask, so the next rule tries it before the expensive lower blocks are
-    solved (the paper's PPO cnn: the posterior pauses its 3 bad steps at the middle block, 7e-3
-    against 4e-7, and margin 10 makes them exact). A step no rule makes consistent is finished
-    once, by the first rule that paused it, beside the walks that reached its deepest input
-    unpaused: finishing every rule's paused walk and keeping the least inconsistent gave the
-    same inputs at several times the cost (docs/training-free.md)."""
+    solved. A step no rule makes consistent is finished once, by the first rule that paused it,
+    beside the walks that reached its deepest input unpaused (finishing every rule's paused
+    walk gives the same inputs at several times the cost)."""
     blocks = conv_blocks(victim)
     deepest = checked_deepest(victim, blocks, down_to)
     start = top_descent(once, victim, blocks)
@@ -391,8 +380,7 @@ def checked_deepest(victim: Victim, blocks: list[ConvBlock], down_to: str | None
 def refresh_upward(found: ConvInputs, blocks: list[ConvBlock]) -> ConvInputs:
     """Where a block's D(δ) had a null space its input may keep an error the inequalities did
     not remove, while the block below, solved with the right masks, is exact: there the input is
-    the forward pass of the input below (on 3 of 16 trained-PPO steps of the paper's CNN, the
-    top conv's input goes from 5e-2 to 1e-6)."""
+    the forward pass of the input below."""
     names = [block.name for block in blocks]
     reached = [name for name in names if name in found.inputs]  # bottom-up
     for lower, upper in zip(reached, reached[1:]):

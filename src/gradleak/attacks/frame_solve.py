@@ -250,9 +250,8 @@ def same_frames(maps: torch.Tensor, episodes: np.ndarray, steps: np.ndarray,
     """The steps that saw one frame: consecutive steps of an episode whose first-block maps
     (N, ...: the recursion's output, the second conv's input) differ by at most `tolerance`,
     relative (0: none). On what a client sends the recursion returns those maps to float32
-    rounding: on the held-out A2C capture of the paper's cnn at 84×84 the 13 pairs of identical
-    frames in 64 steps differed by 7e-7 to 1.1e-6, every other pair by more than 1e-2. Maps
-    that are all zero say nothing of the frame and are never tied."""
+    rounding, so identical frames give maps far closer than different ones (docs/training-free.md).
+    Maps that are all zero say nothing of the frame and are never tied."""
     flat = maps.flatten(1).double()
     if tolerance == 0 or len(flat) < 2:
         return Tie.none(len(flat))

@@ -87,11 +87,8 @@ NULL_CHECK_PIXELS = 256
 # the noise given to input units no equation fixes, times the map's largest value
 UNDETERMINED_SPREAD = 1e3
 # the least noise of an input completed from its outputs, times the map's largest value: the
-# completion's active-set solve carries an error the fit's residual does not show (up to 1.5e-5
-# of the map on cnn-small's random-init top block, against a residual of 1e-7), and the block
-# below then took units within it of 0 as surely on or off (50 wrong on one of 16 steps).
-# 1e-5 made those steps exact; 1e-4 left so many units to settle that three other steps went
-# wrong (cnn-small random init; the paper's cnn, PPO and A2C, unchanged)
+# completion's active-set solve carries an error the fit's residual does not show, and the
+# block below must not take units within it of 0 as surely on or off
 COMPLETION_NOISE = 1e-5
 
 
@@ -138,7 +135,7 @@ def completable(gram: Gram, channels_in: int) -> torch.Tensor:
 
 def null_space_size(gram: torch.Tensor) -> torch.Tensor:
     """(N,) D's nullity from its Gram matrix's eigenvalues, at a quarter of an SVD's cost
-    (σ² squares the gap: 1e-32 against 1e-7 relative on the paper's CNN; floor 1e-16)."""
+    (σ² squares the gap between the null directions and the rest)."""
     eigenvalues = torch.linalg.eigvalsh(gram)
     return (eigenvalues < NULL_TOLERANCE ** 1.5 * eigenvalues[:, -1:]).sum(1)
 

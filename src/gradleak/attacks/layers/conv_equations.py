@@ -30,8 +30,7 @@ class ConvLayer(Protocol):
 @lru_cache(maxsize=32)
 def tap_map(size: int, kernel: int, stride: int, padding: int) -> torch.Tensor:
     """(Q, k², P): which input pixel each output position's kernel tap reads. Shared, read
-    only: a function of the block's geometry, asked for at every solve (its unfold of the
-    identity was a fifth of cnn-small's recursion)."""
+    only: a function of the block's geometry, asked for at every solve."""
     basis = torch.eye(size * size, dtype=torch.float64).view(-1, 1, size, size)
     return F.unfold(basis, kernel, padding=padding, stride=stride)
 
@@ -77,7 +76,7 @@ class TapOperator:
     """D(δ) (N, C_out·k², Q'), with ∇W[:, i] (flattened) = D a_i for every input channel i,
     kept implicit: its row (o, k) is δ(o, ·) placed at the pixels kernel tap k reads. Its Gram
     matrix is δᵀWδ (P × P) scattered once per tap: C_out·P² + k²·P² operations a step against
-    the dense product's C_out·k²·Q'², which was half the paper's cnn's recursion."""
+    the dense product's C_out·k²·Q'²."""
 
     delta: torch.Tensor  # (N, C_out, P)
     geometry: tuple[int, int, int, int]  # input size, kernel, stride, padding
@@ -172,9 +171,8 @@ Operator = TapOperator | DenseOperator
 
 
 # D(δ) whose Gram matrix's Cholesky pivots span less than this (squared) is solved by its
-# normal equations, and has no null space: cond(D) was 7–480 on every well-posed step of the
-# held-out captures (cnn-small random init, the paper's cnn random init and PPO) and 1e16 or
-# more on those with a null space, whose exact null direction leaves a pivot at rounding level
+# normal equations, and has no null space: an exact null direction leaves a pivot at rounding
+# level, far below any well-posed D's
 NORMAL_EQUATIONS = 1e-8
 # a Gram matrix whose Cholesky pivots span more than this (squared) is inverted by the
 # pseudo-inverse instead (pinv's own cut-off is 1e-13 of the largest eigenvalue)

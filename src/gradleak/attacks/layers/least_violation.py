@@ -20,9 +20,9 @@ from gradleak.attacks.layers.conv_equations import NORMAL_EQUATIONS
 ACTIVE_TOLERANCE = 1e-4
 
 
-# Newton steps on the squared violation: 1 to 13 certified the vertex on cnn-small's
-# random-init steps; a polytope with room inside never certifies (its last point is kept), and
-# only a programme still violated after them goes to the linear programme
+# Newton steps on the squared violation before giving up on a certified vertex; a polytope with
+# room inside never certifies (its last point is kept), and only a programme still violated
+# after them goes to the linear programme
 NEWTON_STEPS = 16
 
 
@@ -36,15 +36,12 @@ def least_violation(rows: np.ndarray, bounds: np.ndarray) -> np.ndarray | None:
     active at it agree. First a few Newton steps on the squared violation (a millisecond each),
     checked after each: where the rows near-active fix every coefficient and their least-squares
     point violates no row beyond the tolerance, that point is the vertex the linear programme
-    stops at (21 of one cnn-small recovery's 24 programmes: HiGHS's vertex to 1e-5, in 2–16
-    ms against 60–70). Where the steps end at a point that violates no row beyond the tolerance
-    but the rows active there leave coefficients free (a polytope with room inside), that point
-    is kept: the inequalities single out no vertex there, and the one HiGHS stopped at was no
-    nearer the truth on the held-out captures (the paper cnn's three such programmes, PPO,
-    gave the same inputs either way; cnn-small's one was on a step no rule recovers, relative
-    error 1.5 against the truth either way), at 60–70 ms a programme. Otherwise (no
-    convergence: noise leaves no point that violates nothing) the linear programme (HiGHS)
-    decides. None when it fails."""
+    stops at, found at a fraction of its cost. Where the steps end at a point that violates no
+    row beyond the tolerance but the rows active there leave coefficients free (a polytope with
+    room inside), that point is kept: the inequalities single out no vertex there, and the one
+    a linear programme would stop at is no nearer the truth. Otherwise (no convergence: noise
+    leaves no point that violates nothing) the linear programme (HiGHS) decides. None when it
+    fails."""
     end = newton_steps(rows, bounds)
     if end.certified or end.feasible:
         return end.point

@@ -45,11 +45,9 @@ def linear_input_with_noise(weight_gradient: torch.Tensor, bias_gradient: torch.
     """x = ∇Wᵀ∇b/‖∇b‖² (N, in), and its noise: the rank-one fit's residual per entry over ‖∇b‖.
     Storage rounding alone makes a unit that is exactly off come back as ±1e-7 (float32) or
     ±1e-3 (float16) after BN⁻¹, so even the top layer needs this margin. In float64, a few
-    steps at a time from the stored (float32) rows: the paper cnn's FC gradient is 819k
-    entries a step, and a float64 copy of 16 steps (105 MB), with the residual as large, is
-    beyond what glibc's malloc keeps for reuse (32 MB at most), so each one was mapped afresh
-    and paid its page faults, 0.5–0.9 s on this machine's VM against 0.02 s in reused memory:
-    most of the recursion inside the attack."""
+    steps at a time from the stored (float32) rows: a float64 copy of many steps of a large FC
+    gradient is beyond what glibc's malloc keeps for reuse, and mapping it afresh each time
+    pays page faults that cost more than the fit."""
     size = max(1, FLOAT64_CHUNK_BYTES // (8 * max(1, weight_gradient.shape[1:].numel())))
     parts = [rank_one_fit(weight_gradient[start:start + size].double(),
                           bias_gradient[start:start + size].double())

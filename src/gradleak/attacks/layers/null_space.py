@@ -46,10 +46,9 @@ class KnownOutputs:
     below: NormedLayer | None = None  # the layer whose ReLU → norm output this input is
 
 
-# D(δ)'s singular values below this fraction of its largest are its null space: on the paper's
-# CNN the top block's D has one exact null direction (σ ≈ 1e-16 of the largest, 1e-3 for the
-# next) on 5 of 16 trained-PPO steps, where the stride-2 conv's on-units leave a checkerboard
-# unread.
+# D(δ)'s singular values below this fraction of its largest are its null space (an exact null
+# direction sits at rounding level, the next well above: where a strided conv's on-units leave
+# a checkerboard unread)
 NULL_TOLERANCE = 1e-9
 
 
@@ -182,8 +181,7 @@ def null_space_part(block: ConvLayer, directions: torch.Tensor, solution: torch.
                     outputs: KnownOutputs, step: int) -> tuple[torch.Tensor, FreeDirections]:
     """(Q, C_in) Σ_j c_ij n_j with c fitted to the on-units' pre-activations, and the c that
     stay free: a trained victim's top conv has output channels that are off everywhere on a
-    frame (40 of 64 on the paper's CNN after 6 PPO updates), and those say nothing of the
-    input channels they would read."""
+    frame, and those say nothing of the input channels they would read."""
     channels_in = block.conv.in_channels
     columns = direction_outputs(block, directions)  # (C_out, P, C_in, J)
     on = outputs.on[step].flatten(1)  # (C_out, P)
@@ -198,8 +196,8 @@ def null_space_part(block: ConvLayer, directions: torch.Tensor, solution: torch.
     coefficients = right[:rank].T @ (left[:, :rank].T @ missing / singular[:rank])
 
     def as_maps(c: torch.Tensor) -> torch.Tensor:  # (F, C_in·J) → (F, Q, C_in)
-        # contiguous: the inequalities reduce and gather over F (a strided amax took 1.3 ms,
-        # a tenth of that after one copy)
+        # contiguous: the inequalities reduce and gather over F (a strided amax is ten times
+        # slower than one copy and a contiguous one)
         maps = c.reshape(-1, channels_in, len(directions)) @ directions
         return maps.transpose(1, 2).contiguous()
 
@@ -277,9 +275,7 @@ def first_unanswered(order: list[int], keys: dict[int, bytes | None]) -> list[in
 def completions_shared() -> Iterator[None]:
     """Within: a step's completion met again is answered from the first solve. The walks of
     the other mask rules meet the same ones on the steps they share with the first (their
-    masks agree there: one cnn-small step at random init was completed nine times, as often as
-    the rest together, and one of the paper cnn's linear programmes, 70 ms, recurred); one
-    recovery's worth is kept, keyed by the bytes a completion reads."""
+    masks agree there); one recovery's worth is kept, keyed by the bytes a completion reads."""
     global _SHARED
     outer, _SHARED = _SHARED, {} if _SHARED is None else _SHARED
     try:
@@ -295,7 +291,7 @@ def in_every_channel(pixels: torch.Tensor, block: ConvLayer) -> torch.Tensor:
 
 def plausible(change: torch.Tensor, solution: torch.Tensor) -> bool:
     """A null-space part larger than the map it completes means inconsistent equations (the
-    masks above were wrong), not a solution: on the paper's CNN it is 2% of the map."""
+    masks above were wrong), not a solution (with the right masks it is a small part of it)."""
     return bool(change.norm() <= solution.norm())
 
 
