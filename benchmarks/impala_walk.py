@@ -32,7 +32,10 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
+from gradleak.attacks.layers.base import Known
+from gradleak.attacks.layers.conv_equations import TapOperator
+from gradleak.attacks.layers.linear import Linear
+from gradleak.attacks.layers.residual import ConvAt, ResidualBlock
 from gradleak.capture.reader import CaptureFile
 from gradleak.capture.run import CaptureJob, run_capture
 from gradleak.io import atomic_path
@@ -43,7 +46,6 @@ from gradleak.victims.base import victim_at_theta0
 from host import machine
 
 RESULTS = Path(__file__).parent / "results" / "impala_walk.json"
-ON_ABOVE = 1e-4  # float32 rounding leaves a recovered zero near 1e-6 of the largest entry
 
 
 @dataclass(frozen=True)
@@ -67,29 +69,9 @@ def capture(case: Case, work: Path, steps: int) -> Path:
     return path
 
 
-def correlation_matrix(delta: torch.Tensor, size: int) -> torch.Tensor:
-    """(O·9, H·W): ∇W[o, i, ky, kx] = Σ_p δ_o(p) x_i(p + (ky − 1, kx − 1)) (3×3, padding 1)
-    as a matrix on one input channel's entries: row (o, k) holds δ_o shifted by −k + 1."""
-    padded = F.pad(delta, (1, 1, 1, 1))
-    rows = [padded[:, 2 - ky:2 - ky + size, 2 - kx:2 - kx + size]
-            for ky in range(3) for kx in range(3)]
-    return torch.stack(rows, 1).reshape(-1, size * size)
-
-
-def solve_input(delta: torch.Tensor, gradient: torch.Tensor, size: int
-                ) -> tuple[torch.Tensor, int]:
-    """A 3×3 conv's input (C, H, W) from its weight gradient (O, C, 3, 3) and output δ (O, H,
-    W): one least squares per input channel, all sharing δ's matrix; and that matrix's rank."""
-    matrix = correlation_matrix(delta, size)
-    rhs = gradient.permute(0, 2, 3, 1).reshape(-1, gradient.shape[1])
-    solution = torch.linalg.lstsq(matrix, rhs, driver="gelsd").solution
-    return solution.T.reshape(-1, size, size), int(torch.linalg.matrix_rank(matrix))
-
-
-def on(relu_output: torch.Tensor) -> torch.Tensor:
-    """The units of a recovered ReLU output that are on: above the noise the float32 wire
-    leaves on the zeros (ON_ABOVE of its largest entry)."""
-    return relu_output > ON_ABOVE * relu_output.abs().max()
+def rank(conv: ConvAt, delta: torch.Tensor) -> int:
+    """The rank of one input channel's weight-gradient equations D(δ) (9·C rows)."""
+    return int(torch.linalg.matrix_rank(TapOperator.of(conv, delta[None]).dense()[0]))
 
 
 def relative(estimate: torch.Tensor, truth: torch.Tensor, where: torch.Tensor | None = None
@@ -118,41 +100,37 @@ def activations(victim: Any, frames: torch.Tensor) -> dict[str, torch.Tensor]:
 
 def walk_step(victim: Any, block: Any, truth: dict[str, torch.Tensor], step: int
               ) -> dict[str, Any]:
-    """One step's walk down the last stage, against the truth of that step."""
+    """One step's walk down the last stage by the residual block's inverse
+    (`attacks.layers.residual`), against the truth of that step."""
     fc, stages = victim.fc, victim.encoder
     last = len(stages) - 1
-    channels, size = stages[last][0].out_channels, int(round(
-        (fc.in_features / stages[last][0].out_channels) ** 0.5))
-    gw, gb = block("fc.weight")[step], block("fc.bias")[step]
-    u = ((gw.T @ gb) / (gb @ gb)).view(channels, size, size)  # relu(out) of the last stage
-    out = torch.where(u > 0, u, torch.nan)  # the stage output: known where it is positive
-    delta = (fc.weight.detach().double().T @ gb).view(channels, size, size) * (u > 0)
+    channels = stages[last][0].out_channels
+    size = int(round((fc.in_features / channels) ** 0.5))
+    top = Linear("fc", fc).invert(None, lambda name: block(name)[step:step + 1])
+    u, g_u = top.value.view(1, channels, size, size), top.gradient.view(1, channels, size, size)
+    on = u > 0  # the stage output is known where relu(out) is positive
+    known = Known(torch.where(on, u, torch.nan), torch.where(on, top.noise.view_as(u), torch.inf),
+                  g_u * on)
     row: dict[str, Any] = {"fc_input": relative(u.flatten(), truth["fc:in"][step])}
     levels = []
     for index in (4, 3):  # the residual blocks, top down
         name = f"encoder.{last}.{index}"
         module = stages[last][index]
-        b, rank1 = solve_input(delta, block(f"{name}.conv1.weight")[step].double(), size)
-        delta_c = torch.nn.grad.conv2d_input((1, *b.shape), module.conv1.weight.double(),
-                                             delta[None], padding=1)[0] * on(b)
-        a, rank0 = solve_input(delta_c, block(f"{name}.conv0.weight")[step].double(), size)
-        a = a * on(a)  # a ReLU's output: what the float32 wire leaves of its zeros is noise
-        # the block input x: from out = x + conv1(b) where out is known, and x = relu(x) > 0
-        branch = F.conv2d(b[None], module.conv1.weight.double(), module.conv1.bias.double(),
-                          padding=1)[0]
-        x = torch.where(on(a), a, out - branch)
-        known = torch.isfinite(x)
-        true_b, true_a = truth[f"{name}.conv1:in"][step], truth[f"{name}.conv0:in"][step]
-        true_x = truth[f"{name}:in"][step]
+        convs = [ConvAt(f"{name}.conv{i}", getattr(module, f"conv{i}"), size) for i in (0, 1)]
+        parts = ResidualBlock(*convs).parts(known, lambda n: block(n)[step:step + 1])
+        x = parts.input.value[0]
+        found = torch.isfinite(x)
         levels.append({"block": name, "unknowns_per_channel": size * size,
-                       "equations_per_channel": 9 * channels, "rank_conv1": rank1,
-                       "rank_conv0": rank0, "conv1_input": relative(b, true_b),
-                       "conv0_input": relative(a, true_a),
-                       "input_known": float(known.double().mean()),
-                       "input": relative(x, true_x, known)})
-        delta = delta + torch.nn.grad.conv2d_input(
-            (1, *a.shape), module.conv0.weight.double(), delta_c[None], padding=1)[0] * on(a)
-        out = x
+                       "equations_per_channel": 9 * channels,
+                       "rank_conv1": rank(convs[1], known.gradient[0]),
+                       "rank_conv0": rank(convs[0], parts.conv0_output.gradient[0]),
+                       "conv1_input": relative(parts.conv0_output.value[0],
+                                               truth[f"{name}.conv1:in"][step]),
+                       "conv0_input": relative(parts.conv0_input.value[0],
+                                               truth[f"{name}.conv0:in"][step]),
+                       "input_known": float(found.double().mean()),
+                       "input": relative(x, truth[f"{name}:in"][step], found)})
+        known = parts.input
     row["blocks"] = levels
     row["pooled_map_known"] = levels[-1]["input_known"]
     row["pooled_map"] = levels[-1]["input"]
@@ -182,10 +160,10 @@ def below(victim: Any, truth: dict[str, torch.Tensor], frames: torch.Tensor, ste
             delta = grads[name][0].double()
             if delta.shape[-1] != x.shape[-1]:  # only the 3×3, padding-1 convs here
                 continue
-            _, rank = solve_input(delta, torch.zeros(delta.shape[0], x.shape[0], 3, 3,
-                                                     dtype=torch.float64), x.shape[-1])
+            conv = ConvAt(name, victim.get_submodule(name), x.shape[-1])
             levels.append({"conv": name, "unknowns_per_channel": x.shape[-1] ** 2,
-                           "equations_per_channel": 9 * delta.shape[0], "rank_true_delta": rank})
+                           "equations_per_channel": 9 * delta.shape[0],
+                           "rank_true_delta": rank(conv, delta)})
     return levels
 
 

@@ -117,3 +117,45 @@ def test_every_conv_stack_kind_has_an_inverse_or_a_stated_reason() -> None:
 def test_a_victim_the_walk_cannot_pass_is_refused_naming_the_module_and_why() -> None:
     with pytest.raises(ConfigError, match=r"cannot pass encoder\.\S+, a groupnorm: GroupNorm"):
         conv_blocks(create_victim("impala-small"))
+
+
+def test_the_residual_inverse_walks_impalas_last_stage_exactly_where_it_is_determined() -> None:
+    """From the FC gradient down both residual blocks of a random-init impala-small's last
+    stage (float64 per-step gradients): each block's input comes back to float64 precision
+    wherever relu(x) is on or the block's output is known, on most of the map."""
+    from gradleak.attacks.layers.residual import ConvAt, ResidualBlock
+
+    torch.manual_seed(0)
+    victim = create_victim("impala-small").double().eval()
+    frames = victim.example_inputs(batch=3, seed=3)[0].double()
+    inputs: dict[str, torch.Tensor] = {}
+    hooks = [module.register_forward_hook(
+        lambda m, i, o, name=name: inputs.update({name: i[0].detach()}))
+        for name, module in victim.named_modules() if type(module).__name__ == "ResidualBlock"]
+    steps = []
+    for k in range(len(frames)):
+        victim.zero_grad()
+        policy, value = victim(frames[k:k + 1])[:2]
+        (policy.log_softmax(-1)[0, 1] * 0.7 + value.sum() * 0.3).backward()
+        steps.append({n: p.grad.clone() for n, p in victim.named_parameters()})
+    with torch.no_grad():
+        victim(frames)
+    for hook in hooks:
+        hook.remove()
+    gradients = {name: torch.stack([step[name] for step in steps]) for name in steps[0]}
+    top = Linear("fc", victim.fc).invert(None, gradients.__getitem__)
+    stage = victim.encoder[-1]
+    channels = stage[0].out_channels
+    side = int(round((top.value.shape[1] / channels) ** 0.5))
+    u, g = top.value.view(3, channels, side, side), top.gradient.view(3, channels, side, side)
+    on = u > 0
+    known = Known(torch.where(on, u, torch.nan), torch.where(on, 0.0, torch.inf), g * on)
+    for index in (4, 3):
+        name = f"encoder.{len(victim.encoder) - 1}.{index}"
+        block = victim.get_submodule(name)
+        inverse = ResidualBlock(ConvAt(f"{name}.conv0", block.conv0, side),
+                                ConvAt(f"{name}.conv1", block.conv1, side))
+        known = inverse.invert(known, gradients.__getitem__)
+        found = torch.isfinite(known.value)
+        assert float(found.double().mean()) >= 0.6, name
+        assert relative(known.value[found], inputs[name][found]) <= 1e-10, name

@@ -1,10 +1,17 @@
 """The training-free attack's layer inverses, one module per layer kind (`layers.base`): the
-Linear reading the features, the affine normalisation, the ReLU, the conv (with its
-equations, null-space completion and least-violation point in modules of their own), and the
-kinds the walk knows but cannot pass yet (max-pooling, GroupNorm), which say why. Importing
-this package registers them all."""
+Linear reading the features, the affine normalisation, the ReLU, the conv (with its equations,
+null-space completion and least-violation point in modules of their own), the pre-activation
+residual block, and the kinds the walk knows but cannot pass yet (max-pooling, GroupNorm),
+which say why. Importing this package registers them all."""
 
-from gradleak.attacks.layers import conv, group_norm, linear, max_pool, relu  # noqa: F401
+from gradleak.attacks.layers import (  # noqa: F401
+    conv,
+    group_norm,
+    linear,
+    max_pool,
+    relu,
+    residual,
+)
 from gradleak.attacks.layers.affine_norm import AffineNorm, identity_norm
 from gradleak.attacks.layers.base import (
     LAYER_INVERSES,

@@ -39,12 +39,12 @@ def bn_inverse(block: NormedLayer, y: torch.Tensor, noise: torch.Tensor
 def bn_affine(block: NormedLayer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """BN (eval mode) as y = gain · (r − mean + shift): (C, 1, 1) gain, shift and mean."""
     norm = block.norm
-    sd = (norm.running_var.double() + norm.eps).sqrt()
-    weight = torch.ones_like(sd) if norm.weight is None else norm.weight.double()
-    bias = torch.zeros_like(sd) if norm.bias is None else norm.bias.double()
+    sd = (norm.running_var.detach().double() + norm.eps).sqrt()
+    weight = torch.ones_like(sd) if norm.weight is None else norm.weight.detach().double()
+    bias = torch.zeros_like(sd) if norm.bias is None else norm.bias.detach().double()
     gain = (weight / sd)[:, None, None]
     shift = bias[:, None, None] / gain
-    mean = norm.running_mean.double()[:, None, None]
+    mean = norm.running_mean.detach().double()[:, None, None]
     return gain, shift, mean
 
 
