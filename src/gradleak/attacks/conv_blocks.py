@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gradleak.attacks.layers import identity_norm, refusal_of
-from gradleak.attacks.layers.affine_norm import bn_affine
+from gradleak.attacks.layers.affine_norm import bn_affine, norm_affine
 from gradleak.attacks.layers.conv_equations import convolve
 from gradleak.errors import ConfigError
 from gradleak.victims.base import Victim
@@ -21,53 +21,119 @@ from gradleak.victims.base import Victim
 
 @dataclass(frozen=True)
 class ConvBlock:
-    name: str  # the conv module's name, e.g. "encoder.3"
-    conv: nn.Conv2d
-    norm: nn.BatchNorm2d  # the identity (`identity_norm`) when the block has none
+    """One Conv [→ BatchNorm] → ReLU [→ BatchNorm] block. A BatchNorm between the conv and the
+    ReLU (eval mode: a per-channel affine map) is folded into `conv`, which then has weight
+    gain·W and bias gain·(b − μ) + β: the walk sees Conv → ReLU [→ BatchNorm] either way. The
+    folded conv's weight gradient is the observed one over the gain (`weight_gradient`), and
+    the gradient of its bias is the folded BatchNorm's β's (`bias_gradient`)."""
+
+    name: str  # the conv module's name, e.g. "encoder.3": its gradients are read by it
+    conv: nn.Conv2d  # with the BatchNorm before the ReLU folded in, and a bias (0 if none)
+    norm: nn.BatchNorm2d  # after the ReLU; the identity (`identity_norm`) when the block has none
     input_size: int  # the square input map's side
+    scale: torch.Tensor | None = None  # (C_out,) the folded BatchNorm's gain γ/σ
+    # the parameter whose per-step gradient is Σ_p δ(p) at the folded conv's output, and what
+    # to divide it by (None: nothing); None: no such parameter
+    bias_source: tuple[str, torch.Tensor | None] | None = None
+
+    def weight_gradient(self, observed: torch.Tensor) -> torch.Tensor:
+        """The folded conv's per-step weight gradient (N, O, C, k, k) from the observed one."""
+        if self.scale is None:
+            return observed
+        scale = self.scale[:, None, None, None]
+        return torch.where(scale != 0, observed / torch.where(scale != 0, scale, 1.0), 0.0)
+
+    def bias_gradient(self, observed: torch.Tensor) -> torch.Tensor:
+        """The folded conv's per-step bias gradient (N, O) from the `bias_source` parameter's."""
+        divisor = None if self.bias_source is None else self.bias_source[1]
+        if divisor is None:
+            return observed
+        return torch.where(divisor != 0, observed / torch.where(divisor != 0, divisor, 1.0), 0.0)
 
 
 def conv_blocks(victim: Victim) -> list[ConvBlock]:
-    """The victim's conv stack (its roles) as Conv → ReLU [→ BatchNorm] blocks in order, read
-    by a Linear layer (its `feature_linear`). A block without BatchNorm (NatureCNN, SB3's
-    CnnPolicy) gets the identity as its affine map. Anything else is refused here, before any
-    work, naming the first module the walk cannot pass and why (its layer inverse's reason)."""
+    """The victim's conv stack (its roles) as Conv [→ BatchNorm] → ReLU [→ BatchNorm] blocks in
+    order, read by a Linear layer (its `feature_linear`). A block without a BatchNorm after its
+    ReLU (NatureCNN, SB3's CnnPolicy, the Conv → BatchNorm → ReLU of most image networks) gets
+    the identity there. Anything else is refused here, before any work, naming the first module
+    the walk cannot pass and why (its layer inverse's reason)."""
     roles = victim.roles()
     name = victim.config.name
     if not roles.conv_stack or roles.feature_linear is None:
         raise ConfigError(f"victim {name}: recovery through the conv stack needs conv layers "
                           "read by a biased Linear layer applied once per sample; this victim "
                           f"has {'no conv stack' if not roles.conv_stack else 'none after it'}")
-    steps = [step for step in roles.conv_stack if step.kind != "flatten"]
-    for step in steps:
-        reason = refusal_of(step.kind, victim.get_submodule(step.module))
+    for step in roles.conv_stack:
+        reason = None if step.kind == "flatten" else refusal_of(
+            step.kind, victim.get_submodule(step.module))
         if reason is not None:
             raise ConfigError(f"victim {name}: the walk through the conv stack cannot pass "
-                              f"{step.module}, a {step.kind}: {reason}")
+                              f"{step.module}, {article(step.kind)} {step.kind}: {reason}")
+    if not roles.conv_chain:
+        raise ConfigError(f"victim {name}: composing its conv modules in call order does not "
+                          f"give what {roles.feature_linear} reads (a residual addition or a "
+                          "function between them): the walk cannot pass it")
+    steps = [step for step in roles.conv_stack if step.kind not in PASSED_THROUGH]
+    kinds = [step.kind for step in steps]
     blocks, i = [], 0
     while i < len(steps):
-        conv, after = steps[i], [s.kind for s in steps[i + 1:i + 3]]
-        if conv.kind != "conv" or after[:1] != ["relu"]:
-            what = conv if conv.kind != "conv" else steps[i + 1] if i + 1 < len(steps) else conv
+        conv = steps[i]
+        pre = i + 1 < len(steps) and kinds[i + 1] == "batchnorm"
+        relu = i + 1 + pre
+        if conv.kind != "conv" or relu >= len(steps) or kinds[relu] != "relu":
+            what = conv if conv.kind != "conv" else steps[min(relu, len(steps) - 1)]
             raise ConfigError(f"victim {name}: the walk through the conv stack passes "
-                              "Conv → ReLU [→ BatchNorm] blocks only; "
-                              f"{what.module} is a {what.kind}"
-                              + (" not followed by a ReLU" if what.kind == "conv" else ""))
+                              "Conv [→ BatchNorm] → ReLU [→ BatchNorm] blocks only; "
+                              f"{what.module} is {article(what.kind)} {what.kind}"
+                              + (" not followed by a ReLU" if what.kind in ("conv", "batchnorm")
+                                 else ""))
         if conv.input_shape[1] != conv.input_shape[2]:
             raise ConfigError(f"victim {name}: {conv.module}: the walk passes convolutions on "
                               f"square maps; it reads {conv.input_shape[1]}×"
                               f"{conv.input_shape[2]}")
         module = victim.get_submodule(conv.module)
-        normed = after[1:] == ["batchnorm"]
-        norm = victim.get_submodule(steps[i + 2].module) if normed \
+        before = victim.get_submodule(steps[i + 1].module) if pre else None
+        post = relu + 1 < len(steps) and kinds[relu + 1] == "batchnorm"
+        norm = victim.get_submodule(steps[relu + 1].module) if post \
             else identity_norm(module.out_channels)
-        blocks.append(ConvBlock(conv.module, module, norm, conv.input_shape[1]))
-        i += 3 if normed else 2
-    if not roles.conv_chain:
-        raise ConfigError(f"victim {name}: composing its conv modules in call order does not "
-                          f"give what {roles.feature_linear} reads (a residual addition or a "
-                          "function between them): the walk cannot pass it")
+        blocks.append(folded_block(conv.module, module, before,
+                                   steps[i + 1].module if pre else None, norm,
+                                   conv.input_shape[1]))
+        i = relu + 1 + post
     return blocks
+
+
+# kinds whose input is their output: the blocks are read without them
+PASSED_THROUGH = ("flatten", "identity")
+
+
+def article(kind: str) -> str:
+    return "an" if kind[:1] in "aeiou" else "a"
+
+
+def folded_block(name: str, conv: nn.Conv2d, before: nn.BatchNorm2d | None,
+                 before_name: str | None, norm: nn.BatchNorm2d, input_size: int) -> ConvBlock:
+    """The block of `conv` with the BatchNorm `before` its ReLU (None: none) folded in."""
+    if before is None and conv.bias is not None:
+        return ConvBlock(name, conv, norm, input_size, bias_source=(f"{name}.bias", None))
+    weight = conv.weight.detach().double()
+    bias = weight.new_zeros(conv.out_channels) if conv.bias is None \
+        else conv.bias.detach().double()
+    scale, source = None, None if conv.bias is None else (f"{name}.bias", None)
+    if before is not None:
+        gain, _, mean = norm_affine(before)
+        scale = gain.flatten()
+        beta = 0.0 if before.bias is None else before.bias.detach().double()
+        weight = weight * scale[:, None, None, None]
+        bias = scale * (bias - mean.flatten()) + beta
+        # ∂L/∂β is Σ_p δ(p) at the folded conv's output; ∂L/∂b is that times the gain
+        source = (f"{before_name}.bias", None) if before.bias is not None else \
+            None if conv.bias is None else (f"{name}.bias", scale)
+    merged = nn.Conv2d(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride,
+                       conv.padding, dtype=torch.float64).requires_grad_(False)
+    merged.weight.copy_(weight)
+    merged.bias.copy_(bias)
+    return ConvBlock(name, merged, norm, input_size, scale, source)
 
 
 def solvable(block: ConvBlock) -> bool:

@@ -2,8 +2,9 @@
 
 The FC layer's input y (the last block's output) comes out of the gradient exactly (see
 `gradleak.attacks.analytic`), and so does the gradient reaching it, g_y = W_fcᵀ ∇b_fc. Each
-block is Conv → ReLU → BatchNorm (eval mode: a known per-channel affine map), so walking down one
-block at a time:
+block is Conv → ReLU → BatchNorm (eval mode: a known per-channel affine map; a BatchNorm before
+the ReLU is folded into the conv, `conv_blocks.folded_block`), so walking down one block at a
+time:
 
 1. BN⁻¹ gives the ReLU output r from y (`layers.affine_norm`); the unit is on where r > 0,
    and the conv's output gradient is δ = g_y · γ/σ · [r > 0] (`layers.relu`).
@@ -300,7 +301,8 @@ def descend(gradient_of: GradientOf, blocks: list[ConvBlock], deepest: str, rule
     found = state.found.shallow_copy()  # the descent it started from stays as it was
     for index in range(state.index, -1, -1):
         block, below = blocks[index], blocks[index - 1] if index else None
-        weight_gradient = gradient_of(f"{block.name}.weight")[state.rows].double()
+        weight_gradient = block.weight_gradient(
+            gradient_of(f"{block.name}.weight")[state.rows].double())
         at_input, on = invert_block(block, below, Known(state.y, state.noise, state.upstream),
                                     weight_gradient, rule)
         y, noise, upstream = at_input.value, at_input.noise, at_input.gradient
@@ -343,7 +345,7 @@ def resettle_deepest(gradient_of: GradientOf, blocks: list[ConvBlock], deepest: 
     rows = ((gap > CONSISTENT) & (gap <= RESETTLE_GAP)).nonzero().flatten()
     if not len(rows):
         return found
-    weight_gradient = gradient_of(f"{block.name}.weight")[rows].double()
+    weight_gradient = block.weight_gradient(gradient_of(f"{block.name}.weight")[rows].double())
     at_input, on = invert_block(block, below, Known(found.inputs[above][rows],
                                                     found.noise[above][rows],
                                                     found.upstream[above][rows]),

@@ -192,7 +192,8 @@ class ConvStackFrames(FrameInverse):
                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         part = observation.steps(rows)
         deepest = list(found.inputs)[-1]
-        gradient = torch.from_numpy(part.block(f"{self.first.name}.weight").astype(np.float64))
+        gradient = self.first.weight_gradient(
+            torch.from_numpy(part.block(f"{self.first.name}.weight").astype(np.float64)))
         equations = first_conv_equations(self.victim, found.inputs[deepest],
                                          found.noise[deepest], found.upstream[deepest],
                                          gradient, self.config.threshold,
@@ -244,9 +245,11 @@ def not_applicable(config: VictimConfig) -> str | None:
 
 
 def bias_gradient(observation: Observation, first: ConvBlock) -> torch.Tensor | None:
-    """(N, O) the first conv's observed bias gradient: it checks δ₁. None where the conv has
-    no bias or the capture left it out (the solve then weighs ∇W₁'s equations as exact)."""
-    name = f"{first.name}.bias"
-    if first.conv.bias is None or name not in {layer.name for layer in observation.layers}:
+    """(N, O) the first conv's observed bias gradient (its folded BatchNorm's β's where it has
+    one before its ReLU): it checks δ₁. None where there is none or the capture left it out
+    (the solve then weighs ∇W₁'s equations as exact)."""
+    if first.bias_source is None or first.bias_source[0] not in {
+            layer.name for layer in observation.layers}:
         return None
-    return torch.from_numpy(observation.block(name).astype(np.float64))
+    return first.bias_gradient(torch.from_numpy(
+        observation.block(first.bias_source[0]).astype(np.float64)))

@@ -173,7 +173,8 @@ def score_conv_stack(observation: Observation, target: Target, count: int,
     double = victim_at_theta0(observation).double()
     first = conv_blocks(double)[0]
     part = observation.steps(solved)
-    gradient = torch.from_numpy(part.block(f"{first.name}.weight").astype(np.float64))
+    gradient = first.weight_gradient(
+        torch.from_numpy(part.block(f"{first.name}.weight").astype(np.float64)))
     solves = frame_solves(double, found, deepest, truth[deepest], gradient,
                           bias_gradient(part, first), images, rank_frames, tie, within, say)
     main = solves.pop("equations")

@@ -37,8 +37,13 @@ def bn_inverse(block: NormedLayer, y: torch.Tensor, noise: torch.Tensor
 
 
 def bn_affine(block: NormedLayer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`block.norm` (eval mode) as y = gain · (r − mean + shift): (C, 1, 1) gain, shift and
+    mean."""
+    return norm_affine(block.norm)
+
+
+def norm_affine(norm: nn.BatchNorm2d) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """BN (eval mode) as y = gain · (r − mean + shift): (C, 1, 1) gain, shift and mean."""
-    norm = block.norm
     sd = (norm.running_var.detach().double() + norm.eps).sqrt()
     weight = torch.ones_like(sd) if norm.weight is None else norm.weight.detach().double()
     bias = torch.zeros_like(sd) if norm.bias is None else norm.bias.detach().double()

@@ -92,6 +92,7 @@ def refusal_of(kind: str, module: nn.Module) -> str | None:
     inverse = inverse_for_kind(kind)
     if inverse is None:
         known = sorted({k for name in LAYER_INVERSES for k in LAYER_INVERSES.get(name).kinds})
-        return (f"no layer inverse is registered for a {kind} (there are for "
+        article = "an" if kind[:1] in "aeiou" else "a"
+        return (f"no layer inverse is registered for {article} {kind} (there are for "
                 f"{', '.join(known)})")
     return inverse.refusal(module)

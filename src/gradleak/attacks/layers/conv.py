@@ -52,13 +52,13 @@ class Conv(LayerInverse):
         if not isinstance(module, nn.Conv2d):
             return f"a {type(module).__name__}, not an nn.Conv2d"
         found = [what for what, wrong in (
-            ("no bias", module.bias is None), (f"groups={module.groups}", module.groups != 1),
+            (f"groups={module.groups}", module.groups != 1),
             (f"dilation={module.dilation}", module.dilation != (1, 1)),
             (f"kernel {module.kernel_size}", len(set(module.kernel_size)) != 1),
             (f"stride {module.stride}", len(set(module.stride)) != 1)) if wrong]
         if found:
-            return (f"{', '.join(found)}: the walk passes plain biased convolutions with "
-                    "square kernels and strides (no groups, no dilation)")
+            return (f"{', '.join(found)}: the walk passes plain convolutions with square "
+                    "kernels and strides (no groups, no dilation)")
         return None
 
     def invert(self, at_output: Known, gradient_of: GradientOf) -> Known:

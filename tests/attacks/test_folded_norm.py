@@ -1,0 +1,109 @@
+"""Conv → BatchNorm → ReLU blocks (most image networks' order, bias-free convs included) fall to
+the training-free attack as Conv → ReLU blocks do: the BatchNorm before the ReLU is folded into
+the conv, and a victim and its folded twin give the same conv inputs and frames."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from helpers import observe, smooth_frame
+from torch import nn
+
+from gradleak.attacks.conv_blocks import conv_blocks
+from gradleak.attacks.conv_recovery import observed_conv_inputs
+from gradleak.attacks.exact import ExactAttack
+from gradleak.attacks.analytic import module_input
+from gradleak.victims import create_victim
+from gradleak.victims.base import VICTIMS, victim_at_theta0
+from gradleak.victims.cnn import SmallCNN
+
+ORDERED, FOLDED = "test-conv-bn-relu", "test-conv-relu-twin"
+
+
+class ConvNormReLU(SmallCNN):
+    """cnn-small's shapes as bias-free Conv → BatchNorm → ReLU blocks."""
+
+    def __init__(self, config) -> None:  # noqa: ANN001
+        super().__init__(config)
+        layers = []
+        for module in self.encoder:
+            if isinstance(module, nn.Conv2d):
+                layers += [nn.Conv2d(module.in_channels, module.out_channels, module.kernel_size,
+                                     module.stride, module.padding, bias=False),
+                           nn.BatchNorm2d(module.out_channels), nn.ReLU()]
+        self.encoder = nn.Sequential(*layers)
+
+
+class ConvReLU(SmallCNN):
+    normalise = False  # Conv → ReLU blocks: the folded twin
+
+
+@pytest.fixture(scope="module")
+def twins():
+    """A Conv → BatchNorm → ReLU victim with statistics far from identity (one channel's gain
+    negative) and the Conv → ReLU victim with those BatchNorms folded into its convs."""
+    VICTIMS.register(ORDERED)(ConvNormReLU)
+    VICTIMS.register(FOLDED)(ConvReLU)
+    try:
+        torch.manual_seed(4)
+        ordered = create_victim(ORDERED, frame_size=32).eval()
+        generator = torch.Generator().manual_seed(9)
+        with torch.no_grad():
+            for module in ordered.encoder:
+                if isinstance(module, nn.BatchNorm2d):
+                    module.weight.uniform_(0.5, 1.5, generator=generator)
+                    module.weight[0] = -0.8
+                    module.bias.uniform_(-0.2, 0.2, generator=generator)
+                    module.running_mean.uniform_(-0.1, 0.1, generator=generator)
+                    module.running_var.uniform_(0.5, 2.0, generator=generator)
+        folded = create_victim(FOLDED, frame_size=32).eval()
+        convs = [m for m in ordered.encoder if isinstance(m, nn.Conv2d)]
+        norms = [m for m in ordered.encoder if isinstance(m, nn.BatchNorm2d)]
+        with torch.no_grad():
+            for target, conv, norm in zip([m for m in folded.encoder
+                                           if isinstance(m, nn.Conv2d)], convs, norms):
+                gain = norm.weight / (norm.running_var + norm.eps).sqrt()
+                target.weight.copy_(conv.weight * gain[:, None, None, None])
+                target.bias.copy_(norm.bias - gain * norm.running_mean)
+            for name in ("fc", "policy_head", "value_head"):
+                folded.get_submodule(name).load_state_dict(
+                    ordered.get_submodule(name).state_dict())
+        images = torch.stack([smooth_frame(32, seed) for seed in range(6)])
+        args = (images.double(), torch.arange(6) % 5,
+                torch.linspace(-1.5, 1.5, 6, dtype=torch.float64),
+                torch.linspace(-0.5, 0.8, 6, dtype=torch.float64))
+        yield observe(ordered.double(), *args)[0], observe(folded.double(), *args)[0], images
+    finally:
+        VICTIMS.drop(ORDERED)
+        VICTIMS.drop(FOLDED)
+
+
+def test_the_norm_before_the_relu_is_folded_into_the_conv(twins) -> None:
+    ordered, _, _ = twins
+    blocks = conv_blocks(victim_at_theta0(ordered).double())
+    assert [block.name for block in blocks] == ["encoder.0", "encoder.3", "encoder.6",
+                                                "encoder.9"]
+    assert all(block.scale is not None and block.bias_source[0].endswith(".bias")
+               and block.bias_source[0] != f"{block.name}.bias" for block in blocks)
+
+
+def test_every_determined_conv_input_of_a_conv_norm_relu_victim_is_exact(twins) -> None:
+    ordered, _, images = twins
+    found = observed_conv_inputs(ordered)
+    victim = victim_at_theta0(ordered).double()
+    for name, estimate in found.inputs.items():
+        with torch.no_grad():
+            truth = module_input(victim, name, images.double())
+        error = (estimate - truth).flatten(1).norm(dim=1) / truth.flatten(1).norm(dim=1)
+        assert float(error.max()) <= 1e-8, name
+
+
+def test_a_victim_and_its_folded_twin_give_the_same_frames(twins) -> None:
+    ordered, folded, images = twins
+    frames = [ExactAttack(observation).inverse.frames(observation)[0]
+              for observation in (ordered, folded)]
+    truth = torch.from_numpy(images.numpy().astype(np.float64))
+    assert float((frames[0] - frames[1]).abs().max()) <= 0.05  # grey levels of 255
+    mse = ((frames[0].clamp(0, 255) - truth) ** 2).mean()
+    assert float(10 * torch.log10(255 ** 2 / mse)) >= 30.0
