@@ -116,7 +116,8 @@ def walk_step(victim: Any, block: Any, truth: dict[str, torch.Tensor], step: int
     for index in (4, 3):  # the residual blocks, top down
         name = f"encoder.{last}.{index}"
         module = stages[last][index]
-        convs = [ConvAt(f"{name}.conv{i}", getattr(module, f"conv{i}"), size) for i in (0, 1)]
+        convs = [ConvAt(f"{name}.conv{i}", getattr(module, f"conv{i}"), (size, size))
+                 for i in (0, 1)]
         parts = ResidualBlock(*convs).parts(known, lambda n: block(n)[step:step + 1])
         x = parts.input.value[0]
         found = torch.isfinite(x)
@@ -160,7 +161,7 @@ def below(victim: Any, truth: dict[str, torch.Tensor], frames: torch.Tensor, ste
             delta = grads[name][0].double()
             if delta.shape[-1] != x.shape[-1]:  # only the 3×3, padding-1 convs here
                 continue
-            conv = ConvAt(name, victim.get_submodule(name), x.shape[-1])
+            conv = ConvAt(name, victim.get_submodule(name), tuple(x.shape[-2:]))
             levels.append({"conv": name, "unknowns_per_channel": x.shape[-1] ** 2,
                            "equations_per_channel": 9 * delta.shape[0],
                            "rank_true_delta": rank(conv, delta)})

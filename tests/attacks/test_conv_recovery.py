@@ -238,8 +238,7 @@ def dead_top_channels():
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
         top.conv.bias[:40] = -1e3
-        size = below.input_size
-        inputs = block_forward(below, torch.randn(3, below.conv.in_channels, size, size,
+        inputs = block_forward(below, torch.randn(3, below.conv.in_channels, *below.input_shape,
                                                   generator=generator, dtype=torch.float64))
         pre = top.conv(inputs)
         delta = torch.randn(pre.shape, generator=generator, dtype=torch.float64) * (pre > 0)
@@ -302,8 +301,8 @@ def test_a_completed_input_is_replaced_by_the_forward_pass_of_the_exact_one_belo
     torch.manual_seed(0)
     blocks = conv_blocks(create_victim("cnn", frame_size=84).eval().double())
     lower_block = blocks[-2]
-    size = lower_block.input_size
-    lower = torch.randn(2, lower_block.conv.in_channels, size, size, dtype=torch.float64)
+    lower = torch.randn(2, lower_block.conv.in_channels, *lower_block.input_shape,
+                        dtype=torch.float64)
     upper = block_forward(lower_block, lower)
     wrong = upper + 0.1
     found = ConvInputs({"encoder.9": wrong.clone(), "encoder.6": lower}, {}, {},
@@ -564,14 +563,15 @@ def test_a_completion_met_again_within_one_recovery_is_solved_once(dead_top_chan
     assert len(calls) == 7
 
 
-@pytest.mark.parametrize("geometry", [(21, 4, 2, 0), (8, 3, 1, 1), (15, 4, 2, 0)])
+@pytest.mark.parametrize("geometry", [((21, 21), 4, 2, 0), ((8, 8), 3, 1, 1), ((15, 15), 4, 2, 0),
+                                      ((12, 9), 3, 2, 1)])
 def test_the_implicit_weight_gradient_operator_equals_the_dense_matrix(geometry) -> None:
     """D(δ)'s Gram matrix, adjoint and product, computed tap by tap without forming D, equal
-    the dense matrix's (with per-channel weights), for a strided conv, a padded one, and one
-    that leaves the last rows and columns unread."""
+    the dense matrix's (with per-channel weights), for a strided conv, a padded one, one that
+    leaves the last rows and columns unread, and a rectangular map."""
     from gradleak.attacks.layers.conv_equations import TapOperator, read_pixels, tap_map
 
-    size, kernel, stride, padding = geometry
+    _, kernel, stride, padding = geometry
     generator = torch.Generator().manual_seed(2)
     positions = tap_map(*geometry).shape[2]
     delta = torch.randn(3, 5, positions, generator=generator, dtype=torch.float64)

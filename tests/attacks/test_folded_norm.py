@@ -107,3 +107,61 @@ def test_a_victim_and_its_folded_twin_give_the_same_frames(twins) -> None:
     assert float((frames[0] - frames[1]).abs().max()) <= 0.05  # grey levels of 255
     mse = ((frames[0].clamp(0, 255) - truth) ** 2).mean()
     assert float(10 * torch.log10(255 ** 2 / mse)) >= 30.0
+
+
+class RectangularPolicy(nn.Module):
+    """A user's network on 48×40 frames: bias-free Conv → BatchNorm → ReLU blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        blocks = []
+        for c_in, c_out, kernel, stride, padding in ((3, 16, 4, 4, 0), (16, 32, 3, 1, 1),
+                                                     (32, 32, 3, 1, 1)):
+            blocks += [nn.Conv2d(c_in, c_out, kernel, stride, padding, bias=False),
+                       nn.BatchNorm2d(c_out), nn.ReLU()]
+        self.body = nn.Sequential(*blocks, nn.Flatten())
+        self.proj = nn.Linear(32 * 12 * 10, 64)
+        self.pi, self.v = nn.Linear(64, 4), nn.Linear(64, 1)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.relu(self.proj(self.body(x)))
+        return self.pi(h), self.v(h)
+
+
+def test_a_users_rectangular_frames_come_back_through_conv_norm_relu_blocks() -> None:
+    """48×40 frames (the walk's maps are 12×10): every determined conv input exact in float64,
+    the frames close to the private ones."""
+    import gradleak
+    from gradleak.victims.factories import MODEL_FACTORIES
+
+    gradleak.register_model_factory("test-rectangular")(RectangularPolicy)
+    try:
+        torch.manual_seed(6)
+        model = RectangularPolicy()
+        generator = torch.Generator().manual_seed(3)
+        with torch.no_grad():
+            for module in model.modules():
+                if isinstance(module, nn.BatchNorm2d):
+                    module.weight.uniform_(0.5, 1.5, generator=generator)
+                    module.running_var.uniform_(0.5, 2.0, generator=generator)
+        victim = gradleak.wrap(model, policy_head="pi", value_head="v", frame_shape=(48, 40, 3),
+                               factory="test-rectangular").double()
+        coarse = torch.rand(4, 3, 4, 4, generator=generator)
+        images = (torch.nn.functional.interpolate(coarse, size=(48, 40), mode="bilinear")
+                  .permute(0, 2, 3, 1) * 255).round().double()
+        observation, _ = observe(victim, images, torch.arange(4),
+                                 torch.tensor([1.0, -0.5, 0.7, -1.2], dtype=torch.float64),
+                                 torch.tensor([0.3, -0.2, 0.1, 0.4], dtype=torch.float64))
+        found = observed_conv_inputs(observation)
+        double = victim_at_theta0(observation).double()
+        assert list(found.inputs) == ["body.6", "body.3"]
+        for name, estimate in found.inputs.items():
+            with torch.no_grad():
+                truth = module_input(double, name, images)
+            assert estimate.shape[-2:] == (12, 10)
+            assert float(((estimate - truth).norm() / truth.norm())) <= 1e-8, name
+        frames = ExactAttack(observation).inverse.frames(observation)[0]
+        mse = ((frames.clamp(0, 255) - images) ** 2).mean()
+        assert float(10 * torch.log10(255 ** 2 / mse)) >= 30.0
+    finally:
+        MODEL_FACTORIES.drop("test-rectangular")

@@ -29,7 +29,7 @@ class Layer:  # what the conv, norm and ReLU inverses read of a walk's block
     name: str
     conv: nn.Conv2d
     norm: nn.BatchNorm2d
-    input_size: int
+    input_shape: tuple[int, int]
 
 
 def per_sample_gradients(module: nn.Module, inputs: torch.Tensor, delta: torch.Tensor
@@ -68,7 +68,7 @@ def test_the_affine_norm_inverse_returns_its_input_and_the_gradient_reaching_it(
     r = torch.randn(2, 3, 5, 5, dtype=torch.float64).relu()
     delta = torch.randn(2, 3, 5, 5, dtype=torch.float64)
     _, reaching = per_sample_gradients(norm, r, delta)
-    layer = Layer("norm", nn.Conv2d(1, 3, 1), norm, 5)
+    layer = Layer("norm", nn.Conv2d(1, 3, 1), norm, (5, 5))
     found = AffineNorm(layer).invert(Known(norm(r).detach(), torch.zeros_like(r), delta))
     assert relative(found.value, r) <= 1e-12
     assert relative(found.gradient, reaching) <= 1e-12
@@ -79,7 +79,7 @@ def test_the_relu_inverse_keeps_the_on_units_and_masks_the_gradient() -> None:
     pre = torch.randn(3, 4, 6, 6, dtype=torch.float64)
     delta = torch.randn_like(pre)
     conv = nn.Conv2d(2, 4, 3, padding=1).double()
-    layer = Layer("c", conv, nn.BatchNorm2d(4), 6)
+    layer = Layer("c", conv, nn.BatchNorm2d(4), (6, 6))
     relu = Relu(MaskRule(None, rounds=0), layer, torch.zeros(3, 4, 2, 3, 3, dtype=torch.float64))
     found = relu.invert(Known(pre.relu(), torch.full_like(pre, 1e-9), delta))
     assert torch.equal(found.on, pre > 0)
@@ -94,7 +94,7 @@ def test_the_conv_inverse_returns_its_input_and_the_gradient_reaching_it() -> No
     x = torch.randn(4, 3, 6, 6, dtype=torch.float64)
     delta = torch.randn(4, 32, 6, 6, dtype=torch.float64)
     grads, reaching = per_sample_gradients(conv, x, delta)
-    layer = Layer("c", conv, nn.BatchNorm2d(32), 6)
+    layer = Layer("c", conv, nn.BatchNorm2d(32), (6, 6))
     found = Conv(layer).invert(Known(torch.zeros_like(delta), torch.zeros_like(delta), delta),
                                lambda name: grads[name.removeprefix("c.")])
     assert relative(found.value, x) <= 1e-10
@@ -153,8 +153,8 @@ def test_the_residual_inverse_walks_impalas_last_stage_exactly_where_it_is_deter
     for index in (4, 3):
         name = f"encoder.{len(victim.encoder) - 1}.{index}"
         block = victim.get_submodule(name)
-        inverse = ResidualBlock(ConvAt(f"{name}.conv0", block.conv0, side),
-                                ConvAt(f"{name}.conv1", block.conv1, side))
+        inverse = ResidualBlock(ConvAt(f"{name}.conv0", block.conv0, (side, side)),
+                                ConvAt(f"{name}.conv1", block.conv1, (side, side)))
         known = inverse.invert(known, gradients.__getitem__)
         found = torch.isfinite(known.value)
         assert float(found.double().mean()) >= 0.6, name

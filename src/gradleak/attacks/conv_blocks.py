@@ -30,7 +30,7 @@ class ConvBlock:
     name: str  # the conv module's name, e.g. "encoder.3": its gradients are read by it
     conv: nn.Conv2d  # with the BatchNorm before the ReLU folded in, and a bias (0 if none)
     norm: nn.BatchNorm2d  # after the ReLU; the identity (`identity_norm`) when the block has none
-    input_size: int  # the square input map's side
+    input_shape: tuple[int, int]  # the input map's height and width
     scale: torch.Tensor | None = None  # (C_out,) the folded BatchNorm's gain γ/σ
     # the parameter whose per-step gradient is Σ_p δ(p) at the folded conv's output, and what
     # to divide it by (None: nothing); None: no such parameter
@@ -87,10 +87,6 @@ def conv_blocks(victim: Victim) -> list[ConvBlock]:
                               f"{what.module} is {article(what.kind)} {what.kind}"
                               + (" not followed by a ReLU" if what.kind in ("conv", "batchnorm")
                                  else ""))
-        if conv.input_shape[1] != conv.input_shape[2]:
-            raise ConfigError(f"victim {name}: {conv.module}: the walk passes convolutions on "
-                              f"square maps; it reads {conv.input_shape[1]}×"
-                              f"{conv.input_shape[2]}")
         module = victim.get_submodule(conv.module)
         before = victim.get_submodule(steps[i + 1].module) if pre else None
         post = relu + 1 < len(steps) and kinds[relu + 1] == "batchnorm"
@@ -98,7 +94,7 @@ def conv_blocks(victim: Victim) -> list[ConvBlock]:
             else identity_norm(module.out_channels)
         blocks.append(folded_block(conv.module, module, before,
                                    steps[i + 1].module if pre else None, norm,
-                                   conv.input_shape[1]))
+                                   (conv.input_shape[1], conv.input_shape[2])))
         i = relu + 1 + post
     return blocks
 
@@ -112,10 +108,11 @@ def article(kind: str) -> str:
 
 
 def folded_block(name: str, conv: nn.Conv2d, before: nn.BatchNorm2d | None,
-                 before_name: str | None, norm: nn.BatchNorm2d, input_size: int) -> ConvBlock:
+                 before_name: str | None, norm: nn.BatchNorm2d, input_shape: tuple[int, int]
+                 ) -> ConvBlock:
     """The block of `conv` with the BatchNorm `before` its ReLU (None: none) folded in."""
     if before is None and conv.bias is not None:
-        return ConvBlock(name, conv, norm, input_size, bias_source=(f"{name}.bias", None))
+        return ConvBlock(name, conv, norm, input_shape, bias_source=(f"{name}.bias", None))
     weight = conv.weight.detach().double()
     bias = weight.new_zeros(conv.out_channels) if conv.bias is None \
         else conv.bias.detach().double()
@@ -133,7 +130,7 @@ def folded_block(name: str, conv: nn.Conv2d, before: nn.BatchNorm2d | None,
                        conv.padding, dtype=torch.float64).requires_grad_(False)
     merged.weight.copy_(weight)
     merged.bias.copy_(bias)
-    return ConvBlock(name, merged, norm, input_size, scale, source)
+    return ConvBlock(name, merged, norm, input_shape, scale, source)
 
 
 def solvable(block: ConvBlock) -> bool:
@@ -142,7 +139,8 @@ def solvable(block: ConvBlock) -> bool:
     vanish): ask for twice as many rows. The frame under the first conv fails this at 32×32
     (1024 rows for 1024 pixels, rank-deficient in practice) and at 64×64."""
     out_channels, _, kernel, _ = block.conv.weight.shape
-    return out_channels * kernel * kernel >= 2 * block.input_size ** 2
+    height, width = block.input_shape
+    return out_channels * kernel * kernel >= 2 * height * width
 
 
 

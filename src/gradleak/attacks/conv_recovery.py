@@ -282,12 +282,18 @@ def top_descent(gradient_of: GradientOf, victim: Victim, blocks: list[ConvBlock]
     reaching it, from the FC gradients alone, whatever the masks."""
     feature_linear = victim.roles().feature_linear
     top = Linear(feature_linear, victim.get_submodule(feature_linear)).invert(None, gradient_of)
-    count, last = len(top.value), blocks[-1].conv.out_channels
-    side = int(round((top.value.shape[-1] / last) ** 0.5))
-    y, noise = top.value.view(count, last, side, side), top.noise.view(count, last, side, side)
+    count, shape = len(top.value), output_shape(blocks[-1])
+    y, noise = top.value.view(count, *shape), top.noise.view(count, *shape)
     upstream = top.gradient.view_as(y)
     return Descent(torch.arange(count), ConvInputs({}, {}, {}, features=y), y, noise, upstream,
                    len(blocks) - 1)
+
+
+def output_shape(block: ConvBlock) -> tuple[int, int, int]:
+    """(C_out, h, w): what the block's conv gives for its input map."""
+    conv = block.conv
+    return (conv.out_channels, *((size + 2 * conv.padding[i] - conv.kernel_size[i])
+                                 // conv.stride[i] + 1 for i, size in enumerate(block.input_shape)))
 
 
 def descend(gradient_of: GradientOf, blocks: list[ConvBlock], deepest: str, rule: MaskRule,

@@ -19,19 +19,20 @@ from torch import nn
 
 
 class ConvLayer(Protocol):
-    """What a conv's inverse reads: a plain biased Conv2d (square kernel and stride, no
-    groups or dilation) on a square map (the walk's `ConvBlock` is one)."""
+    """What a conv's inverse reads: a plain Conv2d with a bias (square kernel and stride, no
+    groups or dilation) on a map of any shape (the walk's `ConvBlock` is one)."""
 
     name: str  # the conv module's name, e.g. "encoder.3"
     conv: nn.Conv2d
-    input_size: int  # the square input map's side
+    input_shape: tuple[int, int]  # the input map's height and width
 
 
 @lru_cache(maxsize=32)
-def tap_map(size: int, kernel: int, stride: int, padding: int) -> torch.Tensor:
+def tap_map(shape: tuple[int, int], kernel: int, stride: int, padding: int) -> torch.Tensor:
     """(Q, k², P): which input pixel each output position's kernel tap reads. Shared, read
     only: a function of the block's geometry, asked for at every solve."""
-    basis = torch.eye(size * size, dtype=torch.float64).view(-1, 1, size, size)
+    height, width = shape
+    basis = torch.eye(height * width, dtype=torch.float64).view(-1, 1, height, width)
     return F.unfold(basis, kernel, padding=padding, stride=stride)
 
 
@@ -40,29 +41,33 @@ def covered_pixels(block: ConvLayer) -> torch.Tensor:
     can leave the last rows and columns unread (NatureCNN's 15×15 map under its 4×4, stride-2
     conv); no gradient says anything about them. Shared, read only."""
     conv = block.conv
-    return read_pixels(block.input_size, conv.kernel_size[0], conv.stride[0], conv.padding[0])
+    return read_pixels(block.input_shape, conv.kernel_size[0], conv.stride[0],
+                       conv.padding[0])
 
 
 @lru_cache(maxsize=32)
-def read_pixels(size: int, kernel: int, stride: int, padding: int) -> torch.Tensor:
-    return tap_map(size, kernel, stride, padding).flatten(1).any(1)
+def read_pixels(shape: tuple[int, int], kernel: int, stride: int, padding: int
+                ) -> torch.Tensor:
+    return tap_map(shape, kernel, stride, padding).flatten(1).any(1)
 
 
 @lru_cache(maxsize=32)
-def tap_pixels(size: int, kernel: int, stride: int, padding: int) -> torch.Tensor:
+def tap_pixels(shape: tuple[int, int], kernel: int, stride: int, padding: int
+               ) -> torch.Tensor:
     """(k², P) the index, among the covered pixels, of the pixel kernel tap k reads at output
     position p; −1 where it reads padding. Shared, read only."""
-    taps = tap_map(size, kernel, stride, padding)[read_pixels(size, kernel, stride, padding)]
+    taps = tap_map(shape, kernel, stride, padding)[read_pixels(shape, kernel, stride,
+                                                                padding)]
     return torch.where(taps.any(0), taps.argmax(0), -1)
 
 
 @lru_cache(maxsize=32)
-def gram_pairs(size: int, kernel: int, stride: int, padding: int
+def gram_pairs(shape: tuple[int, int], kernel: int, stride: int, padding: int
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """For the Gram matrix of D(δ): each pair of output positions (p, p') a tap reads pixels at,
     as its index p·P + p' into δᵀδ and its index q·Q' + q' into the Gram matrix."""
-    pixels = tap_pixels(size, kernel, stride, padding)
-    positions, covered = pixels.shape[1], int(read_pixels(size, kernel, stride, padding).sum())
+    pixels = tap_pixels(shape, kernel, stride, padding)
+    positions, covered = pixels.shape[1], int(read_pixels(shape, kernel, stride, padding).sum())
     source, target = [], []
     for row in pixels:
         valid = (row >= 0).nonzero().flatten()
@@ -79,12 +84,12 @@ class TapOperator:
     the dense product's C_out·k²·Q'²."""
 
     delta: torch.Tensor  # (N, C_out, P)
-    geometry: tuple[int, int, int, int]  # input size, kernel, stride, padding
+    geometry: tuple[tuple[int, int], int, int, int]  # input shape, kernel, stride, padding
 
     @classmethod
     def of(cls, block: ConvLayer, delta: torch.Tensor) -> TapOperator:
         conv = block.conv
-        return cls(delta.flatten(2), (block.input_size, conv.kernel_size[0], conv.stride[0],
+        return cls(delta.flatten(2), (block.input_shape, conv.kernel_size[0], conv.stride[0],
                                       conv.padding[0]))
 
     @property
@@ -286,15 +291,13 @@ def block_output(block: ConvLayer, columns: torch.Tensor, bias: bool = True) -> 
 
 def block_outputs(block: ConvLayer, columns: torch.Tensor, bias: bool = True) -> torch.Tensor:
     """(F, C_out, h, w): the conv applied to F inputs given as (F, Q, C_in) columns."""
-    size = block.input_size
-    maps = columns.transpose(1, 2).reshape(len(columns), block.conv.in_channels, size, size)
-    return convolve(block, maps, bias)
+    return convolve(block, as_map(block, columns), bias)
 
 
 def as_map(block: ConvLayer, columns: torch.Tensor) -> torch.Tensor:
     """(N, Q, C_in) → (N, C_in, H, W)."""
-    size = block.input_size
-    return columns.transpose(1, 2).reshape(len(columns), block.conv.in_channels, size, size)
+    return columns.transpose(1, 2).reshape(len(columns), block.conv.in_channels,
+                                           *block.input_shape)
 
 
 def input_patches(block: ConvLayer, inputs: torch.Tensor) -> torch.Tensor:

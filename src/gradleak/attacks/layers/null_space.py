@@ -209,9 +209,9 @@ def null_space_part(block: ConvLayer, directions: torch.Tensor, solution: torch.
 
 def direction_outputs(block: ConvLayer, directions: torch.Tensor) -> torch.Tensor:
     """(C_out, P, C_in, J): the conv's output (no bias) with direction j in input channel i."""
-    conv, size = block.conv, block.input_size
+    conv = block.conv
     channels_out, channels_in, kernel, _ = conv.weight.shape
-    per_channel = F.conv2d(directions.view(-1, 1, size, size),
+    per_channel = F.conv2d(directions.view(-1, 1, *block.input_shape),
                            conv.weight.double().reshape(-1, 1, kernel, kernel),
                            stride=conv.stride, padding=conv.padding)  # (J, C_out·C_in, h, w)
     return per_channel.view(len(directions), channels_out, channels_in, -1).permute(1, 3, 2, 0)

@@ -29,11 +29,11 @@ RESIDUAL_RULE = MaskRule(10.0, rounds=3)
 
 @dataclass(frozen=True)
 class ConvAt:
-    """A conv module and the side of the square map it reads."""
+    """A conv module and the shape (H, W) of the map it reads."""
 
     name: str
     conv: nn.Conv2d
-    input_size: int
+    input_shape: tuple[int, int]
 
 
 @register_layer_inverse("residual block")
