@@ -159,3 +159,26 @@ def test_the_residual_inverse_walks_impalas_last_stage_exactly_where_it_is_deter
         found = torch.isfinite(known.value)
         assert float(found.double().mean()) >= 0.6, name
         assert relative(known.value[found], inputs[name][found]) <= 1e-10, name
+
+
+def test_dropout_and_identity_pass_through_the_walk() -> None:
+    """A user's conv stack with Dropout2d and an Identity placeholder between its blocks is
+    walked as if they were not there (a capture is taken in eval mode)."""
+    import gradleak
+
+    model = nn.Sequential(nn.Conv2d(3, 8, 4, 4), nn.ReLU(), nn.Dropout2d(0.2), nn.Identity(),
+                          nn.Conv2d(8, 16, 3, 1, 1), nn.ReLU(), nn.Flatten(),
+                          nn.Linear(16 * 8 * 8, 32), nn.ReLU())
+
+    class Policy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body, self.pi, self.v = model, nn.Linear(32, 4), nn.Linear(32, 1)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            h = self.body(x)
+            return self.pi(h), self.v(h)
+
+    victim = gradleak.wrap(Policy(), policy_head="pi", value_head="v", frame_shape=(32, 32, 3))
+    assert refusal_of("dropout2d", nn.Dropout2d()) is None
+    assert [block.name for block in conv_blocks(victim)] == ["body.0", "body.4"]

@@ -15,6 +15,7 @@ from torch import nn
 from gradleak.attacks.layers import identity_norm, refusal_of
 from gradleak.attacks.layers.affine_norm import bn_affine, norm_affine
 from gradleak.attacks.layers.conv_equations import convolve
+from gradleak.attacks.layers.identity import Identity
 from gradleak.errors import ConfigError
 from gradleak.victims.base import Victim
 
@@ -99,8 +100,8 @@ def conv_blocks(victim: Victim) -> list[ConvBlock]:
     return blocks
 
 
-# kinds whose input is their output: the blocks are read without them
-PASSED_THROUGH = ("flatten", "identity")
+# kinds whose input is their output at θ0: the blocks are read without them
+PASSED_THROUGH = ("flatten", *Identity.kinds)
 
 
 def article(kind: str) -> str:
