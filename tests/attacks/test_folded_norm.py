@@ -165,3 +165,54 @@ def test_a_users_rectangular_frames_come_back_through_conv_norm_relu_blocks() ->
         assert float(10 * torch.log10(255 ** 2 / mse)) >= 30.0
     finally:
         MODEL_FACTORIES.drop("test-rectangular")
+
+
+class LeakyPolicy(nn.Module):
+    """A user's network whose blocks use a one-to-one activation instead of a ReLU."""
+
+    def __init__(self, activation: str = "leaky") -> None:
+        super().__init__()
+        blocks = []
+        for c_in, c_out, kernel, stride, padding in ((3, 16, 4, 4, 0), (16, 32, 3, 1, 1),
+                                                     (32, 32, 3, 1, 1)):
+            blocks += [nn.Conv2d(c_in, c_out, kernel, stride, padding),
+                       nn.LeakyReLU(0.1) if activation == "leaky" else nn.ELU(0.7)]
+        self.body = nn.Sequential(*blocks, nn.Flatten())
+        self.proj = nn.Linear(32 * 8 * 8, 64)
+        self.pi, self.v = nn.Linear(64, 4), nn.Linear(64, 1)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.relu(self.proj(self.body(x)))
+        return self.pi(h), self.v(h)
+
+
+@pytest.mark.parametrize("activation", ["leaky", "elu"])
+def test_leaky_relu_and_elu_blocks_give_every_unit_and_the_frame(activation: str) -> None:
+    """LeakyReLU and ELU are one-to-one: the walk reads every pre-activation (no on/off
+    decision), the conv inputs come back exact in float64 and the frame from the first conv's
+    equations at every unit (1,792 of them for 3,072 pixels: the prior decides the rest)."""
+    import gradleak
+    from gradleak.victims.factories import MODEL_FACTORIES
+
+    gradleak.register_model_factory("test-leaky")(LeakyPolicy)
+    try:
+        torch.manual_seed(8)
+        victim = gradleak.wrap(LeakyPolicy(activation), policy_head="pi", value_head="v",
+                               frame_shape=(32, 32, 3), factory="test-leaky",
+                               factory_kwargs={"activation": activation}).double()
+        images = torch.stack([smooth_frame(32, seed) for seed in range(4)]).double()
+        observation, _ = observe(victim, images, torch.arange(4),
+                                 torch.tensor([1.0, -0.5, 0.7, -1.2], dtype=torch.float64),
+                                 torch.tensor([0.3, -0.2, 0.1, 0.4], dtype=torch.float64))
+        found = observed_conv_inputs(observation)
+        double = victim_at_theta0(observation).double()
+        for name, estimate in found.inputs.items():
+            assert bool(found.masks[name].all())  # every unit read, none decided off
+            with torch.no_grad():
+                truth = module_input(double, name, images)
+            assert float(((estimate - truth).norm() / truth.norm())) <= 1e-8, name
+        frames = ExactAttack(observation).inverse.frames(observation)[0]
+        mse = ((frames.clamp(0, 255) - images) ** 2).mean()
+        assert float(10 * torch.log10(255 ** 2 / mse)) >= 35.0
+    finally:
+        MODEL_FACTORIES.drop("test-leaky")

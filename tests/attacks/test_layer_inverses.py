@@ -106,8 +106,10 @@ def test_every_conv_stack_kind_has_an_inverse_or_a_stated_reason() -> None:
     assert set(KINDS.values()) - {"flatten"} <= kinds
     assert "argmax switches" in refusal_of("maxpool", nn.MaxPool2d(2))
     assert "per-sample statistics" in refusal_of("groupnorm", nn.GroupNorm(2, 4))
-    assert "no layer inverse is registered for a leakyrelu" in refusal_of("leakyrelu",
-                                                                          nn.LeakyReLU())
+    assert "no layer inverse is registered for a gelu" in refusal_of("gelu", nn.GELU())
+    assert refusal_of("leakyrelu", nn.LeakyReLU()) is None
+    assert "one-to-one only where that is positive" in refusal_of("leakyrelu",
+                                                                  nn.LeakyReLU(0.0))
     assert "no groups, no dilation" in refusal_of("conv", nn.Conv2d(2, 2, 3, dilation=2))
     assert refusal_of("conv", nn.Conv2d(2, 2, 3)) is None
     assert "running statistics" in refusal_of("batchnorm",

@@ -6,7 +6,7 @@ its layer inverse's reason, before any gradient is read.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +16,7 @@ from gradleak.attacks.layers import identity_norm, refusal_of
 from gradleak.attacks.layers.affine_norm import bn_affine, norm_affine
 from gradleak.attacks.layers.conv_equations import convolve
 from gradleak.attacks.layers.identity import Identity
+from gradleak.attacks.layers.invertible_activation import InvertibleActivation
 from gradleak.errors import ConfigError
 from gradleak.victims.base import Victim
 
@@ -36,6 +37,8 @@ class ConvBlock:
     # the parameter whose per-step gradient is Σ_p δ(p) at the folded conv's output, and what
     # to divide it by (None: nothing); None: no such parameter
     bias_source: tuple[str, torch.Tensor | None] | None = None
+    # a one-to-one activation (LeakyReLU, ELU) in the ReLU's place; None: a ReLU
+    activation: InvertibleActivation | None = None
 
     def weight_gradient(self, observed: torch.Tensor) -> torch.Tensor:
         """The folded conv's per-step weight gradient (N, O, C, k, k) from the observed one."""
@@ -81,7 +84,7 @@ def conv_blocks(victim: Victim) -> list[ConvBlock]:
         conv = steps[i]
         pre = i + 1 < len(steps) and kinds[i + 1] == "batchnorm"
         relu = i + 1 + pre
-        if conv.kind != "conv" or relu >= len(steps) or kinds[relu] != "relu":
+        if conv.kind != "conv" or relu >= len(steps) or kinds[relu] not in ACTIVATIONS:
             what = conv if conv.kind != "conv" else steps[min(relu, len(steps) - 1)]
             raise ConfigError(f"victim {name}: the walk through the conv stack passes "
                               "Conv [→ BatchNorm] → ReLU [→ BatchNorm] blocks only; "
@@ -93,13 +96,18 @@ def conv_blocks(victim: Victim) -> list[ConvBlock]:
         post = relu + 1 < len(steps) and kinds[relu + 1] == "batchnorm"
         norm = victim.get_submodule(steps[relu + 1].module) if post \
             else identity_norm(module.out_channels)
-        blocks.append(folded_block(conv.module, module, before,
-                                   steps[i + 1].module if pre else None, norm,
-                                   (conv.input_shape[1], conv.input_shape[2])))
+        block = folded_block(conv.module, module, before, steps[i + 1].module if pre else None,
+                             norm, (conv.input_shape[1], conv.input_shape[2]))
+        if kinds[relu] != "relu":
+            block = replace(block, activation=InvertibleActivation(
+                victim.get_submodule(steps[relu].module)))
+        blocks.append(block)
         i = relu + 1 + post
     return blocks
 
 
+# what may stand in a block's ReLU's place
+ACTIVATIONS = ("relu", *InvertibleActivation.kinds)
 # kinds whose input is their output at θ0: the blocks are read without them
 PASSED_THROUGH = ("flatten", *Identity.kinds)
 
@@ -161,6 +169,7 @@ def deepest_inputs(victim: Victim) -> list[str]:
 
 def block_forward(block: ConvBlock, inputs: torch.Tensor) -> torch.Tensor:
     """Conv → ReLU → BN (eval mode) in float64: what the block above received."""
-    relu = F.relu(convolve(block, inputs))
+    pre = convolve(block, inputs)
+    relu = F.relu(pre) if block.activation is None else block.activation.forward(pre)
     gain, shift, mean = bn_affine(block)
     return gain * (relu - mean + shift)

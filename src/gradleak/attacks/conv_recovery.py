@@ -406,8 +406,12 @@ def invert_block(block: ConvBlock, below: ConvBlock | None, at_output: Known,
     and its conv (`below`: the block whose output the conv reads). What is known at the conv's
     input, and the on-units used."""
     relu_output = AffineNorm(block).invert(at_output)
-    pre_activation = Relu(rule, block, weight_gradient).invert(relu_output)
-    at_input = Conv(block, below).invert(pre_activation,
+    activation = Relu(rule, block, weight_gradient) if block.activation is None \
+        else block.activation
+    pre_activation = activation.invert(relu_output)
+    # the inequalities that fill a null space take the input as a ReLU's output (≥ 0)
+    floor = below if below is None or below.activation is None else None
+    at_input = Conv(block, floor).invert(pre_activation,
                                          {f"{block.name}.weight": weight_gradient}.__getitem__)
     return at_input, pre_activation.on
 

@@ -197,6 +197,9 @@ def first_conv_equations(victim: Victim, first_output: torch.Tensor, noise: torc
                                                      upstream.double()))
         relu, deviation, rounding = relu_output.value, relu_output.noise, relu_output.rounding
         on, _ = margin_states(relu_output, threshold)
+        if first.activation is not None:  # one-to-one: every unit's pre-activation is known
+            relu_output = first.activation.invert(relu_output)
+            relu, on = relu_output.value, relu_output.on
         known = torch.isfinite(noise)  # a unit no conv above reads says nothing
         on, off = on & known, ~on & known
         bias = first.conv.bias.double()[:, None, None]

@@ -1,13 +1,15 @@
 """The training-free attack's layer inverses, one module per layer kind (`layers.base`): the
-Linear reading the features, the affine normalisation, the ReLU, the conv (with its equations,
-null-space completion and least-violation point in modules of their own), the pre-activation
-residual block, the identity, and the kinds the walk knows but cannot pass yet (max-pooling,
-GroupNorm), which say why. Importing this package registers them all."""
+Linear reading the features, the affine normalisation, the ReLU and the one-to-one activations
+(LeakyReLU, ELU), the conv (with its equations, null-space completion and least-violation point
+in modules of their own), the pre-activation residual block, identity and dropout, and the
+kinds the walk knows but cannot pass yet (max-pooling, GroupNorm), which say why. Importing
+this package registers them all."""
 
 from gradleak.attacks.layers import (  # noqa: F401
     conv,
     group_norm,
     identity,
+    invertible_activation,
     linear,
     max_pool,
     relu,
