@@ -602,6 +602,20 @@ def impala_walk() -> tuple[str, str]:
             "; ".join(cell(case) for case in data["cases"]))
 
 
+def layer_kinds() -> tuple[str, str]:
+    data = load("layer_kinds.json")
+
+    def cell(row: dict[str, Any]) -> str:
+        attack, mean = row["attack"], row["mean_image"]
+        return (f"{row['variant']}: {attack['psnr']:.2f} dB / SSIM {attack['ssim']:.3f} "
+                f"(mean image {mean['psnr']:.2f} / {mean['ssim']:.3f}), actions "
+                f"{row['actions']:.0%}")
+
+    return (f"the training-free attack on the conv stacks users bring (random init, "
+            f"{data['frames']} held-out ViZDoom frames, float32 wire)",
+            "; ".join(cell(row) for row in data["rows"]))
+
+
 def fedavg_span() -> tuple[str, str]:
     data = load("fedavg_span.json")
     rows = data["rows"]
@@ -767,7 +781,7 @@ ROWS: dict[str, Callable[[], tuple[str, str]]] = {
     "demo.json": demo,
     "audit_paper.json": audit_paper,
     "defense_aware.json": defense_aware, "vit_frames.json": vit_frames,
-    "impala_walk.json": impala_walk,
+    "impala_walk.json": impala_walk, "layer_kinds.json": layer_kinds,
     "action_recovery.json": action_recovery, "capture.json": capture,
     "record_memory.json": record_memory, "audit_memory.json": audit_memory,
     "recovery_speed.json": recovery_speed,
