@@ -21,7 +21,7 @@ from gradleak.errors import ConfigError
 from gradleak.victims.base import Victim
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # compared by identity, as its modules are
 class ConvBlock:
     """One Conv [→ BatchNorm] → ReLU [→ BatchNorm] block. A BatchNorm between the conv and the
     ReLU (eval mode: a per-channel affine map) is folded into `conv`, which then has weight
