@@ -29,3 +29,17 @@ def in_work_folder(measure: Callable[[int, Path], dict[str, Any]], sizes: list[i
     finally:
         if work is None:
             shutil.rmtree(folder)
+
+
+def write_results(path: Path, result: dict[str, Any], text: str) -> None:
+    """The results JSON at `path` and its Markdown beside it (atomically), then the Markdown
+    printed."""
+    import json
+
+    from gradleak.io import atomic_path
+
+    with atomic_path(path) as out:
+        out.write_text(json.dumps(result, indent=1))
+    with atomic_path(path.with_suffix(".md")) as out:
+        out.write_text(text)
+    print(text)

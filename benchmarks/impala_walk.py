@@ -25,7 +25,6 @@ Writes benchmarks/results/impala_walk.{json,md}.
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,12 +37,11 @@ from gradleak.attacks.layers.linear import Linear
 from gradleak.attacks.layers.residual import ConvAt, ResidualBlock
 from gradleak.capture.reader import CaptureFile
 from gradleak.capture.run import CaptureJob, run_capture
-from gradleak.io import atomic_path
 from gradleak.presets import load_preset
 from gradleak.report.tables import markdown_table
 from gradleak.victims.base import victim_at_theta0
 
-from host import machine
+from host import machine, write_results
 
 RESULTS = Path(__file__).parent / "results" / "impala_walk.json"
 
@@ -242,11 +240,7 @@ def main() -> None:
         print(f"{case.victim} {case.size}×{case.size}", flush=True)
         cases.append(run_case(case, capture(case, work, args.steps), args.steps))
     result = {"machine": machine(), "steps": args.steps, "cases": cases}
-    with atomic_path(RESULTS) as path:
-        path.write_text(json.dumps(result, indent=1))
-    with atomic_path(RESULTS.with_suffix(".md")) as path:
-        path.write_text(markdown(result))
-    print(markdown(result))
+    write_results(RESULTS, result, markdown(result))
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ frame's own mean colour (an oracle). Writes benchmarks/results/layer_kinds.{json
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +29,6 @@ import gradleak
 from gradleak.attacks.exact import ExactAttack
 from gradleak.capture.grads import StepBatch, per_step_gradients
 from gradleak.capture.reader import CaptureFile
-from gradleak.io import atomic_path
 from gradleak.metrics.scores import image_scores
 from gradleak.report.tables import markdown_table
 from gradleak.rl.losses import LossCoefficients
@@ -38,7 +36,7 @@ from gradleak.threat import Observation
 from gradleak.victims import layer_table
 
 from exact_frames import Case, capture
-from host import machine
+from host import machine, write_results
 
 RESULTS = Path(__file__).parent / "results" / "layer_kinds.json"
 SOURCE = Case("cnn-small 64×64, random init", "cnn-small", "cpu-quick", True)
@@ -190,11 +188,7 @@ def main() -> None:
         print(variant.name, flush=True)
         results.append(run_variant(variant, target.images, steps))
     result = {"machine": machine(), "frames": len(rows), "source": SOURCE.name, "rows": results}
-    with atomic_path(RESULTS) as path:
-        path.write_text(json.dumps(result, indent=1))
-    with atomic_path(RESULTS.with_suffix(".md")) as path:
-        path.write_text(markdown(result))
-    print(markdown(result))
+    write_results(RESULTS, result, markdown(result))
 
 
 if __name__ == "__main__":
