@@ -616,6 +616,18 @@ def layer_kinds() -> tuple[str, str]:
             "; ".join(cell(row) for row in data["rows"]))
 
 
+def resnet_walk() -> tuple[str, str]:
+    data = load("resnet_walk.json")
+    m = data["median"]
+    return (f"where the training-free attack breaks on ResNet-8 ({data['victim']} "
+            f"{data['frame'][0]}×{data['frame'][1]}, random init, {data['steps']} held-out "
+            "steps, float32 wire; medians)",
+            f"the FC input (each channel's mean) to {m['fc_input']:.0e}; each channel's count "
+            f"of on-units of the last ReLU exact on {m['counts_exact']:.0%} of channels (BN₁'s "
+            f"bias gradient), their positions open ({m['open_bits']:.0f} bits); given them (an "
+            f"oracle), conv₁'s input to {m['conv1_input_with_oracle_mask']:.0e}")
+
+
 def fedavg_span() -> tuple[str, str]:
     data = load("fedavg_span.json")
     rows = data["rows"]
@@ -782,6 +794,7 @@ ROWS: dict[str, Callable[[], tuple[str, str]]] = {
     "audit_paper.json": audit_paper,
     "defense_aware.json": defense_aware, "vit_frames.json": vit_frames,
     "impala_walk.json": impala_walk, "layer_kinds.json": layer_kinds,
+    "resnet_walk.json": resnet_walk,
     "action_recovery.json": action_recovery, "capture.json": capture,
     "record_memory.json": record_memory, "audit_memory.json": audit_memory,
     "recovery_speed.json": recovery_speed,
