@@ -113,16 +113,23 @@ class _Call:
 
 def _record_calls(model: nn.Module, run: Callable[[], Any]) -> tuple[list[_Call], Any]:
     """Every leaf module call (and the heads, leaf or not) in order, with its first tensor
-    input and its tensor output."""
+    input and its tensor output, each copied when the call sees it: an in-place module after
+    it (`nn.ReLU(inplace=True)`) would otherwise rewrite what was recorded."""
     calls: list[_Call] = []
+    inputs: dict[int, list[torch.Tensor | None]] = {}
     handles = []
     for name, module in model.named_modules():
         if name and not any(True for _ in module.children()):
-            def hook(mod: nn.Module, args: tuple, output: Any, name: str = name) -> None:
+            def before(mod: nn.Module, args: tuple) -> None:
                 first = next((a for a in args if isinstance(a, torch.Tensor)), None)
-                calls.append(_Call(name, mod, None if first is None else first.detach(),
-                                   output.detach() if isinstance(output, torch.Tensor)
+                inputs.setdefault(id(mod), []).append(
+                    None if first is None else first.detach().clone())
+
+            def hook(mod: nn.Module, args: tuple, output: Any, name: str = name) -> None:
+                calls.append(_Call(name, mod, inputs[id(mod)].pop(),
+                                   output.detach().clone() if isinstance(output, torch.Tensor)
                                    else None))
+            handles.append(module.register_forward_pre_hook(before))
             handles.append(module.register_forward_hook(hook))
     try:
         with torch.no_grad():
@@ -184,7 +191,7 @@ def _composes(stack: list[_Call], target: torch.Tensor) -> bool:
     """Does running the stack's modules one after another give `target` (flattened), each
     reading what the one before it gave? A branch beside them (a projected skip connection) or
     an operation between them that is no module says no."""
-    x = stack[0].input
+    x = stack[0].input.clone()  # an in-place module must not rewrite the record
     with torch.no_grad():
         for call in stack:
             if x.shape != call.input.shape or not torch.allclose(x, call.input, rtol=1e-5,

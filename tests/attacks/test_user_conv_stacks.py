@@ -1,6 +1,7 @@
-"""Conv → BatchNorm → ReLU blocks (most image networks' order, bias-free convs included) fall to
-the training-free attack as Conv → ReLU blocks do: the BatchNorm before the ReLU is folded into
-the conv, and a victim and its folded twin give the same conv inputs and frames."""
+"""The conv stacks users bring fall to the training-free attack as the paper's do: Conv →
+BatchNorm → ReLU blocks (most image networks' order, bias-free convs included: the BatchNorm
+before the ReLU is folded into the conv, and a victim and its folded twin give the same conv
+inputs and frames), non-square frames, LeakyReLU and ELU, in-place ReLUs."""
 
 from __future__ import annotations
 
@@ -216,3 +217,48 @@ def test_leaky_relu_and_elu_blocks_give_every_unit_and_the_frame(activation: str
         assert float(10 * torch.log10(255 ** 2 / mse)) >= 35.0
     finally:
         MODEL_FACTORIES.drop("test-leaky")
+
+
+class InPlacePolicy(nn.Module):
+    """Conv → ReLU(inplace=True) blocks, as many codebases write them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 16, 4, 4), nn.ReLU(inplace=True),
+                                  nn.Conv2d(16, 32, 3, 1, 1), nn.ReLU(inplace=True),
+                                  nn.Conv2d(32, 32, 3, 1, 1), nn.ReLU(inplace=True),
+                                  nn.Flatten())
+        self.proj = nn.Linear(32 * 8 * 8, 64)
+        self.pi, self.v = nn.Linear(64, 4), nn.Linear(64, 1)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.relu(self.proj(self.body(x)))
+        return self.pi(h), self.v(h)
+
+
+def test_in_place_relus_are_walked_like_any_other() -> None:
+    """An in-place ReLU rewrites the conv output it follows: the roles are read from copies
+    taken as each module runs, so the stack still composes, and its conv inputs come back
+    exact (before, the walk refused it as 'a function between them')."""
+    import gradleak
+    from gradleak.victims.factories import MODEL_FACTORIES
+
+    gradleak.register_model_factory("test-in-place")(InPlacePolicy)
+    try:
+        torch.manual_seed(10)
+        victim = gradleak.wrap(InPlacePolicy(), policy_head="pi", value_head="v",
+                               frame_shape=(32, 32, 3), factory="test-in-place").double()
+        assert victim.roles().conv_chain
+        images = torch.stack([smooth_frame(32, seed) for seed in range(3)]).double()
+        observation, _ = observe(victim, images, torch.arange(3),
+                                 torch.tensor([1.0, -0.5, 0.7], dtype=torch.float64),
+                                 torch.tensor([0.3, -0.2, 0.1], dtype=torch.float64))
+        found = observed_conv_inputs(observation)
+        double = victim_at_theta0(observation).double()
+        assert list(found.inputs) == ["body.4", "body.2"]
+        for name, estimate in found.inputs.items():
+            with torch.no_grad():
+                truth = module_input(double, name, images)
+            assert float(((estimate - truth).norm() / truth.norm())) <= 1e-8, name
+    finally:
+        MODEL_FACTORIES.drop("test-in-place")
