@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from helpers import observe, smooth_frame
 from torch import nn
 
@@ -262,3 +263,53 @@ def test_in_place_relus_are_walked_like_any_other() -> None:
             assert float(((estimate - truth).norm() / truth.norm())) <= 1e-8, name
     finally:
         MODEL_FACTORIES.drop("test-in-place")
+
+
+class FunctionalPolicy(nn.Module):
+    """Convs whose ReLUs the forward code applies as functions (F.relu, torch.relu)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.c2 = nn.Conv2d(3, 16, 4, 4), nn.Conv2d(16, 32, 3, 1, 1)
+        self.c3 = nn.Conv2d(32, 32, 3, 1, 1)
+        self.proj = nn.Linear(32 * 8 * 8, 64)
+        self.pi, self.v = nn.Linear(64, 4), nn.Linear(64, 1)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.relu(self.c2(F.relu(self.c1(x))))
+        h = F.relu(self.proj(F.relu(self.c3(x)).flatten(1)))
+        return self.pi(h), self.v(h)
+
+
+def test_relus_applied_as_functions_are_found_and_walked() -> None:
+    """The roles see a ReLU between two modules that is no module (the next reads relu of
+    what the last gave) as a functional step; the walk passes it, the conv inputs come back
+    exact, and the roles survive the capture's JSON."""
+    import gradleak
+    from gradleak.victims.factories import MODEL_FACTORIES
+    from gradleak.victims.roles import Roles
+
+    gradleak.register_model_factory("test-functional")(FunctionalPolicy)
+    try:
+        torch.manual_seed(12)
+        victim = gradleak.wrap(FunctionalPolicy(), policy_head="pi", value_head="v",
+                               frame_shape=(32, 32, 3), factory="test-functional").double()
+        roles = victim.roles()
+        assert roles.conv_chain and [(s.module, s.functional) for s in roles.conv_stack] == [
+            ("c1", False), ("c1:relu", True), ("c2", False), ("c2:relu", True), ("c3", False),
+            ("c3:relu", True)]
+        assert Roles.from_json(roles.to_json(), "roles") == roles
+        assert roles.conv_modules() == ["c1", "c2", "c3"]
+        images = torch.stack([smooth_frame(32, seed) for seed in range(3)]).double()
+        observation, _ = observe(victim, images, torch.arange(3),
+                                 torch.tensor([1.0, -0.5, 0.7], dtype=torch.float64),
+                                 torch.tensor([0.3, -0.2, 0.1], dtype=torch.float64))
+        found = observed_conv_inputs(observation)
+        double = victim_at_theta0(observation).double()
+        assert list(found.inputs) == ["c3", "c2"]
+        for name, estimate in found.inputs.items():
+            with torch.no_grad():
+                truth = module_input(double, name, images)
+            assert float(((estimate - truth).norm() / truth.norm())) <= 1e-8, name
+    finally:
+        MODEL_FACTORIES.drop("test-functional")

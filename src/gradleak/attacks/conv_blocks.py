@@ -67,8 +67,8 @@ def conv_blocks(victim: Victim) -> list[ConvBlock]:
         raise ConfigError(f"victim {name}: recovery through the conv stack needs conv layers "
                           "read by a biased Linear layer applied once per sample; this victim "
                           f"has {'no conv stack' if not roles.conv_stack else 'none after it'}")
-    for step in roles.conv_stack:
-        reason = None if step.kind == "flatten" else refusal_of(
+    for step in roles.conv_stack:  # a functional step is a ReLU the forward code applies
+        reason = None if step.kind == "flatten" or step.functional else refusal_of(
             step.kind, victim.get_submodule(step.module))
         if reason is not None:
             raise ConfigError(f"victim {name}: the walk through the conv stack cannot pass "

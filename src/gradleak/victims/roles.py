@@ -33,11 +33,14 @@ STOCHASTIC = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.AlphaDropout)
 
 @dataclass(frozen=True)
 class ConvStep:
-    """One module the conv stack calls, in call order, with the shape it reads."""
+    """One module the conv stack calls, in call order, with the shape it reads. A ReLU the
+    forward code applies as a function (`F.relu`, `torch.relu`) between two modules is a step
+    too, `functional`, named after the module it follows ("conv1:relu")."""
 
     module: str
     kind: str  # a KINDS value, or the module's class name in lower case
     input_shape: tuple[int, ...]  # per sample, e.g. (C, H, W)
+    functional: bool = False
 
 
 @dataclass(frozen=True)
@@ -64,7 +67,8 @@ class Roles:
         try:
             data = json.loads(text)
             steps = tuple(ConvStep(str(s["module"]), str(s["kind"]),
-                                   tuple(int(n) for n in s["input_shape"]))
+                                   tuple(int(n) for n in s["input_shape"]),
+                                   bool(s.get("functional", False)))
                           for s in data.get("conv_stack", ()))
             transform = InputTransform.from_dict(data["transform"], f"{source}: transform")
             roles = cls(**{**data, "conv_stack": steps, "transform": transform,
@@ -79,7 +83,7 @@ class Roles:
         return roles
 
     def conv_modules(self) -> list[str]:
-        return [step.module for step in self.conv_stack]
+        return [step.module for step in self.conv_stack if not step.functional]
 
     def component_of(self, parameter: str) -> str:
         """'cnn' for the conv stack, 'heads' for the two heads, 'fc' for everything else."""
@@ -187,19 +191,34 @@ def _conv_stack(calls: list[_Call]) -> tuple[list[_Call], int]:
     return calls[first:end], end
 
 
-def _composes(stack: list[_Call], target: torch.Tensor) -> bool:
-    """Does running the stack's modules one after another give `target` (flattened), each
-    reading what the one before it gave? A branch beside them (a projected skip connection) or
-    an operation between them that is no module says no."""
+def _composed_steps(stack: list[_Call], target: torch.Tensor) -> list[ConvStep] | None:
+    """The stack's steps when running its modules one after another gives `target`
+    (flattened), each reading what the one before it gave, or that after a ReLU the forward
+    code applies as a function (a step marked `functional`); None otherwise: a branch beside
+    them (a projected skip connection) or another operation between them that is no module."""
+    steps: list[ConvStep] = []
     x = stack[0].input.clone()  # an in-place module must not rewrite the record
     with torch.no_grad():
-        for call in stack:
-            if x.shape != call.input.shape or not torch.allclose(x, call.input, rtol=1e-5,
-                                                                 atol=1e-6):
-                return False
+        for number, call in enumerate(stack + [None]):
+            wanted = target if call is None else call.input
+            seen = x.flatten(1) if call is None else x
+            if not _close(seen, wanted):
+                if not number or not _close(torch.relu(seen), wanted):
+                    return None
+                steps.append(ConvStep(f"{stack[number - 1].name}:relu", "relu",
+                                      tuple(x.shape[1:]), functional=True))
+                x = torch.relu(x)
+            if call is None:
+                return steps
+            steps.append(ConvStep(call.name, KINDS.get(type(call.module),
+                                                       type(call.module).__name__.lower()),
+                                  tuple(call.input.shape[1:])))
             x = call.module(x)
-    return x is not None and x.flatten(1).shape == target.shape and torch.allclose(
-        x.flatten(1), target, rtol=1e-5, atol=1e-6)
+    return None
+
+
+def _close(x: torch.Tensor, y: torch.Tensor) -> bool:
+    return x.shape == y.shape and torch.allclose(x, y, rtol=1e-5, atol=1e-6)
 
 
 def discover(model: nn.Module, run: Callable[[], tuple[torch.Tensor, torch.Tensor]],
@@ -240,7 +259,7 @@ def discover(model: nn.Module, run: Callable[[], tuple[torch.Tensor, torch.Tenso
                           f"{stack[0].name} reads: declare the model's own preprocessing")
     feature_linear = calls[end].name if stack and end < len(calls) and \
         calls[end].name in linears else None
-    chain = feature_linear is not None and _composes(stack, calls[end].input)
+    composed = None if feature_linear is None else _composed_steps(stack, calls[end].input)
     flat = network_input.flatten(1)
     frame_linear = next((c.name for c in calls if c.name in linears and c.input.shape ==
                          flat.shape and torch.allclose(c.input, flat, rtol=1e-5, atol=1e-6)),
@@ -248,10 +267,11 @@ def discover(model: nn.Module, run: Callable[[], tuple[torch.Tensor, torch.Tenso
     return Roles(policy_head=policy_head, value_head=value_head,
                  shared_features=torch.equal(policy_call.input, value_call.input),
                  linears=linears, transform=transform,
-                 conv_stack=tuple(ConvStep(c.name, KINDS.get(type(c.module),
-                                                             type(c.module).__name__.lower()),
-                                           tuple(c.input.shape[1:])) for c in stack),
-                 conv_chain=chain, feature_linear=feature_linear, frame_linear=frame_linear,
+                 conv_stack=tuple(composed) if composed is not None else tuple(
+                     ConvStep(c.name, KINDS.get(type(c.module), type(c.module).__name__.lower()),
+                              tuple(c.input.shape[1:])) for c in stack),
+                 conv_chain=composed is not None, feature_linear=feature_linear,
+                 frame_linear=frame_linear,
                  recurrent_state=recurrent_state, goal_input=goal_input,
                  extra_inputs=extra_inputs,
                  nonnegative_features=not bool((policy_call.input < 0).any()))
