@@ -862,13 +862,18 @@ def headline_defenses() -> tuple[str, str]:
                       if spec in case["defenses"]) + f" (mean image {mean:.2f})")
 
 
-def headline_vit() -> tuple[str, str]:
+def headline_architectures() -> tuple[str, str]:
     data = load("vit_frames.json")
     name, case = next(iter(data["victims"].items()))
     clean = case["defenses"]["none"]
-    return ("A ViT's frames? (its position-embedding gradient, training-free)",
-            f"{name}: {clean['psnr']:.2f} dB (PSNR capped at 100; largest pixel error "
-            f"{clean['max_pixel_error']}), actions {pct(clean['action_accuracy'])}")
+    kinds = {row["variant"]: row for row in load("layer_kinds.json")["rows"]}
+    shown = [("Conv → BN → ReLU", "Conv (no bias) → BN → ReLU"),
+             ("LeakyReLU", "Conv → LeakyReLU(0.01)"), ("ELU", "Conv → ELU")]
+    mean = next(iter(kinds.values()))["mean_image"]["psnr"]
+    return ("Your own architecture? (training-free)",
+            f"ViT ({name}) {clean['psnr']:.2f} dB, actions {pct(clean['action_accuracy'])}; "
+            + ", ".join(f"{label} {kinds[key]['attack']['psnr']:.2f}" for label, key in shown)
+            + f" dB on ViZDoom frames (mean image {mean:.2f})")
 
 
 def headline_learned() -> tuple[str, str]:
@@ -918,19 +923,23 @@ def headline_memory() -> tuple[str, str]:
 
 HEADLINE: list[tuple[str, Callable[[], tuple[str, str]]]] = [
     ("demo", headline_actions), ("defense_aware", headline_frames),
-    ("defense_aware", headline_defenses), ("vit_frames", headline_vit),
+    ("defense_aware", headline_defenses), ("vit_frames+layer_kinds", headline_architectures),
     ("trace_vs_lti", headline_learned), ("audit_paper", headline_audit),
     ("fedavg_separate", headline_fedavg), ("record_memory", headline_memory)]
 
 
+def source_of(stem: str) -> str:
+    return "docs/results.md" if stem == "demo" else f"benchmarks/results/{stem}.md"
+
+
 def render_headline() -> str:
-    """README's headline table: each row's source is its benchmark's Markdown (the demo's
-    is docs/results.md, which holds what it printed)."""
+    """README's headline table: each row's sources ("a+b": two) are their benchmarks'
+    Markdown (the demo's is docs/results.md, which holds what it printed)."""
     lines = ["| question | measured answer | source |", "|---|---|---|"]
-    for stem, row in HEADLINE:
+    for stems, row in HEADLINE:
         question, answer = row()
-        where = "docs/results.md" if stem == "demo" else f"benchmarks/results/{stem}.md"
-        lines.append(f"| {question} | {answer} | [{stem}]({where}) |")
+        links = ", ".join(f"[{stem}]({source_of(stem)})" for stem in stems.split("+"))
+        lines.append(f"| {question} | {answer} | {links} |")
     return "\n".join(lines)
 
 
