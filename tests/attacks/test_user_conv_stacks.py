@@ -5,6 +5,7 @@ inputs and frames), non-square frames, LeakyReLU and ELU, in-place ReLUs."""
 
 from __future__ import annotations
 
+import contextlib
 import numpy as np
 import pytest
 import torch
@@ -92,13 +93,7 @@ def test_the_norm_before_the_relu_is_folded_into_the_conv(twins) -> None:
 
 def test_every_determined_conv_input_of_a_conv_norm_relu_victim_is_exact(twins) -> None:
     ordered, _, images = twins
-    found = observed_conv_inputs(ordered)
-    victim = victim_at_theta0(ordered).double()
-    for name, estimate in found.inputs.items():
-        with torch.no_grad():
-            truth = module_input(victim, name, images.double())
-        error = (estimate - truth).flatten(1).norm(dim=1) / truth.flatten(1).norm(dim=1)
-        assert float(error.max()) <= 1e-8, name
+    assert_exact(ordered, observed_conv_inputs(ordered), images.double())
 
 
 def test_a_victim_and_its_folded_twin_give_the_same_frames(twins) -> None:
@@ -109,6 +104,50 @@ def test_a_victim_and_its_folded_twin_give_the_same_frames(twins) -> None:
     assert float((frames[0] - frames[1]).abs().max()) <= 0.05  # grey levels of 255
     mse = ((frames[0].clamp(0, 255) - truth) ** 2).mean()
     assert float(10 * torch.log10(255 ** 2 / mse)) >= 30.0
+
+
+@contextlib.contextmanager
+def users_victim(factory: type[nn.Module], model: nn.Module, frame_shape: tuple[int, int, int],
+                 **kwargs):  # noqa: ANN003, ANN201
+    """`model` wrapped as a user would (its factory registered for the capture), float64;
+    the factory is forgotten afterwards."""
+    import gradleak
+    from gradleak.victims.factories import MODEL_FACTORIES
+
+    name = f"test-{factory.__name__.lower()}"
+    gradleak.register_model_factory(name)(factory)
+    try:
+        yield gradleak.wrap(model, policy_head="pi", value_head="v", frame_shape=frame_shape,
+                            factory=name, **kwargs).double()
+    finally:
+        MODEL_FACTORIES.drop(name)
+
+
+def observed(victim, images: torch.Tensor):  # noqa: ANN001, ANN201
+    """The float64 per-step gradients of len(images) steps, and what the walk recovers."""
+    count = len(images)
+    observation, _ = observe(victim, images, torch.arange(count) % 4,
+                             torch.tensor([1.0, -0.5, 0.7, -1.2], dtype=torch.float64)[:count],
+                             torch.tensor([0.3, -0.2, 0.1, 0.4], dtype=torch.float64)[:count])
+    return observation, observed_conv_inputs(observation)
+
+
+def assert_exact(observation, found, images: torch.Tensor) -> None:  # noqa: ANN001
+    """Every conv input the walk recovered equals the victim's own, to float64 rounding."""
+    double = victim_at_theta0(observation).double()
+    for name, estimate in found.inputs.items():
+        with torch.no_grad():
+            truth = module_input(double, name, images)
+        assert float(((estimate - truth).norm() / truth.norm())) <= 1e-8, name
+
+
+def frame_psnr(observation, images: torch.Tensor) -> float:  # noqa: ANN001
+    frames = ExactAttack(observation).inverse.frames(observation)[0]
+    return float(10 * torch.log10(255 ** 2 / ((frames.clamp(0, 255) - images) ** 2).mean()))
+
+
+def smooth_frames(count: int) -> torch.Tensor:
+    return torch.stack([smooth_frame(32, seed) for seed in range(count)]).double()
 
 
 class RectangularPolicy(nn.Module):
@@ -133,40 +172,23 @@ class RectangularPolicy(nn.Module):
 def test_a_users_rectangular_frames_come_back_through_conv_norm_relu_blocks() -> None:
     """48×40 frames (the walk's maps are 12×10): every determined conv input exact in float64,
     the frames close to the private ones."""
-    import gradleak
-    from gradleak.victims.factories import MODEL_FACTORIES
-
-    gradleak.register_model_factory("test-rectangular")(RectangularPolicy)
-    try:
-        torch.manual_seed(6)
-        model = RectangularPolicy()
-        generator = torch.Generator().manual_seed(3)
-        with torch.no_grad():
-            for module in model.modules():
-                if isinstance(module, nn.BatchNorm2d):
-                    module.weight.uniform_(0.5, 1.5, generator=generator)
-                    module.running_var.uniform_(0.5, 2.0, generator=generator)
-        victim = gradleak.wrap(model, policy_head="pi", value_head="v", frame_shape=(48, 40, 3),
-                               factory="test-rectangular").double()
-        coarse = torch.rand(4, 3, 4, 4, generator=generator)
-        images = (torch.nn.functional.interpolate(coarse, size=(48, 40), mode="bilinear")
-                  .permute(0, 2, 3, 1) * 255).round().double()
-        observation, _ = observe(victim, images, torch.arange(4),
-                                 torch.tensor([1.0, -0.5, 0.7, -1.2], dtype=torch.float64),
-                                 torch.tensor([0.3, -0.2, 0.1, 0.4], dtype=torch.float64))
-        found = observed_conv_inputs(observation)
-        double = victim_at_theta0(observation).double()
+    torch.manual_seed(6)
+    model = RectangularPolicy()
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, nn.BatchNorm2d):
+                module.weight.uniform_(0.5, 1.5, generator=generator)
+                module.running_var.uniform_(0.5, 2.0, generator=generator)
+    coarse = torch.rand(4, 3, 4, 4, generator=generator)
+    images = (F.interpolate(coarse, size=(48, 40), mode="bilinear").permute(0, 2, 3, 1)
+              * 255).round().double()
+    with users_victim(RectangularPolicy, model, (48, 40, 3)) as victim:
+        observation, found = observed(victim, images)
         assert list(found.inputs) == ["body.6", "body.3"]
-        for name, estimate in found.inputs.items():
-            with torch.no_grad():
-                truth = module_input(double, name, images)
-            assert estimate.shape[-2:] == (12, 10)
-            assert float(((estimate - truth).norm() / truth.norm())) <= 1e-8, name
-        frames = ExactAttack(observation).inverse.frames(observation)[0]
-        mse = ((frames.clamp(0, 255) - images) ** 2).mean()
-        assert float(10 * torch.log10(255 ** 2 / mse)) >= 30.0
-    finally:
-        MODEL_FACTORIES.drop("test-rectangular")
+        assert all(estimate.shape[-2:] == (12, 10) for estimate in found.inputs.values())
+        assert_exact(observation, found, images)
+        assert frame_psnr(observation, images) >= 30.0
 
 
 class LeakyPolicy(nn.Module):
@@ -193,31 +215,14 @@ def test_leaky_relu_and_elu_blocks_give_every_unit_and_the_frame(activation: str
     """LeakyReLU and ELU are one-to-one: the walk reads every pre-activation (no on/off
     decision), the conv inputs come back exact in float64 and the frame from the first conv's
     equations at every unit (1,792 of them for 3,072 pixels: the prior decides the rest)."""
-    import gradleak
-    from gradleak.victims.factories import MODEL_FACTORIES
-
-    gradleak.register_model_factory("test-leaky")(LeakyPolicy)
-    try:
-        torch.manual_seed(8)
-        victim = gradleak.wrap(LeakyPolicy(activation), policy_head="pi", value_head="v",
-                               frame_shape=(32, 32, 3), factory="test-leaky",
-                               factory_kwargs={"activation": activation}).double()
-        images = torch.stack([smooth_frame(32, seed) for seed in range(4)]).double()
-        observation, _ = observe(victim, images, torch.arange(4),
-                                 torch.tensor([1.0, -0.5, 0.7, -1.2], dtype=torch.float64),
-                                 torch.tensor([0.3, -0.2, 0.1, 0.4], dtype=torch.float64))
-        found = observed_conv_inputs(observation)
-        double = victim_at_theta0(observation).double()
-        for name, estimate in found.inputs.items():
-            assert bool(found.masks[name].all())  # every unit read, none decided off
-            with torch.no_grad():
-                truth = module_input(double, name, images)
-            assert float(((estimate - truth).norm() / truth.norm())) <= 1e-8, name
-        frames = ExactAttack(observation).inverse.frames(observation)[0]
-        mse = ((frames.clamp(0, 255) - images) ** 2).mean()
-        assert float(10 * torch.log10(255 ** 2 / mse)) >= 35.0
-    finally:
-        MODEL_FACTORIES.drop("test-leaky")
+    torch.manual_seed(8)
+    images = smooth_frames(4)
+    with users_victim(LeakyPolicy, LeakyPolicy(activation), (32, 32, 3),
+                      factory_kwargs={"activation": activation}) as victim:
+        observation, found = observed(victim, images)
+        assert all(bool(mask.all()) for mask in found.masks.values())  # none decided off
+        assert_exact(observation, found, images)
+        assert frame_psnr(observation, images) >= 35.0
 
 
 class InPlacePolicy(nn.Module):
@@ -241,28 +246,13 @@ def test_in_place_relus_are_walked_like_any_other() -> None:
     """An in-place ReLU rewrites the conv output it follows: the roles are read from copies
     taken as each module runs, so the stack still composes, and its conv inputs come back
     exact (before, the walk refused it as 'a function between them')."""
-    import gradleak
-    from gradleak.victims.factories import MODEL_FACTORIES
-
-    gradleak.register_model_factory("test-in-place")(InPlacePolicy)
-    try:
-        torch.manual_seed(10)
-        victim = gradleak.wrap(InPlacePolicy(), policy_head="pi", value_head="v",
-                               frame_shape=(32, 32, 3), factory="test-in-place").double()
+    torch.manual_seed(10)
+    images = smooth_frames(3)
+    with users_victim(InPlacePolicy, InPlacePolicy(), (32, 32, 3)) as victim:
         assert victim.roles().conv_chain
-        images = torch.stack([smooth_frame(32, seed) for seed in range(3)]).double()
-        observation, _ = observe(victim, images, torch.arange(3),
-                                 torch.tensor([1.0, -0.5, 0.7], dtype=torch.float64),
-                                 torch.tensor([0.3, -0.2, 0.1], dtype=torch.float64))
-        found = observed_conv_inputs(observation)
-        double = victim_at_theta0(observation).double()
+        observation, found = observed(victim, images)
         assert list(found.inputs) == ["body.4", "body.2"]
-        for name, estimate in found.inputs.items():
-            with torch.no_grad():
-                truth = module_input(double, name, images)
-            assert float(((estimate - truth).norm() / truth.norm())) <= 1e-8, name
-    finally:
-        MODEL_FACTORIES.drop("test-in-place")
+        assert_exact(observation, found, images)
 
 
 class FunctionalPolicy(nn.Module):
@@ -285,31 +275,17 @@ def test_relus_applied_as_functions_are_found_and_walked() -> None:
     """The roles see a ReLU between two modules that is no module (the next reads relu of
     what the last gave) as a functional step; the walk passes it, the conv inputs come back
     exact, and the roles survive the capture's JSON."""
-    import gradleak
-    from gradleak.victims.factories import MODEL_FACTORIES
     from gradleak.victims.roles import Roles
 
-    gradleak.register_model_factory("test-functional")(FunctionalPolicy)
-    try:
-        torch.manual_seed(12)
-        victim = gradleak.wrap(FunctionalPolicy(), policy_head="pi", value_head="v",
-                               frame_shape=(32, 32, 3), factory="test-functional").double()
+    torch.manual_seed(12)
+    images = smooth_frames(3)
+    with users_victim(FunctionalPolicy, FunctionalPolicy(), (32, 32, 3)) as victim:
         roles = victim.roles()
         assert roles.conv_chain and [(s.module, s.functional) for s in roles.conv_stack] == [
             ("c1", False), ("c1:relu", True), ("c2", False), ("c2:relu", True), ("c3", False),
             ("c3:relu", True)]
         assert Roles.from_json(roles.to_json(), "roles") == roles
         assert roles.conv_modules() == ["c1", "c2", "c3"]
-        images = torch.stack([smooth_frame(32, seed) for seed in range(3)]).double()
-        observation, _ = observe(victim, images, torch.arange(3),
-                                 torch.tensor([1.0, -0.5, 0.7], dtype=torch.float64),
-                                 torch.tensor([0.3, -0.2, 0.1], dtype=torch.float64))
-        found = observed_conv_inputs(observation)
-        double = victim_at_theta0(observation).double()
+        observation, found = observed(victim, images)
         assert list(found.inputs) == ["c3", "c2"]
-        for name, estimate in found.inputs.items():
-            with torch.no_grad():
-                truth = module_input(double, name, images)
-            assert float(((estimate - truth).norm() / truth.norm())) <= 1e-8, name
-    finally:
-        MODEL_FACTORIES.drop("test-functional")
+        assert_exact(observation, found, images)
