@@ -1,7 +1,8 @@
-"""The victim's conv stack as the walk meets it: Conv → ReLU [→ BatchNorm] blocks, read by a
-Linear layer. Each block is inverted by its layers' inverses (`attacks.layers`: the norm, the
-ReLU, the conv) in `attacks.conv_recovery`; a module the walk cannot pass is refused here, with
-its layer inverse's reason, before any gradient is read.
+"""The victim's conv stack as the walk meets it: Conv [→ BatchNorm] → ReLU (or LeakyReLU, ELU)
+[→ BatchNorm] blocks on maps of any shape, read by a Linear layer; dropout, identities and
+flattening pass through. Each block is inverted by its layers' inverses (`attacks.layers`: the
+norm, the activation, the conv) in `attacks.conv_recovery`; a module the walk cannot pass is
+refused here, with its layer inverse's reason, before any gradient is read.
 """
 
 from __future__ import annotations
