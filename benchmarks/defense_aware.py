@@ -31,6 +31,8 @@ from typing import Any
 
 import numpy as np
 import torch
+from exact_frames import Case, capture
+from host import machine
 
 from gradleak.attacks.defense_aware import DefenseAwareAttack
 from gradleak.attacks.exact import ExactAttack
@@ -41,9 +43,6 @@ from gradleak.io import atomic_path
 from gradleak.metrics.scores import image_scores
 from gradleak.report.tables import fixed, markdown_table
 from gradleak.threat import Observation, declared
-
-from exact_frames import Case, capture
-from host import machine
 
 RESULTS = Path(__file__).parent / "results" / "defense_aware.json"
 DEFENSES = ("cast:bfloat16;quant:12;prune:0.5;noise:1e-05;prune:0.1;noise:0.0001;quant:8;"
@@ -131,12 +130,12 @@ def run_case(path: Path, defenses: list[str], frames: int, picture: list[str]
 def bottleneck(path: Path, spec: str, frames: int) -> dict[str, Any]:
     """Why the frames fall short under `spec` (an oracle analysis: it reads the private
     frames, actions and advantages to form the true maps and output gradients)."""
-    from gradleak.attacks.conv_blocks import conv_blocks
-    from gradleak.attacks.layers.affine_norm import bn_affine
-    from gradleak.attacks.layers.conv import solve_input
-    from gradleak.attacks.conv_recovery import observed_conv_inputs
+    from gradleak.attacks.conv_inputs import observed_conv_inputs
     from gradleak.attacks.optim.matching import coefficients_from
     from gradleak.evaluation.analytic import score_conv_stack
+    from gradleak.inversion.conv_blocks import conv_blocks
+    from gradleak.inversion.layers.affine_norm import bn_affine
+    from gradleak.inversion.layers.conv import solve_input
     from gradleak.rl.losses import actor_critic_loss
     from gradleak.victims.base import victim_at_theta0
 

@@ -37,21 +37,20 @@ from typing import Any
 
 import numpy as np
 import torch
+from host import machine
 
 from gradleak.attacks.exact import ExactAttack, ExactConfig
-from gradleak.attacks.frame_solve import FrameSolve
 from gradleak.capture.plan import CaptureJob
 from gradleak.capture.reader import CaptureFile
 from gradleak.capture.run import run_capture
 from gradleak.defenses import parse_defense
 from gradleak.defenses.files import defend_capture
 from gradleak.evaluation.analytic import score_conv_stack
+from gradleak.inversion.frame_solve import FrameSolve
 from gradleak.io import atomic_path
 from gradleak.metrics.lpips import unavailable_reason
 from gradleak.presets import load_preset
 from gradleak.report.tables import markdown_table
-
-from host import machine
 
 RESULTS = Path(__file__).parent / "results" / "exact_frames.json"
 
@@ -165,10 +164,10 @@ def leverage_picture(path: Path, out: Path, frames: int = 2) -> dict[str, Any]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from gradleak.attacks.conv_recovery import observed_conv_inputs
+    from gradleak.attacks.conv_inputs import observed_conv_inputs
     from gradleak.attacks.equation_rank import equation_space
     from gradleak.attacks.exact import bias_gradient
-    from gradleak.attacks.first_conv import first_conv_equations
+    from gradleak.inversion.first_conv import first_conv_equations
 
     rows = np.arange(frames)
     with CaptureFile(path) as file:

@@ -21,19 +21,18 @@ import json
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
-
-from gradleak.attacks.exact import ExactAttack, ExactConfig
-from gradleak.attacks.frame_solve import FrameSolve
-from gradleak.capture.reader import CaptureFile
-from gradleak.evaluation.analytic import image_scores
-from gradleak.metrics.images import to_unit_tensor
-from gradleak.report.tables import markdown_table
-
 import exact_frames
 import exact_refiner
+import numpy as np
+import torch
 from host import machine
+
+from gradleak.attacks.exact import ExactAttack, ExactConfig
+from gradleak.capture.reader import CaptureFile
+from gradleak.evaluation.analytic import image_scores
+from gradleak.inversion.frame_solve import FrameSolve
+from gradleak.metrics.images import to_unit_tensor
+from gradleak.report.tables import markdown_table
 
 RESULTS = Path(__file__).parent / "results" / "exact_solve_sweep.json"
 # one field changed from the default at a time (with the rounds' CG budget doubled once)

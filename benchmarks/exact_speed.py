@@ -21,21 +21,19 @@ import time
 from pathlib import Path
 from typing import Any
 
+import exact_frames  # the sibling benchmark: its victims and held-out captures
 import numpy as np
 import torch
+from exact_frames import Case
+from host import machine
 
 import gradleak.attacks.exact as exact
-from gradleak.attacks.conv_recovery import MASK_RULES, walk_down
 from gradleak.attacks.exact import ExactAttack, ExactConfig
 from gradleak.capture.reader import CaptureFile
+from gradleak.inversion.conv_recovery import MASK_RULES, walk_down
 from gradleak.io import atomic_path
 from gradleak.report.tables import markdown_table
 from gradleak.victims.base import victim_at_theta0
-
-from host import machine
-
-import exact_frames  # the sibling benchmark: its victims and held-out captures
-from exact_frames import Case
 
 RESULTS = Path(__file__).parent / "results" / "exact_speed.json"
 PARTS = ("observed_conv_inputs", "solve_frames")  # the recursion, the frame solve

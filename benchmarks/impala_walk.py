@@ -31,17 +31,17 @@ from typing import Any
 
 import numpy as np
 import torch
-from gradleak.attacks.layers.base import Known
-from gradleak.attacks.layers.conv_equations import TapOperator
-from gradleak.attacks.layers.linear import Linear
-from gradleak.attacks.layers.residual import ConvAt, ResidualBlock
+from host import machine, write_results
+
 from gradleak.capture.reader import CaptureFile
 from gradleak.capture.run import CaptureJob, run_capture
+from gradleak.inversion.layers.base import Known
+from gradleak.inversion.layers.conv_equations import TapOperator
+from gradleak.inversion.layers.linear import Linear
+from gradleak.inversion.layers.residual import ConvAt, ResidualBlock
 from gradleak.presets import load_preset
 from gradleak.report.tables import markdown_table
 from gradleak.victims.base import victim_at_theta0
-
-from host import machine, write_results
 
 RESULTS = Path(__file__).parent / "results" / "impala_walk.json"
 
@@ -99,7 +99,7 @@ def activations(victim: Any, frames: torch.Tensor) -> dict[str, torch.Tensor]:
 def walk_step(victim: Any, block: Any, truth: dict[str, torch.Tensor], step: int
               ) -> dict[str, Any]:
     """One step's walk down the last stage by the residual block's inverse
-    (`attacks.layers.residual`), against the truth of that step."""
+    (`inversion.layers.residual`), against the truth of that step."""
     fc, stages = victim.fc, victim.encoder
     last = len(stages) - 1
     channels = stages[last][0].out_channels

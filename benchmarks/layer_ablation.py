@@ -1,6 +1,6 @@
 """What each layer adds: the same decoder family on each conv input the gradient determines.
 
-The closed-form recursion (`gradleak.attacks.conv_recovery`) reaches the FC input (32×4×4 for
+The closed-form recursion (`gradleak.inversion.conv_recovery`) reaches the FC input (32×4×4 for
 cnn-small at 64×64), the inputs of the last two convs (32×8×8) and the second conv's input
 (16×16×16). Decoders trained identically on each (the cpu-bench captures' 19,400 frames, no
 rendered frames, 2 epochs, widest stage 32 channels, no dense path) and scored together on

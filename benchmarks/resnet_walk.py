@@ -28,17 +28,16 @@ from typing import Any
 
 import numpy as np
 import torch
-
-from gradleak.attacks.layers.base import Known
-from gradleak.attacks.layers.conv import Conv
-from gradleak.attacks.layers.linear import Linear
-from gradleak.attacks.layers.residual import ConvAt
-from gradleak.capture.reader import CaptureFile
-from gradleak.report.tables import markdown_table
-from gradleak.victims.base import victim_at_theta0
-
 from exact_frames import Case, capture
 from host import machine, write_results
+
+from gradleak.capture.reader import CaptureFile
+from gradleak.inversion.layers.base import Known
+from gradleak.inversion.layers.conv import Conv
+from gradleak.inversion.layers.linear import Linear
+from gradleak.inversion.layers.residual import ConvAt
+from gradleak.report.tables import markdown_table
+from gradleak.victims.base import victim_at_theta0
 
 RESULTS = Path(__file__).parent / "results" / "resnet_walk.json"
 CASE = Case("resnet8 random init", "resnet8", "cpu-quick", True)

@@ -14,7 +14,7 @@ LAYERS = [
     {"registry", "config", "safe_pickle", "threads", "plugins"},
     {"victims", "metrics"},
     {"threat", "io", "envs"},
-    {"report"},
+    {"inversion", "report"},  # inversion: the layer inverses both attack families walk
     {"rl"},
     {"capture"},
     {"attacks", "defenses", "fedavg"},

@@ -43,7 +43,7 @@ def test_a_config_saved_with_the_old_section_names_reads_back_the_same() -> None
 
 
 def test_the_moved_solve_settings_are_the_frame_solves_own() -> None:
-    from gradleak.attacks.frame_solve import FrameSolve
+    from gradleak.inversion.frame_solve import FrameSolve
 
     assert set(SOLVE_FIELDS) == {f.name for f in dataclasses.fields(FrameSolve)}
     preset = load_preset("cpu-quick", ["attack.training_free.solve.rounds=0"])

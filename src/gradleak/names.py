@@ -38,7 +38,7 @@ COMMAND_ALIASES = {"closed-form": ["analytic"]}
 # preset sections (`--set SECTION.FIELD=...`, a saved config.json's keys)
 SECTION_ALIASES = {"attack.exact": "attack.training_free", "attack.refiner": "attack.prior",
                    "attack.refiner_fit": "attack.prior_fit"}
-# the frame solve's settings (attacks.frame_solve.FrameSolve), once restated one by one in the
+# the frame solve's settings (inversion.frame_solve.FrameSolve), once restated one by one in the
 # training-free attack's section and now nested there as `solve`
 SOLVE_FIELDS = ("smoothness", "iterations", "rounds", "round_iterations", "edge_scale",
                 "inequalities", "precision", "chroma", "colour_power")

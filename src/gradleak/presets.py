@@ -22,7 +22,6 @@ from gradleak.attacks.defense_aware import DefenseAwareConfig
 from gradleak.attacks.exact import ExactConfig
 from gradleak.attacks.feature_decoder import DecoderConfig
 from gradleak.attacks.frame_refiner import RefinerConfig
-from gradleak.attacks.frame_solve import PRECISIONS
 from gradleak.attacks.lti import LtiConfig
 from gradleak.attacks.optim.config import OptimConfig, deep_leakage, inverting_gradients
 from gradleak.attacks.trace import TraceConfig
@@ -31,6 +30,7 @@ from gradleak.config import dataclass_from_dict
 from gradleak.envs.config import EnvConfig
 from gradleak.envs.doomnav import DoomNavConfig
 from gradleak.errors import ConfigError
+from gradleak.inversion.frame_solve import PRECISIONS
 from gradleak.names import renamed_sections, section_path
 from gradleak.registry import Registry
 from gradleak.rl.config import TrainConfig
@@ -40,7 +40,6 @@ from gradleak.training.fit import FitConfig
 from gradleak.training.objectives import FIT_KINDS, PERCEPTUAL_TERMS, LossWeights
 from gradleak.training.refiner_fit import RefinerFitConfig
 from gradleak.victims.base import COMPONENTS
-
 
 LEARNED = ("trace", "lti", "decoder")  # the learned attackers' sections: KIND and KIND_fit
 

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from gradleak.attacks.exact import ExactAttack, ExactConfig
-from gradleak.attacks.frame_solve import FrameSolve
 from gradleak.capture.reader import CaptureFile
 from gradleak.errors import ConfigError
+from gradleak.inversion.frame_solve import FrameSolve
 from gradleak.metrics.images import psnr, to_unit_tensor
 
 

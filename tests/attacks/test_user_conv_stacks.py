@@ -6,6 +6,7 @@ inputs and frames), non-square frames, LeakyReLU and ELU, in-place ReLUs."""
 from __future__ import annotations
 
 import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -13,10 +14,10 @@ import torch.nn.functional as F
 from helpers import observe, smooth_frame
 from torch import nn
 
-from gradleak.attacks.conv_blocks import conv_blocks
-from gradleak.attacks.conv_recovery import observed_conv_inputs
-from gradleak.attacks.exact import ExactAttack
 from gradleak.attacks.analytic import module_input
+from gradleak.attacks.conv_inputs import observed_conv_inputs
+from gradleak.attacks.exact import ExactAttack
+from gradleak.inversion.conv_blocks import conv_blocks
 from gradleak.victims import create_victim
 from gradleak.victims.base import VICTIMS, victim_at_theta0
 from gradleak.victims.cnn import SmallCNN

@@ -73,3 +73,28 @@ def test_fedavg_reports_ig_without_a_scaled_similarity(capsys, tmp_path: Path) -
                  "--samples", "2", "--batch", "2", "--attack", "ig", "--iters", "3",
                  "--out", str(tmp_path / "ig"), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["l_sim_scaled"] is None
+
+
+def test_fedavg_training_free_reads_one_digit_and_refuses_fifty_before_training(
+        capsys, tmp_path: Path, monkeypatch) -> None:
+    out = tmp_path / "one"
+    assert main(["fedavg", "--dataset", "digits", "--model", "lenet-sigmoid", "--epochs", "1",
+                 "--samples", "1", "--batch", "1", "--attack", "training-free", "--out",
+                 str(out), "--json"]) == 0
+    saved = json.loads(capsys.readouterr().out)
+    assert saved["psnr"] > 60 and saved["label_count_l1"] == 0
+    assert saved["walk"]["rank_ratio"] < 1e-4
+
+    import gradleak.fedavg.experiment as experiment
+
+    def never(*args, **kwargs):
+        raise AssertionError("the client was trained before the refusal")
+
+    monkeypatch.setattr(experiment, "simulate_client", never)
+    for model, says in (("lenet-sigmoid", "declares 50 images"), ("flower-cnn", "maxpool")):
+        samples = "50" if model == "lenet-sigmoid" else "1"
+        assert main(["fedavg", "--model", model, "--samples", samples, "--batch", "1",
+                     "--epochs", "1", "--attack", "training-free",
+                     "--out", str(tmp_path / model)]) == 2
+        assert says in capsys.readouterr().err
+        assert not (tmp_path / model).exists()

@@ -11,8 +11,15 @@ import torch
 
 pytest.importorskip("flwr")
 
-from flower_app import (BatchNormNet, Net, SigmoidNet, client_app,  # noqa: E402
-                        local_training, partition, server_app)
+from flower_app import (  # noqa: E402
+    BatchNormNet,
+    Net,
+    SigmoidNet,
+    client_app,
+    local_training,
+    partition,
+    server_app,
+)
 from helpers import CHROMIUM, render_in_chromium  # noqa: E402
 
 from gradleak.errors import ConfigError  # noqa: E402
@@ -108,6 +115,18 @@ def test_a_one_image_one_step_update_is_inverted_to_30_db(tmp_path) -> None:
     assert 10 * torch.log10(torch.tensor(1 / mse)) >= 30.0
 
 
+def test_a_one_image_clients_single_step_is_read_exactly_by_the_training_free_walk(
+        tmp_path) -> None:
+    """DLG's kind of sigmoid CNN through Flower: nothing declared (no rate, no steps), the
+    image to the wire's precision, its label from the bias's sign."""
+    out = audited_run(tmp_path, SigmoidNet, count=1, epochs=1, batch=1, lr=0.01,
+                      methods=("training-free",), hyperparameters={})
+    audit = json.loads((out / "audit.json").read_text())
+    assert audit["status"] == "complete" and len(audit["rows"]) == 2
+    summary = audit["summary"]["training-free"]
+    assert summary["exact"] == 2 and summary["labels_inferred_right"] == 2
+
+
 @pytest.mark.filterwarnings("ignore::gradleak.fedavg.FitWarning")  # 5 iterations fit nothing
 def test_batchnorm_clients_send_an_int_counter_that_gives_the_step_count(tmp_path) -> None:
     out = audited_run(tmp_path, BatchNormNet, methods=())
@@ -156,6 +175,9 @@ def test_audit_settings_are_checked_before_any_round(tmp_path) -> None:
     with pytest.raises(ConfigError, match=r"'separate' .* reference= images of shape \(M, 1"):
         AuditStrategy(FedAvg(), model_fn=Net, shape=(1, 16, 16), out=tmp_path / "d",
                       methods=("separate",))
+    with pytest.raises(ConfigError, match="'training-free' on the client's Net: .* maxpool"):
+        AuditStrategy(FedAvg(), model_fn=Net, shape=(1, 16, 16), out=tmp_path / "g",
+                      methods=("training-free",))
     with pytest.raises(ConfigError, match="start 'class-mean' .* reference_labels="):
         AuditStrategy(FedAvg(), model_fn=Net, shape=(1, 16, 16), out=tmp_path / "e",
                       options=AuditOptions(attack={"start": "class-mean"}),

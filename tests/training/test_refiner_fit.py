@@ -17,13 +17,13 @@ from gradleak.attacks.catalogue import build
 from gradleak.attacks.defense_aware import DefenseAwareConfig, DefenseAwareRun
 from gradleak.attacks.exact import WITH_PRIOR, ExactConfig
 from gradleak.attacks.frame_refiner import RefinerConfig
-from gradleak.attacks.frame_solve import FrameSolve
 from gradleak.attacks.single_step import Context
 from gradleak.capture.reader import CaptureFile
 from gradleak.cli import main
 from gradleak.defenses import parse_defense
 from gradleak.defenses.base import row_keys
 from gradleak.errors import CaptureFileError
+from gradleak.inversion.frame_solve import FrameSolve
 from gradleak.threat import declared
 from gradleak.training import refiner_fit
 from gradleak.training.refiner_fit import RefinerFit, RefinerFitConfig, exact_attack, load_prior

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gradleak.attacks.closed_form import head_features, linear_input
 from gradleak.errors import ConfigError
+from gradleak.inversion.closed_form import head_features, linear_input
 from gradleak.threat import Observation, Reconstruction
 from gradleak.victims.base import victim_at_theta0
 

@@ -1,8 +1,8 @@
 """What the feature decoder reads from one step's gradient, in closed form, with no learning.
 
-The features: the input of a Linear layer (x = ∇Wᵀ∇b/‖∇b‖², `attacks.closed_form`), or the
+The features: the input of a Linear layer (x = ∇Wᵀ∇b/‖∇b‖², `inversion.closed_form`), or the
 input of a conv module deeper down, reached by the recursion through θ0's conv stack
-(`attacks.conv_recovery`). The action: the closed-form rule on the policy head's bias gradient
+(`inversion.conv_recovery`). The action: the closed-form rule on the policy head's bias gradient
 (`attacks.analytic`), exact on undefended streams.
 """
 
@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from gradleak.attacks.analytic import actions_from_policy_bias
-from gradleak.attacks.closed_form import head_features, linear_input, linear_pairs
 from gradleak.attacks.encoders import block, flat_linear_input
 from gradleak.errors import ConfigError
+from gradleak.inversion.closed_form import head_features, linear_input, linear_pairs
 from gradleak.victims.base import LayerInfo
 from gradleak.victims.roles import Roles
 
@@ -69,7 +69,7 @@ class FeatureReadout(nn.Module):
     def forward(self, gradients: torch.Tensor, chunk: int = 256) -> torch.Tensor:
         if not self.through_convs:
             return flat_linear_input(gradients, *self.feature_layer)
-        from gradleak.attacks.conv_recovery import recover_conv_inputs
+        from gradleak.inversion.conv_recovery import recover_conv_inputs
 
         parts = []
         for start in range(0, len(gradients), chunk):  # D is (chunk, C_out·k², pixels)

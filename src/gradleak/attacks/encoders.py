@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradleak.attacks.closed_form import linear_input, linear_pairs
 from gradleak.errors import ConfigError
+from gradleak.inversion.closed_form import linear_input, linear_pairs
 from gradleak.victims.base import LayerInfo, layers_from_json
 
 PROJECTIONS = ("dense", "lowrank", "subsample", "structured")

@@ -1,6 +1,6 @@
 """How much of a frame the first conv's equations pin down, and where the prior decides.
 
-The equations of one step (`attacks.first_conv`) are linear in the network input x: A x = b,
+The equations of one step (`inversion.first_conv`) are linear in the network input x: A x = b,
 A stacking the on-units' output rows and the weight-gradient rows (each scaled to unit norm,
 as the solver scales them). The frame is determined up to A's null space. This module forms A
 for one frame as a dense matrix and reads its spectrum: the rank (as a fraction of the C·H·W
@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from gradleak.attacks.first_conv import FirstConvEquations
+from gradleak.inversion.first_conv import FirstConvEquations
 
 BASIS_BATCH = 512  # unit vectors pushed through the equations at once
 

@@ -3,7 +3,7 @@
 The action, A and R come from the closed form on the heads (`attacks.analytic`); the frame from
 the first route of `attacks.frame_inverse` the victim allows: a ViT's patch embedding in closed
 form (`attacks.patch_embedding`), or the recursion down the conv stack
-(`attacks.conv_recovery`) and then the first conv's own equations (`attacks.first_conv`).
+(`inversion.conv_recovery`) and then the first conv's own equations (`inversion.first_conv`).
 Nothing is learned and nothing but the observation is read, so it is a method like DLG or IG:
 `gradleak attack training-free`, `evaluate --baselines training-free`. On the conv stack,
 neighbouring steps that saw the same frame are solved together (an attacker keeps the stream,
@@ -22,15 +22,7 @@ import torch
 
 from gradleak.attacks import patch_embedding as _patch_embedding  # noqa: F401 (its route)
 from gradleak.attacks.analytic import recover_analytically
-from gradleak.attacks.conv_blocks import ConvBlock, conv_blocks, deepest_inputs
-from gradleak.attacks.conv_recovery import ConvInputs, observed_conv_inputs
-from gradleak.attacks.first_conv import (
-    FIRST_BLOCK_MARGIN,
-    GRADIENT_TOLERANCE,
-    NOISE_REFERENCE,
-    NoiseModel,
-    first_conv_equations,
-)
+from gradleak.attacks.conv_inputs import observed_conv_inputs
 from gradleak.attacks.frame_inverse import (
     FRAME_INVERSES,
     FrameInverse,
@@ -38,7 +30,18 @@ from gradleak.attacks.frame_inverse import (
     register_frame_inverse,
 )
 from gradleak.attacks.frame_refiner import FrameRefiner
-from gradleak.attacks.frame_solve import (
+from gradleak.attacks.single_step import Context, single_step
+from gradleak.errors import ConfigError
+from gradleak.inversion.conv_blocks import ConvBlock, conv_blocks, deepest_inputs
+from gradleak.inversion.conv_recovery import ConvInputs
+from gradleak.inversion.first_conv import (
+    FIRST_BLOCK_MARGIN,
+    GRADIENT_TOLERANCE,
+    NOISE_REFERENCE,
+    NoiseModel,
+    first_conv_equations,
+)
+from gradleak.inversion.frame_solve import (
     SAME_FRAME_TOLERANCE,
     FrameSolve,
     Tie,
@@ -46,8 +49,6 @@ from gradleak.attacks.frame_solve import (
     same_frames,
     solve_frames,
 )
-from gradleak.attacks.single_step import Context, single_step
-from gradleak.errors import ConfigError
 from gradleak.names import TRAINING_FREE, WITH_PRIOR
 from gradleak.threat import Observation, Reconstruction
 from gradleak.victims.base import Victim, VictimConfig, create_victim, victim_at_theta0
@@ -153,6 +154,7 @@ class ConvStackFrames(FrameInverse):
                  ) -> None:
         super().__init__(victim, config, prior)
         self.first = first_block(victim)
+        self.second = conv_blocks(victim)[1].name  # the recursion walks down to its input
 
     @classmethod
     def check(cls, victim: Victim) -> None:
@@ -178,7 +180,7 @@ class ConvStackFrames(FrameInverse):
     def _recover(self, observation: Observation, rows: np.ndarray) -> tuple[ConvInputs, Tie]:
         """The recursion on these steps, and which of them saw one frame."""
         part = observation.steps(rows)
-        found = observed_conv_inputs(part)
+        found = observed_conv_inputs(part, down_to=self.second)
         return found, same_frames(list(found.inputs.values())[-1], part.episode_ids,
                                   part.step_in_episode, self.config.same_frame_tolerance)
 
@@ -216,10 +218,10 @@ def first_block(victim: Victim) -> ConvBlock:
     """The first conv block, when the recursion reaches its output; a ConfigError naming why
     not otherwise (no conv stack, or one the gradient does not determine)."""
     blocks = conv_blocks(victim)  # refuses a victim without a conv stack
-    reached = deepest_inputs(victim)[-1]
-    if len(blocks) < 2 or reached != blocks[1].name:
+    reached = deepest_inputs(victim)
+    if len(blocks) < 2 or blocks[1].name not in reached:
         raise ConfigError(f"victim {victim.config.name}: the recursion reaches the input of "
-                          f"{reached} only; the first conv's equations need the first "
+                          f"{reached[-1]} only; the first conv's equations need the first "
                           "block's output (the second conv's input)")
     return blocks[0]
 

@@ -81,7 +81,7 @@ def decoder_roles(config: DecoderConfig) -> Roles:
 
 def conv_stack(config: DecoderConfig) -> torch.nn.Module:
     """θ0's victim, whose conv stack the recursion runs down to `feature_module`."""
-    from gradleak.attacks.conv_blocks import deepest_inputs
+    from gradleak.inversion.conv_blocks import deepest_inputs
     from gradleak.victims import create_victim
 
     victim = create_victim(decoder_victim(config)).eval()

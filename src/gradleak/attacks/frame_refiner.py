@@ -1,7 +1,7 @@
 """A learned prior for the training-free frames: a residual refiner, then the equations again.
 
 The first conv's equations fix about 0.6 of each frame; the solve's total-variation prior fills
-the rest (`attacks.frame_solve`). What that prior gets wrong has a pattern a small network can
+the rest (`inversion.frame_solve`). What that prior gets wrong has a pattern a small network can
 learn without a single private gradient: the attacker knows θ0, the architecture and the
 client's loss, so it captures its own steps on training scenes against the same θ0 and runs the
 training-free attack on them, giving pairs (its frame, the true frame). `FrameRefiner` maps x̂

@@ -32,8 +32,8 @@ import torch
 from torch import nn
 
 from gradleak.attacks.frame_inverse import FrameInverse, register_frame_inverse
-from gradleak.attacks.frame_solve import conjugate_gradients, weighted_laplacian
 from gradleak.errors import ConfigError
+from gradleak.inversion.frame_solve import conjugate_gradients, weighted_laplacian
 from gradleak.threat import Observation
 from gradleak.victims.base import Victim
 

@@ -101,18 +101,26 @@ def update_labels(paths: list[Path]) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> None:
-    from gradleak.fedavg.audit import AuditOptions, audit_update, summarise
     from torch import nn
 
-    from gradleak.fedavg.invert import (Training, counted_steps, inference_gap, replay_config,
-                                        split_state)
+    from gradleak.fedavg.audit import AuditOptions, audit_update, summarise
+    from gradleak.fedavg.forward import identity
+    from gradleak.fedavg.invert import (
+        Training,
+        counted_steps,
+        inference_gap,
+        replay_config,
+        split_state,
+    )
     from gradleak.fedavg.update_file import (
         check_meta,
         read_meta,
         read_update,
         transform_from_dict,
     )
+    from gradleak.fedavg.walk import plan_walk
     from gradleak.io import check_output, write_json
+    from gradleak.names import TRAINING_FREE
     from gradleak.report.fedavg import write_fedavg_report
     from gradleak.victims.factories import MODEL_FACTORIES, find
 
@@ -187,10 +195,18 @@ def run(args: argparse.Namespace) -> None:
                               training, mode)
             except ConfigError as error:
                 raise ConfigError(f"{path}: {error} (here: --lr, --epochs, --batch)") from None
+        examples = int(update.meta["num_examples"])
+        if TRAINING_FREE in options.methods:
+            stored = update.meta
+            given = transform or transform_from_dict(stored.get("input_transform"), str(path))
+            try:
+                plan_walk(model, tuple(shape or stored["shape"]), given or identity, examples,
+                          training.local_steps(examples), training.optimiser, mode)
+            except ConfigError as error:
+                raise ConfigError(f"{path}: {error}") from None
         if options.labels == "infer":
             steps = counted_steps(model, update.w0, update.wT) if mode == "train" else None
-            gap = inference_gap(training, steps or training.local_steps(
-                int(update.meta["num_examples"])))
+            gap = inference_gap(training, steps or training.local_steps(examples), examples)
             if gap is not None:
                 raise ConfigError(f"{path}: labels were not given, and {gap}: declare --lr and "
                                   "--epochs with --batch (or --steps), or --labels known with "

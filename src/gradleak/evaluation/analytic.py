@@ -11,10 +11,10 @@ import numpy as np
 import torch
 
 from gradleak.attacks.analytic import invert_features, module_input, recover_analytically
-from gradleak.attacks.conv_blocks import conv_blocks
-from gradleak.attacks.frame_solve import SAME_FRAME_TOLERANCE
 from gradleak.capture.reader import CaptureFile
 from gradleak.errors import ConfigError
+from gradleak.inversion.conv_blocks import conv_blocks
+from gradleak.inversion.frame_solve import SAME_FRAME_TOLERANCE
 from gradleak.metrics.scores import image_scores
 from gradleak.threat import Observation, Target
 from gradleak.victims.base import VictimConfig, create_victim, rebuildable, victim_at_theta0
@@ -144,9 +144,9 @@ def score_conv_stack(observation: Observation, target: Target, count: int,
     (`frame_solve.same_frames` at `same_frame_tolerance`; 0: none) is solved together with it,
     as the attack solves a stream. With `rank_frames`, the rank of the equations of that many
     frames as a fraction of the unknowns (minutes per 84×84 frame)."""
-    from gradleak.attacks.conv_recovery import observed_conv_inputs
+    from gradleak.attacks.conv_inputs import observed_conv_inputs
     from gradleak.attacks.exact import bias_gradient
-    from gradleak.attacks.frame_solve import Tie, same_frames
+    from gradleak.inversion.frame_solve import Tie, same_frames
 
     scored = np.linspace(0, len(observation) - 1, count).astype(int) if rows is None \
         else np.asarray(rows)
@@ -215,8 +215,8 @@ def frame_solves(victim: Any, found: Any, deepest: str, true_map: torch.Tensor,
     the `scored` steps (all by default; `tie`: the steps that saw one frame)."""
     from dataclasses import replace
 
-    from gradleak.attacks.first_conv import first_conv_equations
-    from gradleak.attacks.frame_solve import FrameSolve, solve_frames
+    from gradleak.inversion.first_conv import first_conv_equations
+    from gradleak.inversion.frame_solve import FrameSolve, solve_frames
 
     transform = victim.roles().transform
     output, noise, upstream = found.inputs[deepest], found.noise[deepest], found.upstream[deepest]
@@ -284,7 +284,7 @@ def mean_image_scores(images: np.ndarray) -> dict[str, float]:
 
 def check_attacks_apply(config: VictimConfig, invert: int, conv: int) -> None:
     """Refuse, naming the reason, an attack the victim's structure does not allow."""
-    from gradleak.attacks.conv_blocks import deepest_inputs
+    from gradleak.inversion.conv_blocks import deepest_inputs
 
     if not invert and not conv:  # the closed form needs only the gradients and θ0
         return

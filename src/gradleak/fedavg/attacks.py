@@ -40,11 +40,13 @@ from gradleak.fedavg.client import ClientUpdate, batch_order, local_step
 from gradleak.fedavg.forward import ClientForward
 from gradleak.fedavg.scoring import class_means
 from gradleak.fedavg.span import ImageSpan, off_span, project_box
+from gradleak.names import TRAINING_FREE
 
-METHODS = ("ig", "sme", "nlsme", "sme-dvec", "nlsme-nod", "sim", "separate")
+METHODS = ("ig", "sme", "nlsme", "sme-dvec", "nlsme-nod", "sim", "separate", TRAINING_FREE)
 # not an optimisation: the images told apart inside an MLP client's span (fedavg.separate),
 # with FALLBACK where that is incomplete
 SEPARATE, FALLBACK = "separate", "sme"
+# nor is TRAINING_FREE: one image's single-step update walked down (fedavg.walk)
 CURVED = {"nlsme", "nlsme-nod"}
 RESTART_STRIDE = 1_000_003  # restart r starts from torch's generator at seed + r · stride
 REPLAY_STREAM = 0x5EED  # sim's batch orders: np.random.default_rng([seed, REPLAY_STREAM])
@@ -235,6 +237,8 @@ class UpdateInversion:
         if config.method == SEPARATE:
             raise ConfigError(f"UpdateInversion optimises; {SEPARATE!r} is fedavg.separate's, "
                               f"with {FALLBACK!r} where it is incomplete")
+        if config.method == TRAINING_FREE:
+            raise ConfigError(f"UpdateInversion optimises; {TRAINING_FREE!r} is fedavg.walk's")
         self.model, self.update, self.config = model.eval(), update, config
         self.client = client or ClientForward(
             buffers={n: b.detach() for n, b in model.named_buffers()})
@@ -371,6 +375,13 @@ class UpdateInversion:
             groups.append({"params": list(self.surrogate.scale.values()),
                            "lr": self.config.lr_scale})
         return groups
+
+    def fit(self, images: torch.Tensor) -> float:
+        """1 − cos between the update and the surrogate gradient of `images` (its labels)."""
+        with torch.enable_grad():
+            gradient = self.surrogate_gradient(images.detach().to(self.images.dtype))
+        return float(cosine_distance({n: g.detach() for n, g in gradient.items()},
+                                     self.direction, self.direction_norm))
 
     def run(self, progress: bool = False) -> dict[str, Any]:
         """Each restart's descent; the one that matches the update best (1 − cos, raw)."""

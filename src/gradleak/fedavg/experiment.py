@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import resource
 import time
 from dataclasses import dataclass
@@ -12,17 +13,20 @@ import numpy as np
 import torch
 from torch import nn
 
+from gradleak.errors import ConfigError
 from gradleak.fedavg.attacks import FALLBACK, SEPARATE, FedAttackConfig, UpdateInversion
 from gradleak.fedavg.client import ClientConfig, ClientUpdate, train_client
 from gradleak.fedavg.datasets import ImageSet, load_dataset
-from gradleak.fedavg.models import FEDAVG_MODELS
 from gradleak.fedavg.forward import ClientForward, client_forward, identity
+from gradleak.fedavg.invert import attack_result
+from gradleak.fedavg.models import FEDAVG_MODELS
 from gradleak.fedavg.scoring import hungarian_match
 from gradleak.fedavg.separate import Separation, separate_update
 from gradleak.fedavg.span import LINEAR_OPTIMISERS, ImageSpan, first_linear, update_spans
-from gradleak.errors import ConfigError
+from gradleak.fedavg.walk import Walk, Walked, plan_walk, walk_update
 from gradleak.io import check_output, write_json
 from gradleak.metrics.images import mse, psnr, ssim
+from gradleak.names import TRAINING_FREE
 
 
 def peak_rss_mb() -> float:
@@ -60,7 +64,10 @@ class SimulatedClient:
                                                  config.samples, identity,
                                                  optimiser=config.optimiser, steps=update.steps,
                                                  image=attack.span or attack.method == SEPARATE)
-        separation, optimised = None, attack
+        separation, optimised, walked = None, attack, None
+        if attack.method == TRAINING_FREE:  # its fit scored by the gradient at w0 (IG's)
+            walked = walk_update(self.plan_walk(), update.w0, update.wT, update.buffers0)
+            optimised = FedAttackConfig(**{**attack.to_dict(), "method": "ig"})
         if attack.method == SEPARATE:
             if span is None:
                 raise ConfigError(f"--attack {SEPARATE}: the client's update gives no image "
@@ -72,10 +79,18 @@ class SimulatedClient:
         inversion = UpdateInversion(self.model, update, shape, self.data.classes, optimised,
                                     client=self.forward(), span=span, features=features,
                                     auxiliary=self.data.rest(config.samples, seed=config.seed))
-        result = separation.as_result() \
-            if separation is not None and separation.complete else inversion.run(progress)
+        result = attack_result(inversion, walked, separation, progress)
         return Attacked(result, inversion.labels, time.perf_counter() - start, span, span_note,
-                        sorted(inversion.features), separation, inversion.client.batchnorm)
+                        sorted(inversion.features), separation, inversion.client.batchnorm,
+                        walked)
+
+    def plan_walk(self) -> Walk:
+        """Method training-free's walk for this client (fedavg.walk), or why there is none."""
+        config = self.update.config
+        assert config is not None
+        return plan_walk(self.model, tuple(self.images.shape[1:]), identity, config.samples,
+                         self.update.steps, config.optimiser,
+                         "train" if config.batchnorm_train else "eval")
 
 
 @dataclass
@@ -90,6 +105,7 @@ class Attacked:
     feature_spans: list[str]
     separation: Separation | None
     batchnorm: str  # the mode the replay ran BatchNorm in
+    walked: Walked | None = None  # method training-free's image and checks
 
 
 def simulate_client(dataset: str, model_name: str, client: ClientConfig,
@@ -119,6 +135,16 @@ def check_span_possible(dataset: str, model_name: str, client: ClientConfig) -> 
                           "rescales each entry, so its update spans nothing")
 
 
+def check_walk_possible(dataset: str, model_name: str, client: ClientConfig) -> None:
+    """Before any training: one image, one step, and a model the walk passes."""
+    data = load_dataset(dataset, seed=client.seed)
+    shape = tuple(data.images.shape[1:])
+    model = FEDAVG_MODELS.get(model_name)(shape[0], shape[-1], data.classes)
+    plan_walk(model, shape, identity, client.samples,
+              client.epochs * math.ceil(client.samples / client.batch), client.optimiser,
+              "train" if client.batchnorm_train else "eval")
+
+
 def run_fedavg(dataset: str, model_name: str, client: ClientConfig, attack: FedAttackConfig,
                out: Path | None = None, progress: bool = False) -> dict[str, Any]:
     client.check()  # every argument, and the output location, before any work
@@ -128,6 +154,8 @@ def run_fedavg(dataset: str, model_name: str, client: ClientConfig, attack: FedA
         check_output(out, "--out", directory=True)
     if attack.method == SEPARATE:
         check_span_possible(dataset, model_name, client)
+    if attack.method == TRAINING_FREE:
+        check_walk_possible(dataset, model_name, client)
     simulated = simulate_client(dataset, model_name, client, attack.labels == "known")
     data, images, labels = simulated.data, simulated.images, simulated.labels
     rss_before = peak_rss_mb()
@@ -149,6 +177,7 @@ def run_fedavg(dataset: str, model_name: str, client: ClientConfig, attack: FedA
                else None,
                "path_position": result["position"], "seconds": seconds,
                "separation": separation.summary() if separation is not None else None,
+               "walk": attacked.walked.summary() if attacked.walked is not None else None,
                "span": {**(span.summary() if span is not None else {"unused": span_note}),
                         "feature_spans": attacked.feature_spans},
                "peak_rss_growth_mb": max(0.0, peak_rss_mb() - rss_before),

@@ -29,15 +29,31 @@ import torch
 from torch import nn
 
 from gradleak.errors import ConfigError
-from gradleak.fedavg.attacks import (FALLBACK, METHODS, SEPARATE, FedAttackConfig,
-                                     UpdateInversion, check_labelled)
+from gradleak.fedavg.attacks import (
+    FALLBACK,
+    METHODS,
+    SEPARATE,
+    FedAttackConfig,
+    UpdateInversion,
+    check_labelled,
+)
 from gradleak.fedavg.client import OPTIMISERS, ClientConfig, ClientUpdate
-from gradleak.fedavg.forward import (BATCHNORM_MODES, ClientForward, Transform, batchnorm_layers,
-                                     client_forward, identity)
-from gradleak.fedavg.labels import counts_from_bias, labels_from_counts
+from gradleak.fedavg.forward import (
+    BATCHNORM_MODES,
+    ClientForward,
+    Transform,
+    batchnorm_layers,
+    client_forward,
+    identity,
+)
+from gradleak.fedavg.labels import counts_from_bias, labels_from_counts, single_label
 from gradleak.fedavg.separate import Separation, separate_update
 from gradleak.fedavg.span import update_spans
+from gradleak.fedavg.walk import Walked, plan_walk, walk_update
+from gradleak.names import TRAINING_FREE
 
+# optimisers whose update moves the output bias by a positive sum of gradients
+SINGLE_LABEL_OPTIMISERS = (None, "sgd", "momentum")
 # 1 − cosine above this after the optimisation: the dummy data do not explain the update
 POOR_FIT = 0.2
 
@@ -157,6 +173,9 @@ class InversionResult:
     # method "separate": whether every image was told apart in the span, and how many
     # hyperplanes were found (fedavg.separate); the images are FALLBACK's where it was not
     separation: dict[str, Any] = field(default_factory=dict)
+    # method "training-free": σ₂/σ₁ of the update's top Linear layer (one image's single step:
+    # ~0) and the first conv's equations' residuals at the image (fedavg.walk)
+    walk: dict[str, Any] = field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
         data = {k: v for k, v in asdict(self).items() if k not in ("images", "labels")}
@@ -277,6 +296,8 @@ def invert_update(model: nn.Module, w0: Mapping[str, Any], wT: Mapping[str, Any]
     check_transform(transform, shape, input_range)
     params0, buffers0 = split_state(model, w0, "w0")
     paramsT, buffersT = split_state(model, wT, "w_T")
+    walk = plan_walk(model, shape, transform, samples, training.local_steps(samples),
+                     training.optimiser, batchnorm) if method == TRAINING_FREE else None
     notes: list[str] = []
     layers = batchnorm_layers(model)
     replayed = replay_config(model, w0, wT, samples, training, batchnorm) \
@@ -312,11 +333,14 @@ def invert_update(model: nn.Module, w0: Mapping[str, Any], wT: Mapping[str, Any]
             notes.append(f"method 'separate' found {separation.hyperplanes} of {samples} "
                          f"hyperplanes, too few to tell the images apart: the images are "
                          f"{FALLBACK}'s, kept in the span")
+    walked = None
+    if walk is not None:  # the fit of its image is scored by the gradient at w0 (IG's)
+        walked = walk_update(walk, params0, paramsT, buffers0)
+        config = FedAttackConfig(**{**config.to_dict(), "method": "ig"})
     inversion = UpdateInversion(model, update, shape, classes, config, labels=chosen,
                                 client=client, span=span, features=features,
                                 auxiliary=labelled)
-    result = separation.as_result() \
-        if separation is not None and separation.complete else inversion.run(progress)
+    result = attack_result(inversion, walked, separation, progress)
     if result["l_sim_raw"] > POOR_FIT:
         notes.append(f"the dummy data explain the update poorly (1 − cosine "
                      f"{result['l_sim_raw']:.3f} > {POOR_FIT}): check input_transform (the "
@@ -332,7 +356,19 @@ def invert_update(model: nn.Module, w0: Mapping[str, Any], wT: Mapping[str, Any]
         span={**(span.summary() if span is not None else {"unused": span_note}),
               "feature_spans": sorted(inversion.features)}, classes=classes,
         warnings=notes, restarts_l_sim=result["restarts_l_sim"],
-        separation=separation.summary() if separation is not None else {})
+        separation=separation.summary() if separation is not None else {},
+        walk=walked.summary() if walked is not None else {})
+
+
+def attack_result(inversion: UpdateInversion, walked: Walked | None,
+                  separation: Separation | None, progress: bool = False) -> dict[str, Any]:
+    """What a method returns: the walk's image (its fit scored by the gradient at w0), a
+    complete separation's images, or else the optimisation's run."""
+    if walked is not None:
+        return walked.as_result(inversion.fit(walked.image))
+    if separation is not None and separation.complete:
+        return separation.as_result()
+    return inversion.run(progress)
 
 
 def check_separable(span: Any, why: str, auxiliary: torch.Tensor | None,
@@ -420,9 +456,12 @@ def count_classes(model: nn.Module, parameters: dict[str, torch.Tensor], client:
     return int(logits.shape[1])
 
 
-def inference_gap(training: Training, steps: int | None) -> str | None:
+def inference_gap(training: Training, steps: int | None, samples: int | None = None
+                  ) -> str | None:
     """Why the labels cannot be inferred from what the client declared (each caller says how
-    to declare it), or None."""
+    to declare it), or None. One image's label needs nothing declared (`single_label`)."""
+    if samples == 1 and training.optimiser in SINGLE_LABEL_OPTIMISERS:
+        return None
     if training.optimiser not in (None, "sgd"):
         return f"label inference reads a plain-SGD update, and this client used " \
                f"{training.optimiser!r}"
@@ -446,6 +485,8 @@ def resolve_labels(model: nn.Module, labels: Any, samples: int, classes: int,
             raise ConfigError(f"labels: values must lie in 0..{classes - 1} (the model has "
                               f"{classes} outputs)")
         return given, False
+    if samples == 1 and training.optimiser in SINGLE_LABEL_OPTIMISERS:
+        return single_label(model, w0, wT, classes), True
     gap = inference_gap(training, steps)
     if gap is not None:
         raise ConfigError(f"labels were not given, and {gap}: declare hyperparameters={{'lr': "

@@ -49,6 +49,15 @@ def infer_label_counts(model: nn.Module, update: ClientUpdate, dummy: torch.Tens
                             lr=config.lr, steps=update.steps, samples=config.samples)
 
 
+def single_label(model: nn.Module, w0: dict[str, torch.Tensor], wT: dict[str, torch.Tensor],
+                 classes: int) -> torch.Tensor:
+    """(1,) the label of a one-image client (iDLG's rule, Zhao et al. 2020): each SGD step
+    moves the output bias by η(p − e_y), whose only negative entry is the label's, and any
+    number of steps (momentum too) keeps it so; no rate or step count is needed."""
+    name = output_bias(model, classes)
+    return (w0[name] - wT[name]).double().argmin().reshape(1)
+
+
 def counts_from_bias(model: nn.Module, w0: dict[str, torch.Tensor], wT: dict[str, torch.Tensor],
                      client: ClientForward, dummy: torch.Tensor, classes: int, *, lr: float,
                      steps: int, samples: int) -> np.ndarray:

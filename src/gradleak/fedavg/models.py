@@ -52,6 +52,17 @@ def small_cnn_batchnorm(channels: int, size: int, classes: int) -> nn.Module:
                          nn.Linear(2048, classes))
 
 
+@FEDAVG_MODELS.register("cnn-strided")
+def strided_cnn(channels: int, size: int, classes: int) -> nn.Module:
+    """A CNN that downsamples by strided convolutions, not pooling (32 and 64 channels, 5×5
+    stride 2, then 3×3), a 256-unit hidden layer: the kind whose one-image, one-step update the
+    training-free walk inverts (fedavg.walk)."""
+    after = ((size - 1) // 2) // 2 + 1  # two stride-2 convolutions with padding 2, kernel 5
+    return nn.Sequential(nn.Conv2d(channels, 32, 5, 2, 2), nn.ReLU(), nn.Conv2d(32, 64, 5, 2, 2),
+                         nn.ReLU(), nn.Conv2d(64, 64, 3, 1, 1), nn.ReLU(), nn.Flatten(),
+                         nn.Linear(64 * after * after, 256), nn.ReLU(), nn.Linear(256, classes))
+
+
 @FEDAVG_MODELS.register("mlp")
 def mlp(channels: int, size: int, classes: int) -> nn.Module:
     """A two-layer perceptron on the flattened image (256 hidden units): its first layer's update

@@ -47,9 +47,12 @@ except ImportError as error:  # pragma: no cover - the extra is installed in CI
                       f"'gradleak[flower]' ({error})") from None
 
 from gradleak.fedavg.audit import AuditOptions, Truth, audit_update, summarise
+from gradleak.fedavg.forward import identity
 from gradleak.fedavg.invert import Training, counted_steps, inference_gap
 from gradleak.fedavg.update_file import write_update
+from gradleak.fedavg.walk import plan_walk
 from gradleak.io import owned_folder, write_json
+from gradleak.names import TRAINING_FREE
 from gradleak.victims.factories import MODEL_FACTORIES, find, name_of
 
 AUDIT_FORMAT = "gradleak-flower-audit"
@@ -144,6 +147,10 @@ class AuditStrategy(Strategy):
             raise ConfigError(f"model_fn returned a {type(model).__name__}, expected an "
                               "nn.Module")
         _fits(model, tuple(shape), input_transform)
+        if TRAINING_FREE in self.options.methods:  # the architecture, before any round
+            plan_walk(model, tuple(shape), input_transform or identity, 1, None,
+                      (hyperparameters or {}).get("optimiser"),
+                      self.options.batchnorm or batchnorm)
         if workers:
             _picklable(model_fn, "model_fn")
             _picklable(input_transform, "input_transform")
@@ -255,6 +262,12 @@ class AuditStrategy(Strategy):
             return
         truth = self.truth(int(node), reply) if self.truth is not None else None
         for method in self.options.methods:  # one job per method: a free worker takes the next
+            if method == TRAINING_FREE and examples != 1:
+                gap = (f"method {TRAINING_FREE!r} inverts one image's single-step update; this "
+                       f"client trained on {examples} examples")
+                self._failures.append({**row, "method": method, "error": gap})
+                say(f"round {server_round}, node {node}: {method} not run: {gap}")
+                continue
             options = dataclasses.replace(self.options, methods=(method,))
             job = (path, self.model_fn, options, path.parent, truth, self.reference,
                    self.input_transform, None, None, f"{path.stem}-{method}",
@@ -286,7 +299,7 @@ class AuditStrategy(Strategy):
                                          "the round's config and hyperparameters")
         steps = counted_steps(self.model_fn(), before, after) \
             if (self.options.batchnorm or self.batchnorm) == "train" else None
-        gap = inference_gap(training, steps or training.local_steps(examples))
+        gap = inference_gap(training, steps or training.local_steps(examples), examples)
         return None if gap is None else (
             f"labels were not given, and {gap}: the round's config holds "
             f"{sorted(settings) or 'nothing'}; declare the rest with AuditStrategy("

@@ -126,6 +126,11 @@ class Victim(nn.Module):
     def hidden_size(self) -> int:
         return 0
 
+    @property
+    def label(self) -> str:
+        """How messages name it (the walk's `inversion.network.Network`)."""
+        return f"victim {self.config.name}"
+
     @classmethod
     def rebuildable(cls, config: VictimConfig) -> bool:
         """Can `create_victim(config)` rebuild it here (a wrapped model needs its factory)?"""

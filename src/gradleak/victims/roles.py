@@ -217,6 +217,47 @@ def _composed_steps(stack: list[_Call], target: torch.Tensor) -> list[ConvStep] 
     return None
 
 
+@dataclass(frozen=True)
+class StackRoles:
+    """The conv-stack roles of any model (a classifier as much as a policy): the walk's input
+    (`gradleak.inversion.network`)."""
+
+    conv_stack: tuple[ConvStep, ...]
+    conv_chain: bool  # composing conv_stack in order gives feature_linear's input
+    feature_linear: str | None  # the Linear reading the flattened conv-stack output
+    linears: tuple[str, ...]  # biased Linear layers applied once per sample, in call order
+
+
+def discover_stack(model: nn.Module, run: Callable[[], Any], network_input: torch.Tensor,
+                   source: str = "the model's input") -> StackRoles:
+    """The conv-stack roles of `model` from a forward pass `run()` on `network_input` (N ≥ 2,
+    what its first layer reads). Raises ConfigError naming a stochastic module."""
+    calls, _ = _record_calls(model, run)
+    again, _ = _record_calls(model, run)
+    _check_deterministic(calls, again)
+    return _stack_roles(calls, network_input, source)
+
+
+def _stack_roles(calls: list[_Call], network_input: torch.Tensor, source: str) -> StackRoles:
+    counts: dict[str, int] = {}
+    for call in calls:
+        counts[call.name] = counts.get(call.name, 0) + 1
+    linears = tuple(dict.fromkeys(
+        c.name for c in calls if isinstance(c.module, nn.Linear) and c.module.bias is not None
+        and counts[c.name] == 1 and c.input is not None and c.input.dim() == 2))
+    stack, end = _conv_stack(calls)
+    if stack and not torch.allclose(stack[0].input, network_input, rtol=1e-5, atol=1e-6):
+        raise ConfigError(f"{source} does not give what {stack[0].name} reads: declare the "
+                          "model's own preprocessing")
+    feature_linear = calls[end].name if stack and end < len(calls) and \
+        calls[end].name in linears else None
+    composed = None if feature_linear is None else _composed_steps(stack, calls[end].input)
+    steps = tuple(composed) if composed is not None else tuple(
+        ConvStep(c.name, KINDS.get(type(c.module), type(c.module).__name__.lower()),
+                 tuple(c.input.shape[1:])) for c in stack)
+    return StackRoles(steps, composed is not None, feature_linear, linears)
+
+
 def _close(x: torch.Tensor, y: torch.Tensor) -> bool:
     return x.shape == y.shape and torch.allclose(x, y, rtol=1e-5, atol=1e-6)
 
@@ -249,28 +290,16 @@ def discover(model: nn.Module, run: Callable[[], tuple[torch.Tensor, torch.Tenso
     if not torch.equal(policy_call.output, logits.detach()):
         raise ConfigError(f"{policy_head}'s output is not the model's logits: the policy head "
                           "must be the last layer (no transform after it)")
-    linears = tuple(dict.fromkeys(
-        c.name for c in calls if isinstance(c.module, nn.Linear) and c.module.bias is not None
-        and len(by_module[c.name]) == 1 and c.input is not None and c.input.dim() == 2))
-    stack, end = _conv_stack(calls)
     network_input = transform.apply(frames)
-    if stack and not torch.allclose(stack[0].input, network_input, rtol=1e-5, atol=1e-6):
-        raise ConfigError(f"the declared input transform ({transform}) does not give what "
-                          f"{stack[0].name} reads: declare the model's own preprocessing")
-    feature_linear = calls[end].name if stack and end < len(calls) and \
-        calls[end].name in linears else None
-    composed = None if feature_linear is None else _composed_steps(stack, calls[end].input)
+    stack = _stack_roles(calls, network_input, f"the declared input transform ({transform})")
     flat = network_input.flatten(1)
-    frame_linear = next((c.name for c in calls if c.name in linears and c.input.shape ==
+    frame_linear = next((c.name for c in calls if c.name in stack.linears and c.input.shape ==
                          flat.shape and torch.allclose(c.input, flat, rtol=1e-5, atol=1e-6)),
                         None)
     return Roles(policy_head=policy_head, value_head=value_head,
                  shared_features=torch.equal(policy_call.input, value_call.input),
-                 linears=linears, transform=transform,
-                 conv_stack=tuple(composed) if composed is not None else tuple(
-                     ConvStep(c.name, KINDS.get(type(c.module), type(c.module).__name__.lower()),
-                              tuple(c.input.shape[1:])) for c in stack),
-                 conv_chain=composed is not None, feature_linear=feature_linear,
+                 linears=stack.linears, transform=transform, conv_stack=stack.conv_stack,
+                 conv_chain=stack.conv_chain, feature_linear=stack.feature_linear,
                  frame_linear=frame_linear,
                  recurrent_state=recurrent_state, goal_input=goal_input,
                  extra_inputs=extra_inputs,

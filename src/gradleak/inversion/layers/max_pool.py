@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from gradleak.attacks.layers.base import LayerInverse, register_layer_inverse
+from gradleak.inversion.layers.base import LayerInverse, register_layer_inverse
 
 
 @register_layer_inverse("max-pool")

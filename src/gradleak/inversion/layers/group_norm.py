@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from gradleak.attacks.layers.base import LayerInverse, register_layer_inverse
+from gradleak.inversion.layers.base import LayerInverse, register_layer_inverse
 
 
 @register_layer_inverse("group norm")

@@ -10,17 +10,17 @@ import pytest
 import torch
 from helpers import observe, smooth_frame, victim_with_statistics
 
-from gradleak.attacks.conv_blocks import conv_blocks
-from gradleak.attacks.conv_recovery import observed_conv_inputs
+from gradleak.attacks.conv_inputs import observed_conv_inputs
 from gradleak.attacks.equation_rank import equation_rank, equation_space
-from gradleak.attacks.first_conv import (
+from gradleak.errors import ConfigError
+from gradleak.inversion.conv_blocks import conv_blocks
+from gradleak.inversion.first_conv import (
     FirstConvEquations,
     NoiseModel,
     first_conv_equations,
     mean_colour,
 )
-from gradleak.attacks.frame_solve import FrameSolve, solve_frames, solve_inputs
-from gradleak.errors import ConfigError
+from gradleak.inversion.frame_solve import FrameSolve, solve_frames, solve_inputs
 from gradleak.rl.losses import LossCoefficients, actor_critic_loss
 from gradleak.victims import create_victim
 

@@ -39,18 +39,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gradleak.attacks.conv_blocks import ConvBlock, block_forward, conv_blocks, deepest_inputs
-from gradleak.attacks.layers.affine_norm import AffineNorm
-from gradleak.attacks.layers.base import GradientOf, Known
-from gradleak.attacks.layers.conv import Conv
-from gradleak.attacks.layers.linear import Linear
-from gradleak.attacks.layers.null_space import completions_shared
-from gradleak.attacks.layers.relu import MaskRule, Relu
 from gradleak.errors import ConfigError
-from gradleak.threat import Observation
-from gradleak.victims.base import Victim, victim_at_theta0
-
-
+from gradleak.inversion.conv_blocks import ConvBlock, block_forward, conv_blocks, deepest_inputs
+from gradleak.inversion.layers.affine_norm import AffineNorm
+from gradleak.inversion.layers.base import GradientOf, Known
+from gradleak.inversion.layers.conv import Conv
+from gradleak.inversion.layers.linear import Linear
+from gradleak.inversion.layers.null_space import completions_shared
+from gradleak.inversion.layers.relu import MaskRule, Relu
+from gradleak.inversion.network import Network
 
 # Why these three: the margins suit exact and float16/bfloat16-rounded gradients (no single one
 # every step; see `recover_conv_inputs`), the posterior suits added noise, whose deviation the
@@ -188,11 +185,11 @@ class Descent:
 
 
 @torch.no_grad()
-def recover_conv_inputs(gradient_of: GradientOf, victim: Victim, down_to: str | None = None,
+def recover_conv_inputs(gradient_of: GradientOf, network: Network, down_to: str | None = None,
                         rules: tuple[MaskRule, ...] = MASK_RULES,
                         deepest_rule: MaskRule | None = DEEPEST_RULE) -> ConvInputs:
     """Walk down from the FC layer to the input of conv `down_to` (default: as far as the
-    gradients determine it). `victim` holds θ0 and is in eval mode; the gradients in any float
+    gradients determine it). `network` holds θ0 and is in eval mode; the gradients in any float
     dtype (read once, as given), the arithmetic in float64.
 
     Why several rules: no single one suits every step (a unit's noise varies with the step's
@@ -213,15 +210,15 @@ def recover_conv_inputs(gradient_of: GradientOf, victim: Victim, down_to: str | 
     if not rules:
         raise ConfigError("recovery through the conv stack needs at least one mask rule")
     with completions_shared():
-        found = walk_every_rule(once, victim, down_to, rules)
+        found = walk_every_rule(once, network, down_to, rules)
         if deepest_rule is None:
             return found
-        blocks = conv_blocks(victim)
-        return resettle_deepest(once, blocks, checked_deepest(victim, blocks, down_to), found,
+        blocks = conv_blocks(network)
+        return resettle_deepest(once, blocks, checked_deepest(network, blocks, down_to), found,
                                 deepest_rule)
 
 
-def walk_every_rule(once: GradientOf, victim: Victim, down_to: str | None,
+def walk_every_rule(once: GradientOf, network: Network, down_to: str | None,
                     rules: tuple[MaskRule, ...]) -> ConvInputs:
     """Each rule walks the steps every rule before it left inconsistent (the first: all);
     per step the walk whose features agree best. A step a rule makes consistent is exact to
@@ -232,9 +229,9 @@ def walk_every_rule(once: GradientOf, victim: Victim, down_to: str | None,
     solved. A step no rule makes consistent is finished once, by the first rule that paused it,
     beside the walks that reached its deepest input unpaused (finishing every rule's paused
     walk gives the same inputs at several times the cost)."""
-    blocks = conv_blocks(victim)
-    deepest = checked_deepest(victim, blocks, down_to)
-    start = top_descent(once, victim, blocks)
+    blocks = conv_blocks(network)
+    deepest = checked_deepest(network, blocks, down_to)
+    start = top_descent(once, network, blocks)
     runs: list[Run] = []
     paused: list[tuple[MaskRule, Descent]] = []
     score = torch.full((len(start.rows),), float("inf"), dtype=torch.float64)
@@ -266,22 +263,22 @@ def finished_run(descent: Descent, rule: MaskRule, blocks: list[ConvBlock], deep
     return Run(descent.rows, descent.found, descent.found.inconsistency(blocks, deepest))
 
 
-def walk_down(gradient_of: GradientOf, victim: Victim, down_to: str | None, rule: MaskRule
+def walk_down(gradient_of: GradientOf, network: Network, down_to: str | None, rule: MaskRule
               ) -> ConvInputs:
     """One pass of the recursion on every step, deciding the on-units by `rule`."""
-    blocks = conv_blocks(victim)
-    deepest = checked_deepest(victim, blocks, down_to)
+    blocks = conv_blocks(network)
+    deepest = checked_deepest(network, blocks, down_to)
     done, _ = descend(gradient_of, blocks, deepest, rule,
-                      top_descent(gradient_of, victim, blocks), pause=False)
+                      top_descent(gradient_of, network, blocks), pause=False)
     assert done is not None
     return done.found
 
 
-def top_descent(gradient_of: GradientOf, victim: Victim, blocks: list[ConvBlock]) -> Descent:
+def top_descent(gradient_of: GradientOf, network: Network, blocks: list[ConvBlock]) -> Descent:
     """Every step above the top block: its output (the FC layer's input) and the gradient
     reaching it, from the FC gradients alone, whatever the masks."""
-    feature_linear = victim.roles().feature_linear
-    top = Linear(feature_linear, victim.get_submodule(feature_linear)).invert(None, gradient_of)
+    feature_linear = network.roles().feature_linear
+    top = Linear(feature_linear, network.get_submodule(feature_linear)).invert(None, gradient_of)
     count, shape = len(top.value), output_shape(blocks[-1])
     y, noise = top.value.view(count, *shape), top.noise.view(count, *shape)
     upstream = top.gradient.view_as(y)
@@ -372,8 +369,8 @@ def resettle_deepest(gradient_of: GradientOf, blocks: list[ConvBlock], deepest: 
     return refresh_upward(found, blocks)
 
 
-def checked_deepest(victim: Victim, blocks: list[ConvBlock], down_to: str | None) -> str:
-    reachable = deepest_inputs(victim)
+def checked_deepest(network: Network, blocks: list[ConvBlock], down_to: str | None) -> str:
+    reachable = deepest_inputs(network)
     deepest = down_to or reachable[-1]
     if deepest not in reachable:
         known = [block.name for block in blocks]
@@ -414,19 +411,3 @@ def invert_block(block: ConvBlock, below: ConvBlock | None, at_output: Known,
     at_input = Conv(block, floor).invert(pre_activation,
                                          {f"{block.name}.weight": weight_gradient}.__getitem__)
     return at_input, pre_activation.on
-
-
-def observed_conv_inputs(observation: Observation, down_to: str | None = None,
-                         rules: tuple[MaskRule, ...] = MASK_RULES,
-                         deepest_rule: MaskRule | None = DEEPEST_RULE) -> ConvInputs:
-    """`recover_conv_inputs` on what the server holds: the observation's gradients and θ0."""
-    victim = victim_at_theta0(observation).double()
-
-    def gradient_of(name: str) -> torch.Tensor:
-        try:
-            return torch.from_numpy(observation.block(name))  # as stored: float64 per use
-        except KeyError:
-            raise ConfigError(f"recovery through the conv stack needs the gradient of {name}: "
-                              "capture with --components including 'cnn' and 'fc'") from None
-
-    return recover_conv_inputs(gradient_of, victim, down_to, rules, deepest_rule)

@@ -1,4 +1,4 @@
-"""The frame from the first conv's equations (`attacks.first_conv`), batched over frames.
+"""The frame from the first conv's equations (`inversion.first_conv`), batched over frames.
 
 One step's equations fix about 0.6 of an 84×84 frame (their rank, `attacks.equation_rank`);
 the rest is the prior's. The solve is least squares over both sets of equations (each row
@@ -43,8 +43,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gradleak.attacks.first_conv import FirstConvEquations, NoiseModel, cast, per_frame
 from gradleak.errors import ConfigError
+from gradleak.inversion.first_conv import FirstConvEquations, NoiseModel, cast, per_frame
 from gradleak.victims.transform import InputTransform
 
 PRECISIONS = {"float64": torch.float64, "float32": torch.float32}

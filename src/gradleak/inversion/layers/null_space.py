@@ -22,14 +22,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from gradleak.attacks.layers.affine_norm import NormedLayer, bn_affine
-from gradleak.attacks.layers.conv_equations import (
+from gradleak.inversion.layers.affine_norm import NormedLayer, bn_affine
+from gradleak.inversion.layers.conv_equations import (
     ConvLayer,
     InputFit,
     block_output,
     covered_pixels,
 )
-from gradleak.attacks.layers.least_violation import least_violation
+from gradleak.inversion.layers.least_violation import least_violation
 from gradleak.threads import computed_ahead, one_thread
 
 T = TypeVar("T")

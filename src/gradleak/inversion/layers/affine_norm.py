@@ -10,7 +10,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from gradleak.attacks.layers.base import GradientOf, Known, LayerInverse, register_layer_inverse
+from gradleak.inversion.layers.base import GradientOf, Known, LayerInverse, register_layer_inverse
 
 
 class NormedLayer(Protocol):

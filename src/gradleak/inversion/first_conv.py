@@ -1,6 +1,6 @@
 """The frame under the first conv block, from the equations one step's gradient gives for it.
 
-The recursion (`attacks.conv_recovery`) stops above the first block: its weight gradient has
+The recursion (`inversion.conv_recovery`) stops above the first block: its weight gradient has
 fewer equations than the frame has pixels. What it does give, exactly, is the first block's
 output (so the first conv's pre-activation at every unit that is on, and which units are off)
 and the gradient reaching that output (so δ₁ = g · γ/σ · [on], the first conv's output
@@ -11,7 +11,7 @@ gradient). Two sets of equations are then linear in the network input x:
 - the weight gradient: ∇W₁ = Σ_p δ₁(p) · patch_p(x)ᵀ, O·C·k² equations (∇b₁ = Σ_p δ₁(p) does
   not involve x: it checks δ₁).
 
-`attacks.frame_solve` solves them together, batched over frames, with a prior for the part of
+`inversion.frame_solve` solves them together, batched over frames, with a prior for the part of
 x they leave free.
 
 When the gradient is not exact (float16 or bfloat16 on the wire, a defense), δ₁ inherits the
@@ -30,11 +30,11 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from gradleak.attacks.conv_blocks import ConvBlock, conv_blocks
-from gradleak.attacks.layers.affine_norm import AffineNorm
-from gradleak.attacks.layers.base import Known
-from gradleak.attacks.layers.relu import margin_states
-from gradleak.victims.base import Victim
+from gradleak.inversion.conv_blocks import ConvBlock, conv_blocks
+from gradleak.inversion.layers.affine_norm import AffineNorm
+from gradleak.inversion.layers.base import Known
+from gradleak.inversion.layers.relu import margin_states
+from gradleak.inversion.network import Network
 
 
 @dataclass
@@ -182,7 +182,7 @@ def relative(error: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
     return error.flatten(1).norm(dim=1) / reference.flatten(1).norm(dim=1).clamp_min(1e-300)
 
 
-def first_conv_equations(victim: Victim, first_output: torch.Tensor, noise: torch.Tensor,
+def first_conv_equations(network: Network, first_output: torch.Tensor, noise: torch.Tensor,
                          upstream: torch.Tensor, weight_gradient: torch.Tensor | None,
                          threshold: float = FIRST_BLOCK_MARGIN,
                          bias_gradient: torch.Tensor | None = None) -> FirstConvEquations:
@@ -191,7 +191,7 @@ def first_conv_equations(victim: Victim, first_output: torch.Tensor, noise: torc
     Only units surely on count as on: the weight gradient leaves the frame under-determined,
     so the alternation that settles undecided units elsewhere (`settle_masks`) has nothing to
     settle them with here."""
-    first = conv_blocks(victim)[0]
+    first = conv_blocks(network)[0]
     with torch.no_grad():
         relu_output = AffineNorm(first).invert(Known(first_output.double(), noise.double(),
                                                      upstream.double()))

@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gradleak.attacks.layers.affine_norm import NormedLayer
-from gradleak.attacks.layers.base import GradientOf, Known, LayerInverse, register_layer_inverse
-from gradleak.attacks.layers.conv_equations import (
+from gradleak.inversion.layers.affine_norm import NormedLayer
+from gradleak.inversion.layers.base import GradientOf, Known, LayerInverse, register_layer_inverse
+from gradleak.inversion.layers.conv_equations import (
     ConvLayer,
     DenseOperator,
     Gram,
@@ -27,7 +27,7 @@ from gradleak.attacks.layers.conv_equations import (
     inverse_diagonal,
     solve_least_squares,
 )
-from gradleak.attacks.layers.null_space import (
+from gradleak.inversion.layers.null_space import (
     NULL_TOLERANCE,
     KnownOutputs,
     complete_from_outputs,

@@ -5,7 +5,7 @@ in modules of their own), the pre-activation residual block, identity and dropou
 kinds the walk knows but cannot pass yet (max-pooling, GroupNorm), which say why. Importing
 this package registers them all."""
 
-from gradleak.attacks.layers import (  # noqa: F401
+from gradleak.inversion.layers import (  # noqa: F401
     conv,
     group_norm,
     identity,
@@ -15,8 +15,8 @@ from gradleak.attacks.layers import (  # noqa: F401
     relu,
     residual,
 )
-from gradleak.attacks.layers.affine_norm import AffineNorm, identity_norm
-from gradleak.attacks.layers.base import (
+from gradleak.inversion.layers.affine_norm import AffineNorm, identity_norm
+from gradleak.inversion.layers.base import (
     LAYER_INVERSES,
     Known,
     LayerInverse,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from gradleak.attacks.layers.base import GradientOf, Known, LayerInverse, register_layer_inverse
+from gradleak.inversion.layers.base import GradientOf, Known, LayerInverse, register_layer_inverse
 
 
 @register_layer_inverse("identity")

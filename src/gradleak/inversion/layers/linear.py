@@ -1,5 +1,5 @@
 """Linear: its input from its own gradient in closed form. On one sample ∇W = δ xᵀ and ∇b = δ,
-so x = ∇Wᵀ∇b / ‖∇b‖² (`attacks.closed_form.linear_input`), and the gradient reaching x is
+so x = ∇Wᵀ∇b / ‖∇b‖² (`inversion.closed_form.linear_input`), and the gradient reaching x is
 Wᵀ∇b. The residual of that rank-one fit estimates the noise on x (a defense, the wire's
 rounding), which the ReLU below needs to decide its units. The walk starts here: the Linear
 reading the conv stack's features needs nothing from above.
@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gradleak.attacks.closed_form import linear_input
-from gradleak.attacks.layers.base import GradientOf, Known, LayerInverse, register_layer_inverse
+from gradleak.inversion.closed_form import linear_input
+from gradleak.inversion.layers.base import GradientOf, Known, LayerInverse, register_layer_inverse
 
 FLOAT64_CHUNK_BYTES = 16 << 20  # float64 temporaries within what malloc keeps for reuse
 

@@ -13,8 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import scipy.linalg
 
-from gradleak.attacks.layers.conv_equations import NORMAL_EQUATIONS
-
+from gradleak.inversion.layers.conv_equations import NORMAL_EQUATIONS
 
 # a row of the inequalities within this fraction of their median bound is taken as active
 ACTIVE_TOLERANCE = 1e-4

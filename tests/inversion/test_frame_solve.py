@@ -10,16 +10,17 @@ import pytest
 import torch
 from helpers import victim_with_statistics
 
-from gradleak.attacks.conv_blocks import conv_blocks
 from gradleak.attacks.exact import ExactConfig
-from gradleak.attacks.first_conv import FirstConvEquations
-from gradleak.attacks.frame_solve import (
+from gradleak.errors import ConfigError
+from gradleak.inversion.conv_blocks import conv_blocks
+from gradleak.inversion.first_conv import FirstConvEquations
+from gradleak.inversion.frame_solve import (
     Bounds,
     ColourAxes,
     FrameSolve,
+    Tie,
     degree,
     edge_weights,
-    Tie,
     normal_equations,
     same_frames,
     smoothness_normal,
@@ -28,7 +29,6 @@ from gradleak.attacks.frame_solve import (
     uniform_edges,
     with_violated,
 )
-from gradleak.errors import ConfigError
 
 SIZE = 32
 
@@ -283,7 +283,7 @@ def test_projection_keeps_what_the_equations_fix_and_the_guess_elsewhere(
     it is (it satisfies them), and a guess off by noise comes back with the equations fitted
     (residuals cut 500-fold) and nearer the truth (the noise's row-space part removed), while
     what they leave free keeps the guess's error (none of it on a frame they fix whole)."""
-    from gradleak.attacks.frame_solve import project_frames
+    from gradleak.inversion.frame_solve import project_frames
 
     equations, transform, x = equations_of_blocky_frames
     truth = transform.invert(x)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from gradleak.attacks.closed_form import head_features, linear_input
+from gradleak.inversion.closed_form import head_features, linear_input
 
 
 def test_a_linear_layers_input_comes_back_from_its_one_sample_gradient() -> None:

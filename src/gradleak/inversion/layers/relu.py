@@ -14,10 +14,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from gradleak.attacks.layers.base import GradientOf, Known, LayerInverse, register_layer_inverse
-from gradleak.attacks.layers.conv import fitted_output_gradient, robust_input, solve_input
-from gradleak.attacks.layers.conv_equations import ConvLayer
-from gradleak.attacks.layers.null_space import KnownOutputs
+from gradleak.inversion.layers.base import GradientOf, Known, LayerInverse, register_layer_inverse
+from gradleak.inversion.layers.conv import fitted_output_gradient, robust_input, solve_input
+from gradleak.inversion.layers.conv_equations import ConvLayer
+from gradleak.inversion.layers.null_space import KnownOutputs
 
 
 @dataclass(frozen=True)

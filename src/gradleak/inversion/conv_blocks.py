@@ -1,8 +1,9 @@
-"""The victim's conv stack as the walk meets it: Conv [→ BatchNorm] → ReLU (or LeakyReLU, ELU)
-[→ BatchNorm] blocks on maps of any shape, read by a Linear layer; dropout, identities and
-flattening pass through. Each block is inverted by its layers' inverses (`attacks.layers`: the
-norm, the activation, the conv) in `attacks.conv_recovery`; a module the walk cannot pass is
-refused here, with its layer inverse's reason, before any gradient is read.
+"""A network's conv stack as the walk meets it: Conv [→ BatchNorm] → ReLU (or a one-to-one
+activation: LeakyReLU, ELU, sigmoid, tanh) [→ BatchNorm] blocks on maps of any shape, read by a
+Linear layer; dropout, identities and flattening pass through. Each block is inverted by its
+layers' inverses (`inversion.layers`: the norm, the activation, the conv) in
+`inversion.conv_recovery`; a module the walk cannot pass is refused here, with its layer
+inverse's reason, before any gradient is read.
 """
 
 from __future__ import annotations
@@ -13,13 +14,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gradleak.attacks.layers import identity_norm, refusal_of
-from gradleak.attacks.layers.affine_norm import bn_affine, norm_affine
-from gradleak.attacks.layers.conv_equations import convolve
-from gradleak.attacks.layers.identity import Identity
-from gradleak.attacks.layers.invertible_activation import InvertibleActivation
 from gradleak.errors import ConfigError
-from gradleak.victims.base import Victim
+from gradleak.inversion.layers import identity_norm, refusal_of
+from gradleak.inversion.layers.affine_norm import bn_affine, norm_affine
+from gradleak.inversion.layers.conv_equations import convolve
+from gradleak.inversion.layers.identity import Identity
+from gradleak.inversion.layers.invertible_activation import InvertibleActivation
+from gradleak.inversion.network import Network
 
 
 @dataclass(frozen=True, eq=False)  # compared by identity, as its modules are
@@ -56,26 +57,26 @@ class ConvBlock:
         return torch.where(divisor != 0, observed / torch.where(divisor != 0, divisor, 1.0), 0.0)
 
 
-def conv_blocks(victim: Victim) -> list[ConvBlock]:
-    """The victim's conv stack (its roles) as Conv [→ BatchNorm] → ReLU [→ BatchNorm] blocks in
+def conv_blocks(network: Network) -> list[ConvBlock]:
+    """The network's conv stack (its roles) as Conv [→ BatchNorm] → ReLU [→ BatchNorm] blocks in
     order, read by a Linear layer (its `feature_linear`). A block without a BatchNorm after its
     ReLU (NatureCNN, SB3's CnnPolicy, the Conv → BatchNorm → ReLU of most image networks) gets
     the identity there. Anything else is refused here, before any work, naming the first module
     the walk cannot pass and why (its layer inverse's reason)."""
-    roles = victim.roles()
-    name = victim.config.name
+    roles = network.roles()
+    name = network.label
     if not roles.conv_stack or roles.feature_linear is None:
-        raise ConfigError(f"victim {name}: recovery through the conv stack needs conv layers "
-                          "read by a biased Linear layer applied once per sample; this victim "
+        raise ConfigError(f"{name}: recovery through the conv stack needs conv layers "
+                          "read by a biased Linear layer applied once per sample; this network "
                           f"has {'no conv stack' if not roles.conv_stack else 'none after it'}")
     for step in roles.conv_stack:  # a functional step is a ReLU the forward code applies
         reason = None if step.kind == "flatten" or step.functional else refusal_of(
-            step.kind, victim.get_submodule(step.module))
+            step.kind, network.get_submodule(step.module))
         if reason is not None:
-            raise ConfigError(f"victim {name}: the walk through the conv stack cannot pass "
+            raise ConfigError(f"{name}: the walk through the conv stack cannot pass "
                               f"{step.module}, {article(step.kind)} {step.kind}: {reason}")
     if not roles.conv_chain:
-        raise ConfigError(f"victim {name}: composing its conv modules in call order does not "
+        raise ConfigError(f"{name}: composing its conv modules in call order does not "
                           f"give what {roles.feature_linear} reads (a residual addition or a "
                           "function between them): the walk cannot pass it")
     steps = [step for step in roles.conv_stack if step.kind not in PASSED_THROUGH]
@@ -87,21 +88,21 @@ def conv_blocks(victim: Victim) -> list[ConvBlock]:
         relu = i + 1 + pre
         if conv.kind != "conv" or relu >= len(steps) or kinds[relu] not in ACTIVATIONS:
             what = conv if conv.kind != "conv" else steps[min(relu, len(steps) - 1)]
-            raise ConfigError(f"victim {name}: the walk through the conv stack passes "
+            raise ConfigError(f"{name}: the walk through the conv stack passes "
                               "Conv [→ BatchNorm] → ReLU [→ BatchNorm] blocks only; "
                               f"{what.module} is {article(what.kind)} {what.kind}"
                               + (" not followed by a ReLU" if what.kind in ("conv", "batchnorm")
                                  else ""))
-        module = victim.get_submodule(conv.module)
-        before = victim.get_submodule(steps[i + 1].module) if pre else None
+        module = network.get_submodule(conv.module)
+        before = network.get_submodule(steps[i + 1].module) if pre else None
         post = relu + 1 < len(steps) and kinds[relu + 1] == "batchnorm"
-        norm = victim.get_submodule(steps[relu + 1].module) if post \
+        norm = network.get_submodule(steps[relu + 1].module) if post \
             else identity_norm(module.out_channels)
         block = folded_block(conv.module, module, before, steps[i + 1].module if pre else None,
                              norm, (conv.input_shape[1], conv.input_shape[2]))
         if kinds[relu] != "relu":
             block = replace(block, activation=InvertibleActivation(
-                victim.get_submodule(steps[relu].module)))
+                network.get_submodule(steps[relu].module)))
         blocks.append(block)
         i = relu + 1 + post
     return blocks
@@ -145,24 +146,26 @@ def folded_block(name: str, conv: nn.Conv2d, before: nn.BatchNorm2d | None,
 
 def solvable(block: ConvBlock) -> bool:
     """Does the weight gradient pin the input down? D needs at least as many independent rows
-    as a channel has pixels, and the ReLU switches about half the output units off (their rows
-    vanish): ask for twice as many rows. The frame under the first conv fails this at 32×32
-    (1024 rows for 1024 pixels, rank-deficient in practice) and at 64×64."""
+    as a channel has pixels. A ReLU switches about half the output units off (their rows
+    vanish): there ask for twice as many rows. The frame under the first conv fails this at
+    32×32 (1024 rows for 1024 pixels, rank-deficient in practice) and at 64×64. A one-to-one
+    activation (`InvertibleActivation`) leaves every row, and every output unit's
+    pre-activation is an equation too."""
     out_channels, _, kernel, _ = block.conv.weight.shape
     height, width = block.input_shape
-    return out_channels * kernel * kernel >= 2 * height * width
+    needed = 1 if block.activation is not None else 2
+    return out_channels * kernel * kernel >= needed * height * width
 
 
-
-def deepest_inputs(victim: Victim) -> list[str]:
+def deepest_inputs(network: Network) -> list[str]:
     """The conv modules whose input the recursion reaches, from the top down."""
     names = []
-    for block in reversed(conv_blocks(victim)):
+    for block in reversed(conv_blocks(network)):
         if not solvable(block):
             break
         names.append(block.name)
     if not names:
-        raise ConfigError(f"victim {victim.config.name}: no conv input is determined by its "
+        raise ConfigError(f"{network.label}: no conv input is determined by its "
                           "gradient (each conv's weight gradient has fewer equations than its "
                           "input has pixels)")
     return names

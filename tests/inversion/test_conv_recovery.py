@@ -12,26 +12,30 @@ import torch
 from helpers import mlp_observation, observe, smooth_frame, victim_with_statistics
 
 from gradleak.attacks.analytic import module_input
-from gradleak.attacks.conv_blocks import block_forward, conv_blocks, deepest_inputs
-from gradleak.attacks.layers.affine_norm import bn_affine
-from gradleak.attacks.layers.conv import (least_squares, robust_input, solve_input,
-                                          solve_input_with_noise)
-from gradleak.attacks.layers.conv_equations import as_map
-from gradleak.attacks.layers.null_space import KnownOutputs
-from gradleak.attacks.layers.linear import linear_input_with_noise
-from gradleak.attacks.layers.relu import MaskRule, posterior_on
-from gradleak.attacks.layers import linear
-from gradleak.attacks.conv_recovery import (
+from gradleak.attacks.conv_inputs import observed_conv_inputs
+from gradleak.capture.reader import CaptureFile
+from gradleak.errors import ConfigError
+from gradleak.inversion.conv_blocks import block_forward, conv_blocks, deepest_inputs
+from gradleak.inversion.conv_recovery import (
     CONSISTENT,
     DEEPEST_RULE,
     MASK_RULES,
     ConvInputs,
     Run,
-    observed_conv_inputs,
     walk_down,
 )
-from gradleak.capture.reader import CaptureFile
-from gradleak.errors import ConfigError
+from gradleak.inversion.layers import linear
+from gradleak.inversion.layers.affine_norm import bn_affine
+from gradleak.inversion.layers.conv import (
+    least_squares,
+    robust_input,
+    solve_input,
+    solve_input_with_noise,
+)
+from gradleak.inversion.layers.conv_equations import as_map
+from gradleak.inversion.layers.linear import linear_input_with_noise
+from gradleak.inversion.layers.null_space import KnownOutputs
+from gradleak.inversion.layers.relu import MaskRule, posterior_on
 from gradleak.victims import create_victim
 from gradleak.victims.base import victim_at_theta0
 
@@ -282,7 +286,7 @@ def test_a_completed_input_is_no_surer_than_its_completion(dead_top_channels) ->
     """The completion's own error (float32 weight gradients: ~1e-6 of the map) is above the
     fit's residual; its noise is floored at COMPLETION_NOISE of the map's largest value, so the
     block below does not take a unit that close to 0 as surely on or off."""
-    from gradleak.attacks.layers.conv import COMPLETION_NOISE
+    from gradleak.inversion.layers.conv import COMPLETION_NOISE
 
     top, below, inputs, pre, delta, gradient = dead_top_channels
     outputs = KnownOutputs(pre.relu(), pre > 0, below)
@@ -296,7 +300,7 @@ def test_a_completed_input_is_no_surer_than_its_completion(dead_top_channels) ->
 
 
 def test_a_completed_input_is_replaced_by_the_forward_pass_of_the_exact_one_below() -> None:
-    from gradleak.attacks.conv_recovery import refresh_upward
+    from gradleak.inversion.conv_recovery import refresh_upward
 
     torch.manual_seed(0)
     blocks = conv_blocks(create_victim("cnn", frame_size=84).eval().double())
@@ -318,7 +322,7 @@ def test_the_noise_spread_is_the_pseudo_inverses_diagonal_on_definite_and_singul
     """diag(G⁻¹) by Cholesky where G is definite equals the pseudo-inverse's; a singular G
     (a null direction, as on a trained victim's top conv) and an all-zero one (every unit
     off under a defense) in the same batch fall back to the pseudo-inverse instead of failing."""
-    from gradleak.attacks.layers.conv_equations import DenseOperator, Gram, inverse_diagonal
+    from gradleak.inversion.layers.conv_equations import DenseOperator, Gram, inverse_diagonal
 
     generator = torch.Generator().manual_seed(0)
     rows = torch.randn(3, 12, 5, generator=generator, dtype=torch.float64)
@@ -335,7 +339,7 @@ def test_least_squares_by_normal_equations_match_gelsd_and_fall_back_where_singu
     the same batch are not well posed, and get the minimum-norm solution, not a failed
     factor's, the same on every call (torch's gelsy returned rank 11, 7, 5 or 4 for the
     rank-11 step from one call to the next)."""
-    from gradleak.attacks.layers.conv_equations import DenseOperator, Gram, solve_least_squares
+    from gradleak.inversion.layers.conv_equations import DenseOperator, Gram, solve_least_squares
 
     generator = torch.Generator().manual_seed(1)
     matrix = torch.randn(4, 40, 12, generator=generator, dtype=torch.float64)
@@ -452,7 +456,7 @@ def vertex_programme(slack_everywhere: bool = False, seed: int = 0
 
 
 def test_the_newton_vertex_is_the_linear_programmes_and_the_truth() -> None:
-    from gradleak.attacks.layers.least_violation import (
+    from gradleak.inversion.layers.least_violation import (
         least_violation,
         linear_programme,
         newton_steps,
@@ -473,7 +477,7 @@ def test_a_polytope_with_room_inside_keeps_the_feasible_point_without_a_programm
     point that violates nothing while the active rows leave coefficients free), no vertex is
     singled out: that point is kept and HiGHS is not asked. Where noise leaves no point that
     violates nothing, the linear programme still decides."""
-    import gradleak.attacks.layers.least_violation as blocks
+    import gradleak.inversion.layers.least_violation as blocks
 
     programmes = []
     solve = blocks.linear_programme
@@ -511,7 +515,7 @@ def test_completions_run_ahead_in_a_thread_equal_those_run_one_by_one(dead_top_c
     import contextlib
     import threading
 
-    import gradleak.attacks.layers.null_space as blocks
+    import gradleak.inversion.layers.null_space as blocks
 
     top, below, _, pre, delta, gradient = dead_top_channels
     outputs = KnownOutputs(pre.relu(), pre > 0, below)
@@ -541,7 +545,7 @@ def test_a_completion_met_again_within_one_recovery_is_solved_once(dead_top_chan
     """The mask rules' walks meet the same completions on the steps where their masks agree:
     inside one recovery each is solved once and answered alike after; outside, a benchmark's
     repeats pay for every solve."""
-    import gradleak.attacks.layers.null_space as blocks
+    import gradleak.inversion.layers.null_space as blocks
 
     top, below, _, pre, delta, gradient = dead_top_channels
     outputs = KnownOutputs(pre.relu(), pre > 0, below)
@@ -569,7 +573,7 @@ def test_the_implicit_weight_gradient_operator_equals_the_dense_matrix(geometry)
     """D(δ)'s Gram matrix, adjoint and product, computed tap by tap without forming D, equal
     the dense matrix's (with per-channel weights), for a strided conv, a padded one, one that
     leaves the last rows and columns unread, and a rectangular map."""
-    from gradleak.attacks.layers.conv_equations import TapOperator, read_pixels, tap_map
+    from gradleak.inversion.layers.conv_equations import TapOperator, read_pixels, tap_map
 
     _, kernel, stride, padding = geometry
     generator = torch.Generator().manual_seed(2)
@@ -610,7 +614,7 @@ def test_the_active_rows_least_squares_matches_gelsd_and_refuses_rank_deficiency
     """The Newton checks' least squares: the normal equations where they are well conditioned,
     gelsd where they are not, None where the rows do not fix every coefficient (exactly, or
     to machine precision), as gelsd's rank says."""
-    from gradleak.attacks.layers.least_violation import full_rank_least_squares
+    from gradleak.inversion.layers.least_violation import full_rank_least_squares
 
     rng = np.random.default_rng(0)
     matrix, target = rng.standard_normal((300, 100)), rng.standard_normal(300)

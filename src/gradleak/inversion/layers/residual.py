@@ -17,10 +17,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from gradleak.attacks.layers.base import GradientOf, Known, LayerInverse, register_layer_inverse
-from gradleak.attacks.layers.conv import Conv
-from gradleak.attacks.layers.conv_equations import ConvLayer, convolve
-from gradleak.attacks.layers.relu import MaskRule, Relu, margin_states
+from gradleak.inversion.layers.base import GradientOf, Known, LayerInverse, register_layer_inverse
+from gradleak.inversion.layers.conv import Conv
+from gradleak.inversion.layers.conv_equations import ConvLayer, convolve
+from gradleak.inversion.layers.relu import MaskRule, Relu, margin_states
 
 # b's and a's units: on beyond this many noise deviations (the fit's residual estimates it),
 # settled against conv0's weight gradient in between

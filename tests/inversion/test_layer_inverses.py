@@ -10,12 +10,13 @@ import pytest
 import torch
 from torch import nn
 
-from gradleak.attacks.conv_blocks import conv_blocks
-from gradleak.attacks.layers import LAYER_INVERSES, AffineNorm, Known, refusal_of
-from gradleak.attacks.layers.conv import Conv
-from gradleak.attacks.layers.linear import Linear
-from gradleak.attacks.layers.relu import MaskRule, Relu
 from gradleak.errors import ConfigError
+from gradleak.inversion.conv_blocks import conv_blocks
+from gradleak.inversion.layers import LAYER_INVERSES, AffineNorm, Known, refusal_of
+from gradleak.inversion.layers.conv import Conv
+from gradleak.inversion.layers.invertible_activation import InvertibleActivation
+from gradleak.inversion.layers.linear import Linear
+from gradleak.inversion.layers.relu import MaskRule, Relu
 from gradleak.victims import create_victim
 from gradleak.victims.roles import KINDS
 
@@ -87,6 +88,24 @@ def test_the_relu_inverse_keeps_the_on_units_and_masks_the_gradient() -> None:
     assert torch.equal(found.value[found.on], pre[pre > 0])
 
 
+@pytest.mark.parametrize("module", [nn.LeakyReLU(0.1), nn.ELU(0.7), nn.Sigmoid(), nn.Tanh()],
+                         ids=lambda module: type(module).__name__)
+def test_a_one_to_one_activations_inverse_returns_every_unit_and_the_gradient(module) -> None:
+    torch.manual_seed(5)
+    pre = torch.randn(3, 4, 6, 6, dtype=torch.float64)
+    pre.requires_grad_(True)
+    output = module(pre)
+    delta = torch.randn_like(output)
+    (reaching,) = torch.autograd.grad(output, pre, delta)
+    found = InvertibleActivation(module).invert(Known(output.detach(),
+                                                      torch.zeros_like(delta), delta))
+    assert bool(found.on.all())  # every pre-activation is an equation below
+    assert relative(found.value, pre.detach()) <= 1e-12
+    # (torch's LeakyReLU backward holds its slope in float32: 1.5e-9)
+    assert relative(found.gradient, reaching) <= 1e-8
+    assert relative(InvertibleActivation(module).forward(found.value), output.detach()) <= 1e-14
+
+
 def test_the_conv_inverse_returns_its_input_and_the_gradient_reaching_it() -> None:
     """32 output channels × 9 taps = 288 equations per input channel for its 36 pixels."""
     torch.manual_seed(3)
@@ -125,7 +144,7 @@ def test_the_residual_inverse_walks_impalas_last_stage_exactly_where_it_is_deter
     """From the FC gradient down both residual blocks of a random-init impala-small's last
     stage (float64 per-step gradients): each block's input comes back to float64 precision
     wherever relu(x) is on or the block's output is known, on most of the map."""
-    from gradleak.attacks.layers.residual import ConvAt, ResidualBlock
+    from gradleak.inversion.layers.residual import ConvAt, ResidualBlock
 
     torch.manual_seed(0)
     victim = create_victim("impala-small").double().eval()

@@ -7,7 +7,7 @@ closed form (the Linear reading the features). Every layer kind it meets has one
 gradient reaching it) and the layer's own parameter gradients, it returns what is known at the
 layer's input. A kind the walk cannot pass yet says why (`refusal`), from the architecture
 alone, so the attack refuses before any row is read. Adding a kind is one module and one
-decorator; the walk (`attacks.conv_recovery`) composes the inverses in the order the victim's
+decorator; the walk (`inversion.conv_recovery`) composes the inverses in the order the victim's
 roles give.
 """
 
