@@ -36,18 +36,22 @@ from gradleak.metrics.scores import image_scores
 
 RESULTS = Path(__file__).parent / "results" / "fedavg_walk.json"
 DATASETS = {"digits": "digits 28×28", "photos": "photos 32×32"}
-WALKED = ("lenet-sigmoid", "cnn-strided", "mlp")
+# (model, BatchNorm in train mode)
+WALKED = (("lenet-sigmoid", False), ("cnn-strided", False), ("cnn-strided-bn", True),
+          ("mlp", False))
 REFUSED = ("flower-cnn", "cnn", "cnn-bn", "resnet8")
 METRICS = ("psnr", "ssim", "lpips")
 
 
-def one_client(dataset: str, model: str, seed: int, ig_iterations: int) -> dict:
+def one_client(dataset: str, model: str, train_mode: bool, seed: int, ig_iterations: int
+               ) -> dict:
     client = simulate_client(dataset, model, ClientConfig(epochs=1, samples=1, batch=1,
+                                                          batchnorm_train=train_mode,
                                                           seed=seed))
     images = client.images
     auxiliary, _ = client.data.rest(1, seed=seed)
     colour = images.mean((2, 3), keepdim=True).expand_as(images).contiguous()
-    row = {"dataset": dataset, "model": model, "seed": seed,
+    row = {"dataset": dataset, "model": model, "batchnorm_train": train_mode, "seed": seed,
            "mean_colour": image_scores(colour, images)}
     for method, iterations in (("training-free", 1), ("ig", ig_iterations)):
         attacked = client.attack(FedAttackConfig(method=method, iterations=iterations,
@@ -99,7 +103,7 @@ def markdown(result: dict) -> str:
              "| 1 − cos | ms / image | IG PSNR / SSIM / LPIPS | IG exact | mean image | mean "
              "colour |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for dataset in DATASETS:
-        for model in WALKED:
+        for model, train_mode in WALKED:
             group = [r for r in rows if r["dataset"] == dataset and r["model"] == model]
             if not group:
                 continue
@@ -110,7 +114,8 @@ def markdown(result: dict) -> str:
 
             walked = [r["training-free"] for r in group]
             lines.append(
-                f"| {DATASETS[dataset]} | `{model}` | {triple('training-free')} | "
+                f"| {DATASETS[dataset]} | `{model}`{', BN train' if train_mode else ''} | "
+                f"{triple('training-free')} | "
                 f"{min(w['psnr'] for w in walked):.2f} | "
                 f"{sum(w['exact'] for w in walked)} of {len(group)} | "
                 f"{sum(w['label_right'] for w in walked)} of {len(group)} | "
@@ -131,9 +136,9 @@ def main() -> None:
     args = parser.parse_args()
     rows = []
     for dataset in DATASETS:
-        for model in WALKED:
+        for model, train_mode in WALKED:
             for seed in range(args.seeds):
-                rows.append(one_client(dataset, model, seed, args.ig_iterations))
+                rows.append(one_client(dataset, model, train_mode, seed, args.ig_iterations))
                 walked, ig = rows[-1]["training-free"], rows[-1]["ig"]
                 print(f"{dataset} {model} seed {seed}: training-free {walked['psnr']:.2f} dB "
                       f"({walked['ms']:.0f} ms), IG {ig['psnr']:.2f} dB", flush=True)

@@ -194,20 +194,22 @@ def test_training_free_refuses_a_four_image_update_before_any_work(tmp_path, cap
     assert not out.exists()
 
 
-def test_training_free_reads_one_images_recorded_step_exactly(tmp_path, capsys) -> None:
-    """A user's Conv → BatchNorm (eval) → F.relu client, one image, one step, recorded as a
-    Flower server would: the image to the wire's precision, nothing declared but the file."""
+@pytest.mark.parametrize("mode", ["eval", "train"])
+def test_training_free_reads_one_images_recorded_step_exactly(tmp_path, capsys, mode) -> None:
+    """A user's Conv → BatchNorm → F.relu client, one image, one step, recorded as a Flower
+    server would: the image to the wire's precision, nothing declared but the file (in train
+    mode the image's statistics come from the running buffers' change)."""
     torch.manual_seed(0)
     model = TinyClassifier()
     model.norm.running_var.fill_(2.0)
-    model.eval()
+    model.train(mode == "train")
     image = torch.rand(1, 1, 8, 8, generator=torch.Generator().manual_seed(5))
     w0 = copy.deepcopy(model.state_dict())
     optimiser = torch.optim.SGD(model.parameters(), lr=0.1)
     F.cross_entropy(model(image), torch.tensor([2])).backward()
     optimiser.step()
     meta = {"round": 1, "node_id": 3, "num_examples": 1, "shape": [1, 8, 8],
-            "batchnorm": "eval", "model": "tiny-classifier"}
+            "batchnorm": mode, "model": "tiny-classifier"}
     path = write_update(tmp_path / "node-3.safetensors", w0, model.state_dict(), meta)
     save_file({"images": image, "labels": torch.tensor([2])}, str(tmp_path / "truth.safetensors"))
     assert main(["fedavg-invert", "--update", str(path), "--plugin", "user_models",

@@ -17,6 +17,7 @@ from gradleak.fedavg.forward import identity
 from gradleak.fedavg.labels import single_label
 from gradleak.fedavg.models import FEDAVG_MODELS
 from gradleak.fedavg.walk import plan_walk, walk_update
+from gradleak.metrics.images import psnr
 
 
 def image(seed: int, shape: tuple[int, ...] = (1, 28, 28)) -> torch.Tensor:
@@ -116,7 +117,7 @@ def test_one_images_label_from_any_number_of_sgd_or_momentum_steps() -> None:
     ("lenet-sigmoid", {"samples": 2}, "declares 2 images"),
     ("lenet-sigmoid", {"steps": 3}, "took 3 local steps"),
     ("lenet-sigmoid", {"optimiser": "adamw"}, "rescales each entry"),
-    ("cnn-bn", {"batchnorm": "train"}, "BatchNorm in eval mode only"),
+    ("cnn-bn", {"batchnorm": "train"}, "cannot pass 3, a maxpool"),
 ])
 def test_what_the_walk_cannot_invert_is_refused_before_any_work(model, settings, says) -> None:
     built = FEDAVG_MODELS.get(model)(1, 28, 10)
@@ -126,12 +127,54 @@ def test_what_the_walk_cannot_invert_is_refused_before_any_work(model, settings,
                   arguments["optimiser"], arguments["batchnorm"])
 
 
-def test_batchnorm_in_train_mode_and_a_transform_that_is_not_per_pixel_are_refused() -> None:
+def test_a_transform_that_is_not_per_pixel_and_a_cumulative_batchnorm_are_refused() -> None:
     model = with_statistics(bias_free_bn_cnn())
-    with pytest.raises(ConfigError, match="trained 1 in train mode"):
-        plan_walk(model, (1, 28, 28), identity, 1, 1, "sgd", "train")
     with pytest.raises(ConfigError, match="per pixel"):
         plan_walk(model, (1, 28, 28), lambda x: x.flip(-1), 1, 1, "sgd", "eval")
+    model[1].momentum = None
+    with pytest.raises(ConfigError, match="1 trained in train mode with momentum=None"):
+        plan_walk(model, (1, 28, 28), identity, 1, 1, "sgd", "train")
+
+
+def train_mode_cnn() -> nn.Module:
+    """BatchNorm both ways a user writes it, the client training in train mode: Conv (no
+    bias) → BatchNorm → ReLU, and Conv → ReLU → BatchNorm."""
+    return nn.Sequential(nn.Conv2d(1, 32, 5, 2, 2, bias=False), nn.BatchNorm2d(32), nn.ReLU(),
+                         nn.Conv2d(32, 64, 5, 2, 2), nn.ReLU(), nn.BatchNorm2d(64),
+                         nn.Conv2d(64, 64, 3, 1, 1), nn.ReLU(), nn.Flatten(),
+                         nn.Linear(64 * 7 * 7, 10))
+
+
+def trained_in_train_mode(dtype: torch.dtype) -> tuple[nn.Module, torch.Tensor, dict, dict]:
+    """The model (at w0), the image, and the state dicts before and after torch's own
+    train-mode step (the buffers moved)."""
+    torch.manual_seed(0)
+    model = with_statistics(train_mode_cnn()).to(dtype)
+    x = image(6).to(dtype)
+    w0 = copy.deepcopy(model.state_dict())
+    trained = copy.deepcopy(model).train()
+    optimiser = torch.optim.SGD(trained.parameters(), lr=0.05)
+    F.cross_entropy(trained(x), torch.tensor([4])).backward()
+    optimiser.step()
+    return model, x, w0, trained.state_dict()
+
+
+def test_batchnorm_in_train_mode_normalises_the_image_by_its_own_statistics() -> None:
+    """One image in train mode: the step's statistics read off the running buffers' change,
+    the gradient carried through them. Float64: to the solve's prior; the float32 wire,
+    through invert_update: ≥ 40 dB."""
+    model, x, w0, wT = trained_in_train_mode(torch.float64)
+    walk = plan_walk(model, (1, 28, 28), identity, 1, 1, "sgd", "train")
+    split = [({n: v for n, v in state.items() if n in dict(model.named_parameters())},
+              {n: v for n, v in state.items() if n in dict(model.named_buffers())})
+             for state in (w0, wT)]
+    walked = walk_update(walk, split[0][0], split[1][0], split[0][1], split[1][1])
+    assert float((walked.image.double() - x).norm() / x.norm()) < 1e-5
+    model, x, w0, wT = trained_in_train_mode(torch.float32)
+    result = invert_update(train_mode_cnn(), w0, wT, samples=1, shape=(1, 28, 28),
+                           method="training-free", batchnorm="train")
+    assert float(psnr(result.images, x)[0]) >= 40.0
+    assert result.labels.tolist() == [4]
 
 
 def test_an_update_of_two_images_declared_as_one_is_refused_by_its_rank() -> None:

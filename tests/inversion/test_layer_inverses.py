@@ -75,6 +75,27 @@ def test_the_affine_norm_inverse_returns_its_input_and_the_gradient_reaching_it(
     assert relative(found.gradient, reaching) <= 1e-12
 
 
+def test_a_train_mode_batchnorms_inverse_carries_the_gradient_through_its_statistics(
+        ) -> None:
+    """One sample normalised by its own statistics (held in the buffers, the module left in
+    train mode): the input back exactly, and the gradient reaching it as autograd's."""
+    torch.manual_seed(4)
+    norm = nn.BatchNorm2d(3).double()
+    norm.weight.data.uniform_(0.5, 1.5)
+    norm.bias.data.normal_(0, 0.3)
+    r = torch.randn(1, 3, 5, 5, dtype=torch.float64).requires_grad_(True)
+    y = norm.train()(r)
+    delta = torch.randn_like(y)
+    (reaching,) = torch.autograd.grad(y, r, delta)
+    with torch.no_grad():
+        norm.running_mean.copy_(r.mean((0, 2, 3)))
+        norm.running_var.copy_(r.var((0, 2, 3), unbiased=False))
+    layer = Layer("n", nn.Conv2d(1, 3, 1), norm, (5, 5))
+    found = AffineNorm(layer).invert(Known(y.detach(), torch.zeros_like(y), delta))
+    assert relative(found.value, r.detach()) <= 1e-12
+    assert relative(found.gradient, reaching) <= 1e-12
+
+
 def test_the_relu_inverse_keeps_the_on_units_and_masks_the_gradient() -> None:
     torch.manual_seed(2)
     pre = torch.randn(3, 4, 6, 6, dtype=torch.float64)

@@ -66,7 +66,8 @@ class SimulatedClient:
                                                  image=attack.span or attack.method == SEPARATE)
         separation, optimised, walked = None, attack, None
         if attack.method == TRAINING_FREE:  # its fit scored by the gradient at w0 (IG's)
-            walked = walk_update(self.plan_walk(), update.w0, update.wT, update.buffers0)
+            walked = walk_update(self.plan_walk(), update.w0, update.wT, update.buffers0,
+                                 update.buffersT)
             optimised = FedAttackConfig(**{**attack.to_dict(), "method": "ig"})
         if attack.method == SEPARATE:
             if span is None:

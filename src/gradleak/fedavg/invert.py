@@ -335,7 +335,7 @@ def invert_update(model: nn.Module, w0: Mapping[str, Any], wT: Mapping[str, Any]
                          f"{FALLBACK}'s, kept in the span")
     walked = None
     if walk is not None:  # the fit of its image is scored by the gradient at w0 (IG's)
-        walked = walk_update(walk, params0, paramsT, buffers0)
+        walked = walk_update(walk, params0, paramsT, buffers0, buffersT)
         config = FedAttackConfig(**{**config.to_dict(), "method": "ig"})
     inversion = UpdateInversion(model, update, shape, classes, config, labels=chosen,
                                 client=client, span=span, features=features,

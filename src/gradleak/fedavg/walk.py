@@ -9,9 +9,12 @@ image gives the image from that layer alone. Every quantity the walk reads is a 
 gradients, so η need not be declared; that the update is one sample's single step is checked
 on it (its Linear layers' updates are rank one), not assumed.
 
-What the walk cannot pass (max-pooling, a residual addition, GroupNorm, BatchNorm in train mode,
-convolutions whose gradients do not determine their input) is refused, naming it, before any
-work: there the optimisation methods are what the audit has.
+BatchNorm is inverted in the mode the client trained it in: eval mode is a known affine map; in
+train mode the image was normalised by its own statistics, which the running buffers' change
+gives (`set_batch_statistics`), and the walk carries the gradient through them. What the walk
+cannot pass (max-pooling, a residual addition, GroupNorm, convolutions whose gradients do not
+determine their input) is refused, naming it, before any work: there the optimisation methods
+are what the audit has.
 """
 
 from __future__ import annotations
@@ -29,8 +32,18 @@ from gradleak.errors import ConfigError
 from gradleak.fedavg.forward import batchnorm_layers
 from gradleak.fedavg.span import first_linear, pixel_affine
 from gradleak.inversion.conv_blocks import ConvBlock, conv_blocks, deepest_inputs
-from gradleak.inversion.conv_recovery import recover_conv_inputs, top_descent
-from gradleak.inversion.first_conv import NoiseModel, first_conv_equations
+from gradleak.inversion.conv_recovery import (
+    BATCH_STATISTICS_ROUNDS,
+    recover_conv_inputs,
+    settled,
+    top_descent,
+)
+from gradleak.inversion.first_conv import (
+    FirstConvEquations,
+    NoiseModel,
+    first_conv_equations,
+    with_batch_statistics,
+)
 from gradleak.inversion.frame_solve import Bounds, FrameSolve, solve_inputs
 from gradleak.inversion.layers.linear import Linear
 from gradleak.names import TRAINING_FREE
@@ -70,6 +83,7 @@ class Walk:
     network: Classifier
     affine: tuple[torch.Tensor, torch.Tensor]  # model input = a·x + c per pixel, flattened
     shape: tuple[int, ...]
+    batchnorm: str  # the mode the client trained BatchNorm in
     linear: str | None = None
     blocks: tuple[ConvBlock, ...] = ()
 
@@ -102,11 +116,11 @@ def plan_walk(model: nn.Module, shape: tuple[int, ...], transform: Transform, sa
         raise ConfigError(f"{why} through an input transform that acts per pixel as a·x + c "
                           "(Normalize); the declared one does not")
     double = copy.deepcopy(model).double().eval()
-    norms = list(batchnorm_layers(double))
-    if norms and batchnorm == "train":
-        raise ConfigError(f"{why} through BatchNorm in eval mode only; this client trained "
-                          f"{norms[0]} in train mode (one image normalised by its own "
-                          "statistics): declare batchnorm='eval' if it did not")
+    for name, norm in batchnorm_layers(double).items():
+        if batchnorm == "train" and norm.momentum is None:
+            raise ConfigError(f"{why}: {name} trained in train mode with momentum=None (a "
+                              "cumulative average), whose buffers the walk does not read the "
+                              "image's statistics from")
     probe = torch.rand(2, *shape, generator=torch.Generator().manual_seed(0),
                        dtype=torch.float64)
     model_input = transform(probe)
@@ -119,13 +133,13 @@ def plan_walk(model: nn.Module, shape: tuple[int, ...], transform: Transform, sa
         if layer is None:
             raise ConfigError(f"{why}: it walks a conv stack or reads a first Linear layer, "
                               f"and {reason}")
-        return Walk(network, affine, shape, linear=layer)
+        return Walk(network, affine, shape, batchnorm, linear=layer)
     blocks = conv_blocks(network)  # refuses, naming the first module it cannot pass
     if len(blocks) > 1 and blocks[1].name not in deepest_inputs(network):
         raise ConfigError(f"{why}: the gradient determines the inputs of "
                           f"{', '.join(deepest_inputs(network))} only, and the first conv's "
                           f"equations need the input of {blocks[1].name}")
-    return Walk(network, affine, shape, blocks=tuple(blocks))
+    return Walk(network, affine, shape, batchnorm, blocks=tuple(blocks))
 
 
 @dataclass(frozen=True)
@@ -151,12 +165,13 @@ class Walked:
 
 @torch.no_grad()
 def walk_update(walk: Walk, w0: Mapping[str, torch.Tensor], wT: Mapping[str, torch.Tensor],
-                buffers0: Mapping[str, torch.Tensor] | None = None) -> Walked:
-    """The image of the update w0 → w_T (parameters; `buffers0`: the buffers the client
-    started from, BatchNorm's running statistics). Raises ConfigError where the update is not
-    one sample's gradient."""
+                buffers0: Mapping[str, torch.Tensor] | None = None,
+                buffersT: Mapping[str, torch.Tensor] | None = None) -> Walked:
+    """The image of the update w0 → w_T (parameters; `buffers0`, `buffersT`: the buffers
+    before and after, BatchNorm's running statistics, whose change gives a train-mode step's
+    statistics). Raises ConfigError where the update is not one sample's gradient."""
     start = time.perf_counter()
-    walk = at_weights(walk, w0, buffers0 or {})
+    walk = at_weights(walk, w0, buffers0 or {}, buffersT or {})
     gradients = {name: (w0[name].double() - wT[name].double())[None] for name in w0}
 
     def gradient_of(name: str) -> torch.Tensor:
@@ -181,17 +196,50 @@ def walk_update(walk: Walk, w0: Mapping[str, torch.Tensor], wT: Mapping[str, tor
     return Walked(image.clamp(0, 1).float(), ratio, residuals, time.perf_counter() - start)
 
 
-def at_weights(walk: Walk, w0: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor]
-               ) -> Walk:
-    """The walk with the network at the broadcast weights w0 (and the client's buffers): the
-    blocks fold each BatchNorm with them."""
+def at_weights(walk: Walk, w0: Mapping[str, torch.Tensor], buffers0: Mapping[str, torch.Tensor],
+               buffersT: Mapping[str, torch.Tensor]) -> Walk:
+    """The walk with the network at the broadcast weights w0 and the client's buffers, each
+    train-mode BatchNorm holding the step's statistics of the image (and left in train mode,
+    to say so): the blocks fold each BatchNorm with them."""
     model = copy.deepcopy(walk.network.model)
     state = {name: value.double() if value.is_floating_point() else value
-             for name, value in {**buffers, **w0}.items()}
+             for name, value in {**buffers0, **w0}.items()}
     model.load_state_dict({**model.state_dict(), **state})
+    if walk.batchnorm == "train":
+        shapes = {step.module: step.input_shape for step in walk.network.stack.conv_stack}
+        for name, norm in batchnorm_layers(model).items():
+            set_batch_statistics(name, norm, buffers0, buffersT, shapes.get(name))
     network = replace(walk.network, model=model)
     blocks = tuple(conv_blocks(network)) if walk.blocks else ()
     return replace(walk, network=network, blocks=blocks)
+
+
+def set_batch_statistics(name: str, norm: nn.Module, buffers0: Mapping[str, torch.Tensor],
+                         buffersT: Mapping[str, torch.Tensor],
+                         shape: tuple[int, ...] | None) -> None:
+    """A train-mode step moves the running statistics by r_T = (1 − m) r_0 + m s, with s the
+    image's mean over the map and its unbiased variance: s read back, the variance made the
+    biased one the step normalised by."""
+    keys = [f"{name}.{buffer}" for buffer in ("running_mean", "running_var")]
+    missing = [key for key in keys if key not in buffers0 or key not in buffersT]
+    if missing:
+        raise ConfigError(f"method {TRAINING_FREE!r}: BatchNorm in train mode normalised the "
+                          f"image by its own statistics, which the running buffers' change "
+                          f"gives; the state dicts lack {', '.join(missing)}")
+    momentum = float(norm.momentum)
+    mean, var = ((buffersT[key].double() - (1 - momentum) * buffers0[key].double()) / momentum
+                 for key in keys)
+    # what the buffers' own precision leaves in them, which the walk's on/off margins allow
+    mean_error, var_error = (
+        torch.finfo(buffersT[key].dtype).eps * (buffersT[key].double().abs()
+                                                + (1 - momentum) * buffers0[key].double().abs())
+        / momentum for key in keys)
+    count = 1 if shape is None or len(shape) < 3 else shape[-1] * shape[-2]
+    with torch.no_grad():
+        norm.running_mean.copy_(mean)
+        norm.running_var.copy_((var * (count - 1) / count).clamp_min(0.0))
+    norm.mean_error, norm.var_error = mean_error, var_error  # see affine_norm.statistics_error
+    norm.train()
 
 
 def first_conv_input(walk: Walk, gradient_of: Callable[[str], torch.Tensor]
@@ -219,9 +267,21 @@ def first_conv_input(walk: Walk, gradient_of: Callable[[str], torch.Tensor]
     if equations.colour is not None:
         start = bounds.clip(equations.colour[:, :, None, None].expand_as(start))
     noise = NoiseModel()  # the equations weighed by how exact the walk above left them
-    model_input = bounds.clip(solve_inputs(
-        equations, start, SOLVE, noise.gradient_weight(equations),
-        noise.smoothness(equations, SOLVE.smoothness), bounds))
+
+    def solve(equations: FirstConvEquations) -> torch.Tensor:
+        return bounds.clip(solve_inputs(equations, start, SOLVE, noise.gradient_weight(equations),
+                                        noise.smoothness(equations, SOLVE.smoothness), bounds))
+
+    if first.batch_norm is None:
+        model_input = solve(equations)
+    else:  # train mode: the outputs alone first, then δ₁ at the off-units from each input
+        model_input = solve(replace(equations, weight_gradient=None, bias_check=None))
+        for _ in range(BATCH_STATISTICS_ROUNDS):
+            trained = with_batch_statistics(equations, equations.delta, model_input)
+            model_input, previous = solve(trained), model_input
+            if settled(previous, model_input):
+                break
+        equations = trained
     return model_input, {key: float(value[0]) for key, value in
                          equations.residuals(model_input).items()}
 

@@ -41,6 +41,10 @@ class ConvBlock:
     bias_source: tuple[str, torch.Tensor | None] | None = None
     # a one-to-one activation (LeakyReLU, ELU) in the ReLU's place; None: a ReLU
     activation: InvertibleActivation | None = None
+    # the BatchNorm folded in when it normalised the sample by its own statistics (train mode,
+    # its buffers holding them): the conv's output gradient then carries their terms
+    # (`layers.affine_norm.through_batch_statistics`); None: eval mode, or none folded
+    batch_norm: nn.BatchNorm2d | None = None
 
     def weight_gradient(self, observed: torch.Tensor) -> torch.Tensor:
         """The folded conv's per-step weight gradient (N, O, C, k, k) from the observed one."""
@@ -48,6 +52,16 @@ class ConvBlock:
             return observed
         scale = self.scale[:, None, None, None]
         return torch.where(scale != 0, observed / torch.where(scale != 0, scale, 1.0), 0.0)
+
+    def batch_normalised(self, output: torch.Tensor) -> torch.Tensor:
+        """The normalised input r̂ = (output − β)/γ of the folded train-mode BatchNorm, from its
+        output (the folded conv's)."""
+        norm = self.batch_norm
+        assert norm is not None
+        weight = torch.ones(norm.num_features, dtype=torch.float64) if norm.weight is None \
+            else norm.weight.detach().double()
+        bias = torch.zeros_like(weight) if norm.bias is None else norm.bias.detach().double()
+        return (output - bias[:, None, None]) / weight[:, None, None]
 
     def bias_gradient(self, observed: torch.Tensor) -> torch.Tensor:
         """The folded conv's per-step bias gradient (N, O) from the `bias_source` parameter's."""
@@ -134,14 +148,16 @@ def folded_block(name: str, conv: nn.Conv2d, before: nn.BatchNorm2d | None,
         beta = 0.0 if before.bias is None else before.bias.detach().double()
         weight = weight * scale[:, None, None, None]
         bias = scale * (bias - mean.flatten()) + beta
-        # ∂L/∂β is Σ_p δ(p) at the folded conv's output; ∂L/∂b is that times the gain
+        # ∂L/∂β is Σ_p δ(p) at the folded conv's output; ∂L/∂b is that times the gain in eval
+        # mode, and 0 in train mode (the batch mean absorbs b)
         source = (f"{before_name}.bias", None) if before.bias is not None else \
-            None if conv.bias is None else (f"{name}.bias", scale)
+            None if conv.bias is None or before.training else (f"{name}.bias", scale)
     merged = nn.Conv2d(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride,
                        conv.padding, dtype=torch.float64).requires_grad_(False)
     merged.weight.copy_(weight)
     merged.bias.copy_(bias)
-    return ConvBlock(name, merged, norm, input_shape, scale, source)
+    return ConvBlock(name, merged, norm, input_shape, scale, source,
+                     batch_norm=before if before is not None and before.training else None)
 
 
 def solvable(block: ConvBlock) -> bool:

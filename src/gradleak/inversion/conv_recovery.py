@@ -35,15 +35,16 @@ under the strided 8×8 first conv of the paper's CNN): that layer needs a prior.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from gradleak.errors import ConfigError
 from gradleak.inversion.conv_blocks import ConvBlock, block_forward, conv_blocks, deepest_inputs
-from gradleak.inversion.layers.affine_norm import AffineNorm
+from gradleak.inversion.layers.affine_norm import AffineNorm, through_batch_statistics
 from gradleak.inversion.layers.base import GradientOf, Known
 from gradleak.inversion.layers.conv import Conv
+from gradleak.inversion.layers.conv_equations import convolve
 from gradleak.inversion.layers.linear import Linear
 from gradleak.inversion.layers.null_space import completions_shared
 from gradleak.inversion.layers.relu import MaskRule, Relu
@@ -408,6 +409,35 @@ def invert_block(block: ConvBlock, below: ConvBlock | None, at_output: Known,
     pre_activation = activation.invert(relu_output)
     # the inequalities that fill a null space take the input as a ReLU's output (≥ 0)
     floor = below if below is None or below.activation is None else None
-    at_input = Conv(block, floor).invert(pre_activation,
-                                         {f"{block.name}.weight": weight_gradient}.__getitem__)
+    conv, gradient_of = Conv(block, floor), {f"{block.name}.weight": weight_gradient}.__getitem__
+    if block.batch_norm is None:
+        return conv.invert(pre_activation, gradient_of), pre_activation.on
+    # train mode: δ at the conv's output carries the sample's statistics, whose normalised
+    # input at the off-units is the conv's own output there: from the boundary (0 after the
+    # BatchNorm) first, then from each round's input
+    known = pre_activation.on if pre_activation.on is not None \
+        else torch.ones_like(pre_activation.value, dtype=torch.bool)
+    output, previous = torch.where(known, pre_activation.value, 0.0), None
+    for _ in range(BATCH_STATISTICS_ROUNDS):
+        delta = through_batch_statistics(pre_activation.gradient,
+                                         block.batch_normalised(output))
+        at_input = conv.invert(replace(pre_activation, gradient=delta), gradient_of)
+        if previous is not None and settled(previous, at_input.value):
+            break
+        previous = at_input.value
+        output = torch.where(known, pre_activation.value,
+                             convolve(block, at_input.value).clamp_max(0.0))
     return at_input, pre_activation.on
+
+
+# a train-mode block's fixed point (the off-units' normalised outputs, the input) converges
+# linearly: at most this many rounds, until a round moves the input by less than SETTLED
+BATCH_STATISTICS_ROUNDS = 40
+SETTLED = 1e-10
+
+
+def settled(before: torch.Tensor, after: torch.Tensor) -> bool:
+    """Did a round move every step's input by less than SETTLED (relative)?"""
+    change = (after - before).flatten(1).norm(dim=1)
+    return bool((change <= SETTLED * after.flatten(1).norm(dim=1).clamp_min(1e-300)).all())
+

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from gradleak.inversion.conv_blocks import ConvBlock, conv_blocks
-from gradleak.inversion.layers.affine_norm import AffineNorm
+from gradleak.inversion.layers.affine_norm import AffineNorm, through_batch_statistics
 from gradleak.inversion.layers.base import Known
 from gradleak.inversion.layers.relu import margin_states
 from gradleak.inversion.network import Network
@@ -215,6 +215,22 @@ def first_conv_equations(network: Network, first_output: torch.Tensor, noise: to
     return FirstConvEquations(first, on, off, outputs, delta,
                               None if weight_gradient is None else weight_gradient.double(),
                               bias_check, output_noise, colour, ceiling)
+
+
+def with_batch_statistics(equations: FirstConvEquations, on_delta: torch.Tensor,
+                          inputs: torch.Tensor | None) -> FirstConvEquations:
+    """The equations of a first block whose BatchNorm normalised the sample by its own
+    statistics (train mode, folded in: `ConvBlock.batch_norm`): δ₁ at every unit carries them
+    (`through_batch_statistics`), the off-units' through the conv's own output there, taken at
+    `inputs` (None: at the boundary, 0 after the BatchNorm). `on_delta`: δ₁ as the block's
+    output gives it, at the on-units. No bias gradient checks δ₁ then (Σ_p δ₁(p) is 0)."""
+    block, on = equations.block, equations.on
+    off = torch.zeros_like(equations.outputs) if inputs is None \
+        else (equations.conv(inputs) + equations.bias).clamp_max(0.0)
+    output = torch.where(on, equations.outputs + equations.bias, off)
+    delta = through_batch_statistics(on_delta, block.batch_normalised(output))
+    return replace(equations, delta=delta.to(equations.delta.dtype), bias_check=None,
+                   colour=None)
 
 
 def cast(value: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:

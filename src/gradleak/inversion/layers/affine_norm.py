@@ -1,7 +1,12 @@
-"""BatchNorm in eval mode (and the identity of a block without one): a known per-channel
-affine map y = γ/σ · (r − μ) + β, inverted exactly. The gradient reaching r is the one reaching
-y times γ/σ. The victim computed it in float32, so an input exactly 0 (an off ReLU unit) comes
-back within a rounding bound of 0, which the ReLU's decisions must allow for."""
+"""BatchNorm (and the identity of a block without one): a known per-channel affine map
+y = γ/σ · (r − μ) + β, inverted exactly. In eval mode μ and σ are the running statistics and the
+gradient reaching r is the one reaching y times γ/σ. In train mode (a FedAvg client's step) one
+sample is normalised by its own statistics over the map, which the caller reads off the running
+buffers' change and puts in their place (the module then stays in train mode, to say so); the
+gradient then carries their terms, γ/σ · (δ − mean δ − r̂ · mean(δ r̂)) with r̂ = (r − μ)/σ
+(`through_batch_statistics`). The victim computed it in float32, so an input exactly 0 (an off
+ReLU unit) comes back within a rounding bound of 0, which the ReLU's decisions must allow
+for."""
 
 from __future__ import annotations
 
@@ -33,7 +38,19 @@ def bn_inverse(block: NormedLayer, y: torch.Tensor, noise: torch.Tensor
     # The victim computed BN in float32: an off unit comes back as ±1e-7 of the terms summed.
     rounding = 1e-6 * (relu.flatten(1).abs().amax(1)[:, None, None, None] + shift.abs()
                        + mean.abs())
+    # statistics read off float32 buffers (train mode) carry their own error into r
+    mean_error, var_error = statistics_error(block.norm)
+    if mean_error is not None and var_error is not None:
+        variance = block.norm.running_var.detach().double()[:, None, None] + block.norm.eps
+        rounding = rounding + mean_error[:, None, None] \
+            + (relu - mean).abs() * var_error[:, None, None] / (2 * variance)
     return relu, noise / gain.abs(), rounding, gain
+
+
+def statistics_error(norm: nn.BatchNorm2d) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(C,) bounds on the error of the mean and variance a train-mode BatchNorm holds, where
+    whoever put the sample's statistics there said them (`mean_error`, `var_error`)."""
+    return getattr(norm, "mean_error", None), getattr(norm, "var_error", None)
 
 
 def bn_affine(block: NormedLayer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -73,4 +90,23 @@ class AffineNorm(LayerInverse):
 
     def invert(self, at_output: Known, gradient_of: GradientOf | None = None) -> Known:
         relu, noise, rounding, gain = bn_inverse(self.layer, at_output.value, at_output.noise)
-        return Known(relu, noise, at_output.gradient * gain, rounding)
+        gradient = at_output.gradient
+        if self.layer.norm.training:
+            gradient = through_batch_statistics(gradient, normalised(self.layer.norm, relu))
+        return Known(relu, noise, gradient * gain, rounding)
+
+
+def normalised(norm: nn.BatchNorm2d, inputs: torch.Tensor) -> torch.Tensor:
+    """(inputs − μ)/σ per channel, with the statistics the module holds."""
+    sd = (norm.running_var.detach().double() + norm.eps).sqrt()[:, None, None]
+    return (inputs - norm.running_mean.detach().double()[:, None, None]) / sd
+
+
+def through_batch_statistics(delta: torch.Tensor, normalised: torch.Tensor) -> torch.Tensor:
+    """(N, C, h, w): the gradient reaching a train-mode BatchNorm's input, over its gain γ/σ,
+    from the one reaching its output (δ) and its normalised input r̂, one sample a step:
+    δ − mean δ − r̂ · mean(δ r̂), means over each map. Where δ is 0 (an off ReLU unit above)
+    r̂ does not enter the means."""
+    first = delta.mean((-2, -1), keepdim=True)
+    second = (delta * torch.where(delta != 0, normalised, 0.0)).mean((-2, -1), keepdim=True)
+    return delta - first - normalised * second
