@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gradleak.errors import ConfigError
-from gradleak.fedavg import Normalize, invert_update
+from gradleak.fedavg import FitWarning, Normalize, invert_update
 from gradleak.fedavg.forward import identity
 from gradleak.fedavg.labels import single_label
 from gradleak.fedavg.models import FEDAVG_MODELS
@@ -127,7 +127,11 @@ def test_what_the_walk_cannot_invert_is_refused_before_any_work(model, settings,
                   arguments["optimiser"], arguments["batchnorm"])
 
 
-def test_a_transform_that_is_not_per_pixel_and_a_cumulative_batchnorm_are_refused() -> None:
+def test_dropout_a_transform_not_per_pixel_and_a_cumulative_batchnorm_are_refused() -> None:
+    dropping = nn.Sequential(nn.Flatten(), nn.Linear(784, 32), nn.ReLU(), nn.Dropout(0.2),
+                             nn.Linear(32, 10))
+    with pytest.raises(ConfigError, match="3 drops units at random"):
+        plan_walk(dropping, (1, 28, 28), identity, 1, 1, "sgd", "eval")
     model = with_statistics(bias_free_bn_cnn())
     with pytest.raises(ConfigError, match="per pixel"):
         plan_walk(model, (1, 28, 28), lambda x: x.flip(-1), 1, 1, "sgd", "eval")
@@ -187,3 +191,15 @@ def test_an_update_of_two_images_declared_as_one_is_refused_by_its_rank() -> Non
     with pytest.raises(ConfigError, match="rank > 1"):
         invert_update(FEDAVG_MODELS.get("lenet-sigmoid")(1, 28, 10), w0, model.state_dict(),
                       samples=1, shape=(1, 28, 28), method="training-free", batchnorm="eval")
+
+
+def test_a_walk_whose_equations_do_not_hold_says_so() -> None:
+    """A train-mode client declared as eval mode: one image, one step (the rank check passes),
+    but the statistics the walk uses are the wrong ones; the image is not passed off as a
+    result without a FitWarning naming the residual."""
+    _, x, w0, wT = trained_in_train_mode(torch.float32)
+    with pytest.warns(FitWarning, match="the first conv's equations miss its image"):
+        result = invert_update(train_mode_cnn(), w0, wT, samples=1, shape=(1, 28, 28),
+                               method="training-free", batchnorm="eval")
+    assert result.walk["residuals"]["outputs"] > 0.1
+    assert any("the walk did not hold" in note for note in result.warnings)

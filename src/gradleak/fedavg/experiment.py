@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import resource
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ from gradleak.fedavg.attacks import FALLBACK, SEPARATE, FedAttackConfig, UpdateI
 from gradleak.fedavg.client import ClientConfig, ClientUpdate, train_client
 from gradleak.fedavg.datasets import ImageSet, load_dataset
 from gradleak.fedavg.forward import ClientForward, client_forward, identity
-from gradleak.fedavg.invert import attack_result
+from gradleak.fedavg.invert import FitWarning, attack_result
 from gradleak.fedavg.models import FEDAVG_MODELS
 from gradleak.fedavg.scoring import hungarian_match
 from gradleak.fedavg.separate import Separation, separate_update
@@ -69,6 +70,8 @@ class SimulatedClient:
             walked = walk_update(self.plan_walk(), update.w0, update.wT, update.buffers0,
                                  update.buffersT)
             optimised = FedAttackConfig(**{**attack.to_dict(), "method": "ig"})
+            if walked.doubt() is not None:
+                warnings.warn(walked.doubt(), FitWarning, stacklevel=2)
         if attack.method == SEPARATE:
             if span is None:
                 raise ConfigError(f"--attack {SEPARATE}: the client's update gives no image "

@@ -52,8 +52,13 @@ from gradleak.victims.roles import StackRoles, discover_stack
 Transform = Callable[[torch.Tensor], torch.Tensor]
 
 # σ₂/σ₁ of a Linear layer's update above this: more than one sample's gradient is in it (the
-# float32 wire leaves rank-one updates near 1e-6)
-RANK_ONE = 1e-3
+# float32 wire leaves one-step updates at η = 0.004 at 2e-7 to 7e-6; two steps on one image
+# showed 1e-4 to 1e-2)
+RANK_ONE = 1e-4
+# the first conv's output equations off by more than this (relative) at the image: the walk
+# did not hold (exact steps: ≤ 2e-3; the one BatchNorm step that settled short: 0.015; two
+# steps on one image that passed the rank check: 0.99)
+DOUBTFUL = 0.1
 # the first conv's equations solved in float64 (the RL default, float32, suits frames rounded
 # to 0..255; an update's image is read to its own precision)
 SOLVE = FrameSolve(smoothness=1e-4, precision="float64")
@@ -116,6 +121,13 @@ def plan_walk(model: nn.Module, shape: tuple[int, ...], transform: Transform, sa
         raise ConfigError(f"{why} through an input transform that acts per pixel as a·x + c "
                           "(Normalize); the declared one does not")
     double = copy.deepcopy(model).double().eval()
+    dropped = [name for name, module in double.named_modules()
+               if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0]
+    if dropped:
+        raise ConfigError(f"{why} of a deterministic network; {dropped[0]} drops units at "
+                          "random while a client trains, so its update is one random "
+                          "sub-network's gradient (the optimisation methods, which average "
+                          "over it, apply)")
     for name, norm in batchnorm_layers(double).items():
         if batchnorm == "train" and norm.momentum is None:
             raise ConfigError(f"{why}: {name} trained in train mode with momentum=None (a "
@@ -161,6 +173,17 @@ class Walked:
     def summary(self) -> dict[str, Any]:
         return {"rank_ratio": self.rank_ratio, "residuals": self.residuals,
                 "seconds": self.seconds}
+
+    def doubt(self) -> str | None:
+        """Why the image is not to be trusted (None: the equations hold at it)."""
+        residual = self.residuals.get("outputs", 0.0)
+        if residual <= DOUBTFUL:
+            return None
+        return (f"method {TRAINING_FREE!r}: the first conv's equations miss its image by "
+                f"{residual:.2f} (relative; exact steps: ≤ 0.002), so the walk did not hold: "
+                "the update is not one image's single-step gradient as this model and "
+                "transform compute it (more local steps, another BatchNorm mode or input "
+                "transform?)")
 
 
 @torch.no_grad()
