@@ -70,8 +70,9 @@ class SimulatedClient:
             walked = walk_update(self.plan_walk(), update.w0, update.wT, update.buffers0,
                                  update.buffersT)
             optimised = FedAttackConfig(**{**attack.to_dict(), "method": "ig"})
-            if walked.doubt() is not None:
-                warnings.warn(walked.doubt(), FitWarning, stacklevel=2)
+            doubt = walked.doubt()
+            if doubt is not None:
+                warnings.warn(doubt, FitWarning, stacklevel=2)
         if attack.method == SEPARATE:
             if span is None:
                 raise ConfigError(f"--attack {SEPARATE}: the client's update gives no image "

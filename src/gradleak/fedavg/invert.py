@@ -337,7 +337,9 @@ def invert_update(model: nn.Module, w0: Mapping[str, Any], wT: Mapping[str, Any]
     if walk is not None:  # the fit of its image is scored by the gradient at w0 (IG's)
         walked = walk_update(walk, params0, paramsT, buffers0, buffersT)
         config = FedAttackConfig(**{**config.to_dict(), "method": "ig"})
-        notes += [walked.doubt()] if walked.doubt() is not None else []
+        doubt = walked.doubt()
+        if doubt is not None:
+            notes.append(doubt)
     inversion = UpdateInversion(model, update, shape, classes, config, labels=chosen,
                                 client=client, span=span, features=features,
                                 auxiliary=labelled)
