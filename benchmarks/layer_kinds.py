@@ -1,6 +1,6 @@
 """The training-free attack on the conv stacks users bring: Conv → BatchNorm → ReLU blocks with
-bias-free convs, LeakyReLU and ELU in the ReLU's place, non-square frames, beside the paper's
-Conv → ReLU → BatchNorm order.
+bias-free convs, LeakyReLU, ELU, tanh and sigmoid in the ReLU's place, non-square frames, beside
+the paper's Conv → ReLU → BatchNorm order.
 
 Every network is a user's model (`gradleak.wrap`) at random init with cnn-small's shapes, its
 BatchNorms' running statistics set by one pass over the frames (as training leaves them, far
@@ -48,7 +48,7 @@ SHAPES = ((16, 8, 4, 2), (32, 4, 2, 1), (32, 3, 1, 1), (32, 3, 2, 1))
 class Variant:
     name: str
     order: str  # "relu-norm" (the paper's), "norm-relu" (most image networks')
-    activation: str = "relu"  # relu, leaky (slope 0.01), elu
+    activation: str = "relu"  # relu, leaky (slope 0.01), elu, tanh, sigmoid
     height: int = 64  # the frames are cropped to height × 64
 
 
@@ -56,6 +56,7 @@ VARIANTS = [Variant("Conv → ReLU → BN (the paper's order)", "relu-norm"),
             Variant("Conv (no bias) → BN → ReLU", "norm-relu"),
             Variant("Conv → LeakyReLU(0.01)", "none", "leaky"),
             Variant("Conv → ELU", "none", "elu"),
+            Variant("Conv → tanh", "none", "tanh"), Variant("Conv → sigmoid", "none", "sigmoid"),
             Variant("Conv (no bias) → BN → ReLU, 48×64 frames", "norm-relu", height=48)]
 
 
@@ -68,7 +69,8 @@ class Network(nn.Module):
         layers: list[nn.Module] = []
         channels, size = 3, (height, 64)
         for out, kernel, stride, padding in SHAPES:
-            act = {"relu": nn.ReLU(), "leaky": nn.LeakyReLU(0.01), "elu": nn.ELU()}[activation]
+            act = {"relu": nn.ReLU(), "leaky": nn.LeakyReLU(0.01), "elu": nn.ELU(),
+                   "tanh": nn.Tanh(), "sigmoid": nn.Sigmoid()}[activation]
             conv = nn.Conv2d(channels, out, kernel, stride, padding, bias=order != "norm-relu")
             layers += {"relu-norm": [conv, act, nn.BatchNorm2d(out)],
                        "norm-relu": [conv, nn.BatchNorm2d(out), act],

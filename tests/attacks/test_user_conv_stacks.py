@@ -1,7 +1,7 @@
 """The conv stacks users bring fall to the training-free attack as the paper's do: Conv →
 BatchNorm → ReLU blocks (most image networks' order, bias-free convs included: the BatchNorm
 before the ReLU is folded into the conv, and a victim and its folded twin give the same conv
-inputs and frames), non-square frames, LeakyReLU and ELU, in-place ReLUs."""
+inputs and frames), non-square frames, LeakyReLU, ELU and tanh, in-place ReLUs."""
 
 from __future__ import annotations
 
@@ -201,7 +201,8 @@ class LeakyPolicy(nn.Module):
         for c_in, c_out, kernel, stride, padding in ((3, 16, 4, 4, 0), (16, 32, 3, 1, 1),
                                                      (32, 32, 3, 1, 1)):
             blocks += [nn.Conv2d(c_in, c_out, kernel, stride, padding),
-                       nn.LeakyReLU(0.1) if activation == "leaky" else nn.ELU(0.7)]
+                       {"leaky": nn.LeakyReLU(0.1), "elu": nn.ELU(0.7),
+                        "tanh": nn.Tanh()}[activation]]
         self.body = nn.Sequential(*blocks, nn.Flatten())
         self.proj = nn.Linear(32 * 8 * 8, 64)
         self.pi, self.v = nn.Linear(64, 4), nn.Linear(64, 1)
@@ -211,9 +212,9 @@ class LeakyPolicy(nn.Module):
         return self.pi(h), self.v(h)
 
 
-@pytest.mark.parametrize("activation", ["leaky", "elu"])
+@pytest.mark.parametrize("activation", ["leaky", "elu", "tanh"])
 def test_leaky_relu_and_elu_blocks_give_every_unit_and_the_frame(activation: str) -> None:
-    """LeakyReLU and ELU are one-to-one: the walk reads every pre-activation (no on/off
+    """LeakyReLU, ELU and tanh are one-to-one: the walk reads every pre-activation (no on/off
     decision), the conv inputs come back exact in float64 and the frame from the first conv's
     equations at every unit (1,792 of them for 3,072 pixels: the prior decides the rest)."""
     torch.manual_seed(8)
