@@ -34,8 +34,8 @@ from gradleak.fedavg.span import first_linear, pixel_affine
 from gradleak.inversion.conv_blocks import ConvBlock, conv_blocks, deepest_inputs
 from gradleak.inversion.conv_recovery import (
     BATCH_STATISTICS_ROUNDS,
+    SETTLED,
     recover_conv_inputs,
-    settled,
     top_descent,
 )
 from gradleak.inversion.first_conv import (
@@ -45,6 +45,7 @@ from gradleak.inversion.first_conv import (
     with_batch_statistics,
 )
 from gradleak.inversion.frame_solve import Bounds, FrameSolve, solve_inputs
+from gradleak.inversion.layers.base import settled
 from gradleak.inversion.layers.linear import Linear
 from gradleak.names import TRAINING_FREE
 from gradleak.victims.roles import StackRoles, discover_stack
@@ -302,7 +303,7 @@ def first_conv_input(walk: Walk, gradient_of: Callable[[str], torch.Tensor]
         for _ in range(BATCH_STATISTICS_ROUNDS):
             trained = with_batch_statistics(equations, equations.delta, model_input)
             model_input, previous = solve(trained), model_input
-            if settled(previous, model_input):
+            if settled(previous, model_input, SETTLED):
                 break
         equations = trained
     return model_input, {key: float(value[0]) for key, value in

@@ -42,7 +42,7 @@ import torch
 from gradleak.errors import ConfigError
 from gradleak.inversion.conv_blocks import ConvBlock, block_forward, conv_blocks, deepest_inputs
 from gradleak.inversion.layers.affine_norm import AffineNorm, through_batch_statistics
-from gradleak.inversion.layers.base import GradientOf, Known
+from gradleak.inversion.layers.base import GradientOf, Known, settled
 from gradleak.inversion.layers.conv import Conv
 from gradleak.inversion.layers.conv_equations import convolve
 from gradleak.inversion.layers.linear import Linear
@@ -422,7 +422,7 @@ def invert_block(block: ConvBlock, below: ConvBlock | None, at_output: Known,
         delta = through_batch_statistics(pre_activation.gradient,
                                          block.batch_normalised(output))
         at_input = conv.invert(replace(pre_activation, gradient=delta), gradient_of)
-        if previous is not None and settled(previous, at_input.value):
+        if previous is not None and settled(previous, at_input.value, SETTLED):
             break
         previous = at_input.value
         output = torch.where(known, pre_activation.value,
@@ -434,10 +434,3 @@ def invert_block(block: ConvBlock, below: ConvBlock | None, at_output: Known,
 # linearly: at most this many rounds, until a round moves the input by less than SETTLED
 BATCH_STATISTICS_ROUNDS = 40
 SETTLED = 1e-10
-
-
-def settled(before: torch.Tensor, after: torch.Tensor) -> bool:
-    """Did a round move every step's input by less than SETTLED (relative)?"""
-    change = (after - before).flatten(1).norm(dim=1)
-    return bool((change <= SETTLED * after.flatten(1).norm(dim=1).clamp_min(1e-300)).all())
-

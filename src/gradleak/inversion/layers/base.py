@@ -87,6 +87,13 @@ def inverse_for_kind(kind: str) -> type[LayerInverse] | None:
     return None
 
 
+def settled(before: torch.Tensor, after: torch.Tensor, tolerance: float) -> bool:
+    """Did a fixed point's round move every step's (N, ...) value by less than `tolerance`
+    (relative)?"""
+    change = (after - before).flatten(1).norm(dim=1)
+    return bool((change <= tolerance * after.flatten(1).norm(dim=1).clamp_min(1e-300)).all())
+
+
 def refusal_of(kind: str, module: nn.Module) -> str | None:
     """Why the walk cannot pass a module of this role kind (None: it can)."""
     inverse = inverse_for_kind(kind)
