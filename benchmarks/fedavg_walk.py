@@ -11,12 +11,15 @@ the same update; the mean auxiliary image and the image's mean colour (an
 oracle). Models the walk refuses are listed with its reason. Writes
 benchmarks/results/fedavg_walk.{json,md}.
 
-    python benchmarks/fedavg_walk.py [--seeds 6] [--ig-iterations 300]
+    python benchmarks/fedavg_walk.py [--seeds 6] [--ig-iterations 300] [--models M ...]
+
+`--models` measures those models only and keeps the other models' rows of the results file.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 from pathlib import Path
 
@@ -38,7 +41,7 @@ RESULTS = Path(__file__).parent / "results" / "fedavg_walk.json"
 DATASETS = {"digits": "digits 28×28", "photos": "photos 32×32"}
 # (model, BatchNorm in train mode)
 WALKED = (("lenet-sigmoid", False), ("cnn-strided", False), ("cnn-strided-bn", True),
-          ("mlp", False))
+          ("cnn-strided-gn", False), ("mlp", False))
 REFUSED = ("flower-cnn", "cnn", "cnn-bn", "resnet8")
 METRICS = ("psnr", "ssim", "lpips")
 
@@ -133,10 +136,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=6)
     parser.add_argument("--ig-iterations", type=int, default=300)
+    parser.add_argument("--models", nargs="+", choices=[model for model, _ in WALKED],
+                        help="measure these only, keeping the results file's other rows")
     args = parser.parse_args()
     rows = []
+    if args.models and RESULTS.exists():
+        kept = json.loads(RESULTS.read_text())
+        if (kept["seeds"], kept["ig_iterations"]) != (args.seeds, args.ig_iterations):
+            parser.error(f"{RESULTS} holds {kept['seeds']} seeds at {kept['ig_iterations']} IG "
+                         "iterations: measure the same to keep its rows")
+        rows = [row for row in kept["rows"] if row["model"] not in args.models]
     for dataset in DATASETS:
         for model, train_mode in WALKED:
+            if args.models and model not in args.models:
+                continue
             for seed in range(args.seeds):
                 rows.append(one_client(dataset, model, train_mode, seed, args.ig_iterations))
                 walked, ig = rows[-1]["training-free"], rows[-1]["ig"]

@@ -713,6 +713,21 @@ def fedavg_walk() -> tuple[str, str]:
             "; ".join(cell(*pair) for pair in pairs))
 
 
+def group_norm_block() -> tuple[str, str]:
+    data = load("group_norm_block.json")
+
+    def cell(groups: int) -> str:
+        runs = [r for r in data["runs"] if r["groups"] == groups and r["projected"]]
+        errors = [e for r in runs for e in r["input_error"]]
+        return (f"G = {groups}: {sum(e <= 1e-5 for e in errors)} of {len(errors)} steps to "
+                f"{statistics.median(errors):.0e} ({sum(not r['settled'] for r in runs)} of "
+                f"{len(runs)} runs unsettled)")
+
+    groups = sorted({r["groups"] for r in data["runs"]})
+    return ("GroupNorm block inverse: each step's input and group statistics (float32 wire)",
+            "; ".join(cell(g) for g in groups))
+
+
 def fedavg_ladder() -> tuple[str, str]:
     rows = load("fedavg_ladder.json")["rows"]
     names = list(dict.fromkeys(r["name"] for r in rows))
@@ -835,7 +850,7 @@ ROWS: dict[str, Callable[[], tuple[str, str]]] = {
     "fedavg_controls.json": fedavg_controls,
     "flower_audit.json": flower_audit, "fedavg_span.json": fedavg_span,
     "fedavg_separation.json": fedavg_separation, "fedavg_separate.json": fedavg_separate,
-    "fedavg_walk.json": fedavg_walk,
+    "fedavg_walk.json": fedavg_walk, "group_norm_block.json": group_norm_block,
     "fedavg_replay.json": fedavg_replay, "fedavg_ladder.json": fedavg_ladder,
     "fedavg_restarts.json": fedavg_restarts,
     # every merged `gradleak experiment` (src/gradleak/experiments), once it has results

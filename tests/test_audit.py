@@ -350,11 +350,11 @@ def audit_of(victim: str, tmp_path: Path, capsys) -> dict:
 @pytest.mark.slow
 def test_an_attack_the_victim_does_not_allow_is_named_not_run(tmp_path: Path,
                                                              capsys) -> None:
-    """IMPALA's GroupNorm and residual blocks have no route for the training-free attack yet:
+    """IMPALA's max-pooling and residual blocks have no route for the training-free attack yet:
     the audit runs the rest and says why that one did not run (each route's reason)."""
     verdict = audit_of("impala-small", tmp_path, capsys)
     reason = verdict["not_applicable"]["training-free"]
-    assert "patch embedding: " in reason and "conv stack: " in reason and "groupnorm" in reason
+    assert "patch embedding: " in reason and "conv stack: " in reason and "maxpool" in reason
     assert any(line.startswith("Not applicable to this victim: training-free") for line in
                verdict["headline"])
     assert verdict["actions"]["accuracy"] >= 0.9 and "frames" not in verdict

@@ -69,6 +69,8 @@ CASES = {  # name → (model, input transform, the largest pixel error allowed)
     "Conv → BatchNorm (eval) → ReLU, no pooling":
         (lambda: with_statistics(bias_free_bn_cnn()), identity, 1e-3),
     "an MLP": (lambda: FEDAVG_MODELS.get("mlp")(1, 28, 10), identity, 1e-4),
+    "Conv → GroupNorm → ReLU, no pooling (each block's statistics solved)":
+        (lambda: FEDAVG_MODELS.get("cnn-strided-gn")(1, 28, 10), Normalize(0.5, 0.5), 1e-3),
 }
 
 
@@ -138,6 +140,33 @@ def test_dropout_a_transform_not_per_pixel_and_a_cumulative_batchnorm_are_refuse
     model[1].momentum = None
     with pytest.raises(ConfigError, match="1 trained in train mode with momentum=None"):
         plan_walk(model, (1, 28, 28), identity, 1, 1, "sgd", "train")
+
+
+def grouped(first: nn.Module, activation: nn.Module, after: int = 7) -> nn.Module:
+    return nn.Sequential(first, nn.GroupNorm(4, 16), activation, nn.Conv2d(16, 32, 5, 2, 2),
+                         nn.GroupNorm(4, 32), nn.ReLU(), nn.Flatten(),
+                         nn.Linear(32 * after * after, 10))
+
+
+def zero_gain(model: nn.Module) -> nn.Module:
+    with torch.no_grad():
+        model[4].weight[5] = 0.0
+    return model
+
+
+@pytest.mark.parametrize("model, says", [
+    (lambda: grouped(nn.Conv2d(1, 16, 5, 2, 2, bias=False), nn.ReLU()),
+     "cannot pass 1: a conv without a bias under GroupNorm"),
+    (lambda: grouped(nn.Conv2d(1, 16, 5, 2, 2), nn.Tanh()),
+     "passes a GroupNorm followed by a ReLU; 1 is followed by a tanh"),
+    (lambda: zero_gain(grouped(nn.Conv2d(1, 16, 5, 2, 2), nn.ReLU())),
+     r"cannot pass 4: its GroupNorm has γ = 0 on channels \[5\]"),
+    (lambda: grouped(nn.Conv2d(1, 16, 3, 4, 1), nn.ReLU(), after=4),
+     r"about 536 equations \(half the units on\) for 792 unknowns"),
+])
+def test_a_groupnorm_the_walk_cannot_solve_is_refused_naming_it(model, says) -> None:
+    with pytest.raises(ConfigError, match=says):
+        plan_walk(model(), (1, 28, 28), identity, 1, 1, "sgd", "eval")
 
 
 def train_mode_cnn() -> nn.Module:

@@ -11,7 +11,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import gradleak
+from gradleak.attacks.exact import first_block
 from gradleak.errors import ConfigError
+from gradleak.fedavg.forward import identity
+from gradleak.fedavg.walk import plan_walk
+from gradleak.inversion.conv_recovery import recover_conv_inputs
 from gradleak.inversion.layers import Known
 from gradleak.inversion.layers.group_norm import GroupNormBlock, GroupNormFit
 
@@ -81,16 +86,37 @@ def test_a_float32_gradient_gives_the_input_to_float32_precision() -> None:
     assert float(relative(fit.input.value, x).max()) <= 1e-5
 
 
-def test_the_gradient_reaching_the_input_is_the_blocks_own() -> None:
+def test_the_gradients_reaching_the_conv_output_and_input_are_the_blocks_own() -> None:
+    """What the walk hands on: the conv's output at the on-units and the gradient reaching it
+    (`invert`, the GroupNorm's inverse), and the gradient reaching the conv's input."""
     layer, norm, head = block(4)
     x = F.relu(torch.randn(1, 8, 8, 8, dtype=torch.float64) * 0.5 + 0.1).requires_grad_(True)
-    output = F.relu(norm(layer.conv(x)))
+    conv_output = layer.conv(x)
+    output = F.relu(norm(conv_output))
     loss = F.cross_entropy(head(output.flatten(1)), torch.tensor([0]))  # one_step_each's
-    (reaching,) = torch.autograd.grad(loss, [x])
+    at_conv, reaching = torch.autograd.grad(loss, [conv_output, x])
     at_output, weight_gradient = one_step_each(layer, norm, head, x.detach())
-    found = GroupNormBlock(layer, norm).invert(at_output,
-                                               {"conv.weight": weight_gradient}.__getitem__)
+    gradient_of = {"conv.weight": weight_gradient}.__getitem__
+    inverse = GroupNormBlock(layer, norm)
+    known = inverse.invert(at_output, gradient_of)
+    on = known.on
+    assert on is not None and bool(on.any())
+    assert float(relative(known.value[on][None], conv_output.detach()[on][None])) <= 1e-10
+    assert float(relative(known.gradient, at_conv)) <= 1e-9
+    found = inverse.fit(at_output, gradient_of).input
     assert float(relative(found.gradient, reaching)) <= 1e-9
+
+
+def test_an_input_its_weight_gradient_leaves_short_comes_back_with_the_outputs() -> None:
+    """The joint solve (for a network's input under its first block, which the weight gradient
+    alone leaves short of equations) gives the same input, in float64 exactly."""
+    layer, norm, head = block(4)
+    x = F.relu(torch.randn(2, 8, 8, 8, dtype=torch.float64) * 0.5 + 0.1)
+    at_output, weight_gradient = one_step_each(layer, norm, head, x)
+    fit = GroupNormBlock(layer, norm).fit(at_output, {"conv.weight": weight_gradient}.__getitem__,
+                                          jointly=True)
+    assert float(relative(fit.input.value, x).max()) <= 1e-10
+    assert fit.settled
 
 
 @pytest.mark.parametrize(("groups", "bias", "match"), [
@@ -108,3 +134,54 @@ def test_a_zero_gain_is_refused_naming_the_channels() -> None:
         norm.weight[3] = 0.0
     with pytest.raises(ConfigError, match=r"γ = 0 on channels \[3\]"):
         GroupNormBlock(layer, norm)
+
+
+def test_the_walk_passes_groupnorm_blocks_with_each_steps_own_statistics() -> None:
+    """Down a conv stack (`inversion.conv_recovery`), three steps at once, each normalised by
+    its own statistics: every conv input above the first block comes back exactly."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 16, 5, 2, 2), nn.ReLU(), nn.Conv2d(16, 32, 3, 1, 1),
+                          nn.GroupNorm(4, 32), nn.ReLU(), nn.Conv2d(32, 32, 3, 1, 1),
+                          nn.GroupNorm(8, 32), nn.ReLU(), nn.Flatten(),
+                          nn.Linear(32 * 8 * 8, 10)).double()
+    network = plan_walk(model, (1, 16, 16), identity, 1, 1, "sgd", "eval").network
+    images = torch.rand(3, 1, 16, 16, dtype=torch.float64)
+    gradients: dict[str, list[torch.Tensor]] = {}
+    inputs: dict[str, list[torch.Tensor]] = {"2": [], "5": []}
+    hooks = [network.model.get_submodule(name).register_forward_hook(
+        lambda _module, given, _out, name=name: inputs[name].append(given[0].detach()))
+        for name in inputs]
+    for step in range(3):
+        loss = F.cross_entropy(network.model(images[step:step + 1]), torch.tensor([step]))
+        for name, value in zip(dict(network.model.named_parameters()),
+                               torch.autograd.grad(loss, list(network.model.parameters())),
+                               strict=True):
+            gradients.setdefault(name, []).append(value)
+    for hook in hooks:
+        hook.remove()
+    found = recover_conv_inputs(lambda name: torch.stack(gradients[name]), network, "2")
+    for name, truth in inputs.items():
+        assert float(relative(found.inputs[name], torch.cat(truth)).max()) <= 1e-8
+
+
+class GroupedPolicy(nn.Module):
+    """A user's policy whose first conv block normalises by GroupNorm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 16, 4, 4), nn.GroupNorm(4, 16), nn.ReLU(),
+                                  nn.Conv2d(16, 16, 3, 1, 1), nn.ReLU(), nn.Flatten(),
+                                  nn.Linear(16 * 8 * 8, 32), nn.ReLU())
+        self.pi, self.v = nn.Linear(32, 4), nn.Linear(32, 1)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.body(x)
+        return self.pi(h), self.v(h)
+
+
+def test_the_rl_frame_solve_refuses_a_first_block_with_groupnorm_up_front() -> None:
+    victim = gradleak.wrap(GroupedPolicy(), policy_head="pi", value_head="v",
+                           frame_shape=(32, 32, 3))
+    with pytest.raises(ConfigError, match="first conv block normalises each step by its own "
+                                          "GroupNorm statistics"):
+        first_block(victim)

@@ -48,7 +48,7 @@ def test_every_action_and_advantage_comes_back_from_a_captured_stream(
 
 
 @pytest.mark.parametrize("victim, command, fragment", [
-    ("impala-small", ["closed-form", "--conv", "2"], "encoder.0.1, a groupnorm: GroupNorm"),
+    ("impala-small", ["closed-form", "--conv", "2"], "encoder.0.2, a maxpool: max-pooling"),
     ("vit-tiny-small", ["closed-form", "--invert", "2"], "has no Linear layer reading its conv"),
 ])
 def test_an_attack_the_structure_does_not_allow_is_refused_up_front(

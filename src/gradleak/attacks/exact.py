@@ -223,6 +223,10 @@ def first_block(victim: Victim) -> ConvBlock:
         raise ConfigError(f"victim {victim.config.name}: the recursion reaches the input of "
                           f"{reached[-1]} only; the first conv's equations need the first "
                           "block's output (the second conv's input)")
+    if blocks[0].group_norm is not None:
+        raise ConfigError(f"victim {victim.config.name}: its first conv block normalises "
+                          "each step by its own GroupNorm statistics, which the frame solve "
+                          "does not read yet (the blocks above it are walked)")
     return blocks[0]
 
 

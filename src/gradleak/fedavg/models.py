@@ -76,6 +76,19 @@ def strided_cnn_batchnorm(channels: int, size: int, classes: int) -> nn.Module:
                          nn.Linear(256, classes))
 
 
+@FEDAVG_MODELS.register("cnn-strided-gn")
+def strided_cnn_groupnorm(channels: int, size: int, classes: int) -> nn.Module:
+    """`cnn-strided` with GroupNorm (8 groups) between each convolution and its ReLU, as
+    federated clients normalise without batch statistics (Hsieh et al., ICML 2020)."""
+    after = ((size - 1) // 2) // 2 + 1
+    layers: list[nn.Module] = []
+    for c_in, c_out, kernel, stride in ((channels, 32, 5, 2), (32, 64, 5, 2), (64, 64, 3, 1)):
+        layers += [nn.Conv2d(c_in, c_out, kernel, stride, kernel // 2), nn.GroupNorm(8, c_out),
+                   nn.ReLU()]
+    return nn.Sequential(*layers, nn.Flatten(), nn.Linear(64 * after * after, 256), nn.ReLU(),
+                         nn.Linear(256, classes))
+
+
 @FEDAVG_MODELS.register("mlp")
 def mlp(channels: int, size: int, classes: int) -> nn.Module:
     """A two-layer perceptron on the flattened image (256 hidden units): its first layer's update

@@ -11,9 +11,9 @@ on it (its Linear layers' updates are rank one), not assumed.
 
 BatchNorm is inverted in the mode the client trained it in: eval mode is a known affine map; in
 train mode the image was normalised by its own statistics, which the running buffers' change
-gives (`set_batch_statistics`), and the walk carries the gradient through them. What the walk
-cannot pass (max-pooling, a residual addition, GroupNorm, convolutions whose gradients do not
-determine their input) is refused, naming it, before any work: there the optimisation methods
+gives (`set_batch_statistics`), and the walk carries the gradient through them. GroupNorm's statistics, the image's own, are solved with each block
+(`inversion.layers.group_norm`). What the walk cannot pass (max-pooling, a residual addition,
+convolutions whose gradients do not determine their input) is refused, naming it, before any work: there the optimisation methods
 are what the audit has.
 """
 
@@ -39,14 +39,19 @@ from gradleak.inversion.conv_recovery import (
     top_descent,
 )
 from gradleak.inversion.first_conv import (
+    FIRST_BLOCK_MARGIN,
     FirstConvEquations,
     NoiseModel,
     first_conv_equations,
     with_batch_statistics,
 )
 from gradleak.inversion.frame_solve import Bounds, FrameSolve, solve_inputs
-from gradleak.inversion.layers.base import settled
+from gradleak.inversion.layers.affine_norm import AffineNorm
+from gradleak.inversion.layers.base import Known, settled
+from gradleak.inversion.layers.conv_equations import convolve
+from gradleak.inversion.layers.group_norm import GroupNormBlock
 from gradleak.inversion.layers.linear import Linear
+from gradleak.inversion.layers.relu import margin_states
 from gradleak.names import TRAINING_FREE
 from gradleak.victims.roles import StackRoles, discover_stack
 
@@ -152,6 +157,13 @@ def plan_walk(model: nn.Module, shape: tuple[int, ...], transform: Transform, sa
         raise ConfigError(f"{why}: the gradient determines the inputs of "
                           f"{', '.join(deepest_inputs(network))} only, and the first conv's "
                           f"equations need the input of {blocks[1].name}")
+    if blocks[0].group_norm is not None:
+        equations, unknowns = first_block_counts(blocks[0])
+        if equations < unknowns:
+            raise ConfigError(f"{why}: the image under the first block's GroupNorm comes from "
+                              "that block's weight gradient and outputs, about "
+                              f"{equations} equations (half the units on) for {unknowns} "
+                              "unknowns (the pixels and each group's two statistics)")
     return Walk(network, affine, shape, batchnorm, blocks=tuple(blocks))
 
 
@@ -279,6 +291,8 @@ def first_conv_input(walk: Walk, gradient_of: Callable[[str], torch.Tensor]
     else:  # the Linear layer reads the first block's output
         top = top_descent(gradient_of, network, list(blocks))
         output, noise, upstream = top.y, top.noise, top.upstream
+    if first.group_norm is not None:
+        return grouped_first_input(walk, Known(output, noise, upstream), gradient_of)
     weight_gradient = first.weight_gradient(gradient_of(f"{first.name}.weight"))
     bias = None if first.bias_source is None else first.bias_gradient(
         gradient_of(first.bias_source[0]))
@@ -308,6 +322,38 @@ def first_conv_input(walk: Walk, gradient_of: Callable[[str], torch.Tensor]
         equations = trained
     return model_input, {key: float(value[0]) for key, value in
                          equations.residuals(model_input).items()}
+
+
+def first_block_counts(block: ConvBlock) -> tuple[int, int]:
+    """(equations, unknowns) of a first Conv → GroupNorm → ReLU block's joint solve: its
+    weight gradient's entries and, a ReLU leaving about half its units on, half its outputs,
+    against the pixels and two statistics a group."""
+    conv, (height, width) = block.conv, block.input_shape
+    out_height, out_width = ((size + 2 * conv.padding[i] - conv.kernel_size[i]) // conv.stride[i]
+                             + 1 for i, size in enumerate((height, width)))
+    equations = conv.weight.numel() + conv.out_channels * out_height * out_width // 2
+    assert block.group_norm is not None
+    return equations, conv.in_channels * height * width + 2 * block.group_norm.num_groups
+
+
+def grouped_first_input(walk: Walk, at_output: Known, gradient_of: Callable[[str], torch.Tensor]
+                        ) -> tuple[torch.Tensor, dict[str, float]]:
+    """The model's input under a first Conv → GroupNorm → ReLU block, from that block's own
+    equations (`layers.group_norm`: its weight gradient has a row for every pixel, since δ is
+    on every unit), its statistics solved with it."""
+    first = walk.blocks[0]
+    relu_output = AffineNorm(first).invert(at_output)
+    on, _ = margin_states(relu_output, FIRST_BLOCK_MARGIN)
+    fit = GroupNormBlock(first, first.group_norm).fit(replace(relu_output, on=on), gradient_of,
+                                                      jointly=True)
+    model_input = fit.input.value
+    a, c = (t.double().reshape(1, *walk.shape) for t in walk.affine)
+    model_input = torch.minimum(torch.maximum(model_input, torch.minimum(c, a + c)),
+                                torch.maximum(c, a + c))
+    outputs = fit.output.value * on
+    missed = (convolve(first, model_input) * on - outputs).flatten(1).norm(dim=1) \
+        / outputs.flatten(1).norm(dim=1).clamp_min(1e-300)
+    return model_input, {"outputs": float(missed[0]), "weight_gradient": float(fit.residual[0])}
 
 
 def rank_ratio(weight_update: torch.Tensor) -> float:

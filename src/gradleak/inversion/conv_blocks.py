@@ -1,7 +1,7 @@
-"""A network's conv stack as the walk meets it: Conv [→ BatchNorm] → ReLU (or a one-to-one
-activation: LeakyReLU, ELU, sigmoid, tanh) [→ BatchNorm] blocks on maps of any shape, read by a
-Linear layer; dropout, identities and flattening pass through. Each block is inverted by its
-layers' inverses (`inversion.layers`: the norm, the activation, the conv) in
+"""A network's conv stack as the walk meets it: Conv [→ BatchNorm | GroupNorm] → ReLU (or a
+one-to-one activation: LeakyReLU, ELU, sigmoid, tanh) [→ BatchNorm] blocks on maps of any
+shape, read by a Linear layer; dropout, identities and flattening pass through. Each block is
+inverted by its layers' inverses (`inversion.layers`: the norm, the activation, the conv) in
 `inversion.conv_recovery`; a module the walk cannot pass is refused here, with its layer
 inverse's reason, before any gradient is read.
 """
@@ -18,6 +18,7 @@ from gradleak.errors import ConfigError
 from gradleak.inversion.layers import identity_norm, refusal_of
 from gradleak.inversion.layers.affine_norm import bn_affine, norm_affine
 from gradleak.inversion.layers.conv_equations import convolve
+from gradleak.inversion.layers.group_norm import unsolvable
 from gradleak.inversion.layers.identity import Identity
 from gradleak.inversion.layers.invertible_activation import InvertibleActivation
 from gradleak.inversion.network import Network
@@ -45,6 +46,9 @@ class ConvBlock:
     # its buffers holding them): the conv's output gradient then carries their terms
     # (`layers.affine_norm.through_batch_statistics`); None: eval mode, or none folded
     batch_norm: nn.BatchNorm2d | None = None
+    # a GroupNorm between the conv and the ReLU: never folded, since its statistics are each
+    # step's own, which its block inverse solves for (`layers.group_norm`); None: none
+    group_norm: nn.GroupNorm | None = None
 
     def weight_gradient(self, observed: torch.Tensor) -> torch.Tensor:
         """The folded conv's per-step weight gradient (N, O, C, k, k) from the observed one."""
@@ -99,14 +103,15 @@ def conv_blocks(network: Network) -> list[ConvBlock]:
     while i < len(steps):
         conv = steps[i]
         pre = i + 1 < len(steps) and kinds[i + 1] == "batchnorm"
-        relu = i + 1 + pre
+        grouped = i + 1 < len(steps) and kinds[i + 1] == "groupnorm"
+        relu = i + 1 + (pre or grouped)
         if conv.kind != "conv" or relu >= len(steps) or kinds[relu] not in ACTIVATIONS:
             what = conv if conv.kind != "conv" else steps[min(relu, len(steps) - 1)]
             raise ConfigError(f"{name}: the walk through the conv stack passes "
-                              "Conv [→ BatchNorm] → ReLU [→ BatchNorm] blocks only; "
+                              "Conv [→ BatchNorm | GroupNorm] → ReLU [→ BatchNorm] blocks only; "
                               f"{what.module} is {article(what.kind)} {what.kind}"
-                              + (" not followed by a ReLU" if what.kind in ("conv", "batchnorm")
-                                 else ""))
+                              + (" not followed by a ReLU"
+                                 if what.kind in ("conv", "batchnorm", "groupnorm") else ""))
         module = network.get_submodule(conv.module)
         before = network.get_submodule(steps[i + 1].module) if pre else None
         post = relu + 1 < len(steps) and kinds[relu + 1] == "batchnorm"
@@ -114,6 +119,9 @@ def conv_blocks(network: Network) -> list[ConvBlock]:
             else identity_norm(module.out_channels)
         block = folded_block(conv.module, module, before, steps[i + 1].module if pre else None,
                              norm, (conv.input_shape[1], conv.input_shape[2]))
+        if grouped:
+            block = grouped_block(name, block, module, network.get_submodule(steps[i + 1].module),
+                                  steps[i + 1].module, kinds[relu])
         if kinds[relu] != "relu":
             block = replace(block, activation=InvertibleActivation(
                 network.get_submodule(steps[relu].module)))
@@ -160,6 +168,19 @@ def folded_block(name: str, conv: nn.Conv2d, before: nn.BatchNorm2d | None,
                      batch_norm=before if before is not None and before.training else None)
 
 
+def grouped_block(network_name: str, block: ConvBlock, conv: nn.Conv2d, norm: nn.GroupNorm,
+                  norm_name: str, activation: str) -> ConvBlock:
+    """The block with its GroupNorm between the conv and the ReLU, or one ConfigError naming
+    why the GroupNorm's block inverse cannot pass it."""
+    if activation != "relu":
+        raise ConfigError(f"{network_name}: the walk passes a GroupNorm followed by a ReLU; "
+                          f"{norm_name} is followed by {article(activation)} {activation}")
+    why = unsolvable(conv, norm)  # the module's own bias, not the block's (0 if none)
+    if why is not None:
+        raise ConfigError(f"{network_name}: the walk cannot pass {norm_name}: {why}")
+    return replace(block, group_norm=norm)
+
+
 def solvable(block: ConvBlock) -> bool:
     """Does the weight gradient pin the input down? D needs at least as many independent rows
     as a channel has pixels. A ReLU switches about half the output units off (their rows
@@ -169,7 +190,8 @@ def solvable(block: ConvBlock) -> bool:
     pre-activation is an equation too."""
     out_channels, _, kernel, _ = block.conv.weight.shape
     height, width = block.input_shape
-    needed = 1 if block.activation is not None else 2
+    # GroupNorm puts δ on every unit, off ones included (`layers.group_norm`)
+    needed = 1 if block.activation is not None or block.group_norm is not None else 2
     return out_channels * kernel * kernel >= needed * height * width
 
 
@@ -188,8 +210,13 @@ def deepest_inputs(network: Network) -> list[str]:
 
 
 def block_forward(block: ConvBlock, inputs: torch.Tensor) -> torch.Tensor:
-    """Conv → ReLU → BN (eval mode) in float64: what the block above received."""
+    """Conv [→ GroupNorm] → ReLU → BN (eval mode) in float64: what the block above received."""
     pre = convolve(block, inputs)
+    if block.group_norm is not None:
+        norm = block.group_norm
+        pre = F.group_norm(pre, norm.num_groups,
+                           None if norm.weight is None else norm.weight.detach().double(),
+                           None if norm.bias is None else norm.bias.detach().double(), norm.eps)
     relu = F.relu(pre) if block.activation is None else block.activation.forward(pre)
     gain, shift, mean = bn_affine(block)
     return gain * (relu - mean + shift)

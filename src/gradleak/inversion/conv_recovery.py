@@ -45,9 +45,10 @@ from gradleak.inversion.layers.affine_norm import AffineNorm, through_batch_stat
 from gradleak.inversion.layers.base import GradientOf, Known, settled
 from gradleak.inversion.layers.conv import Conv
 from gradleak.inversion.layers.conv_equations import convolve
+from gradleak.inversion.layers.group_norm import GroupNormBlock
 from gradleak.inversion.layers.linear import Linear
 from gradleak.inversion.layers.null_space import completions_shared
-from gradleak.inversion.layers.relu import MaskRule, Relu
+from gradleak.inversion.layers.relu import MaskRule, Relu, margin_states
 from gradleak.inversion.network import Network
 
 # Why these three: the margins suit exact and float16/bfloat16-rounded gradients (no single one
@@ -404,12 +405,18 @@ def invert_block(block: ConvBlock, below: ConvBlock | None, at_output: Known,
     and its conv (`below`: the block whose output the conv reads). What is known at the conv's
     input, and the on-units used."""
     relu_output = AffineNorm(block).invert(at_output)
-    activation = Relu(rule, block, weight_gradient) if block.activation is None \
-        else block.activation
-    pre_activation = activation.invert(relu_output)
     # the inequalities that fill a null space take the input as a ReLU's output (≥ 0)
     floor = below if below is None or below.activation is None else None
     conv, gradient_of = Conv(block, floor), {f"{block.name}.weight": weight_gradient}.__getitem__
+    if block.group_norm is not None:  # the statistics first, then the conv as in any block
+        on, _ = margin_states(relu_output, GROUP_NORM_MARGIN if rule.margin is None
+                              else rule.margin)
+        fit = GroupNormBlock(block, block.group_norm).fit(replace(relu_output, on=on),
+                                                          gradient_of)
+        return conv.invert(fit.output, gradient_of), on
+    activation = Relu(rule, block, weight_gradient) if block.activation is None \
+        else block.activation
+    pre_activation = activation.invert(relu_output)
     if block.batch_norm is None:
         return conv.invert(pre_activation, gradient_of), pre_activation.on
     # train mode: δ at the conv's output carries the sample's statistics, whose normalised
@@ -430,6 +437,9 @@ def invert_block(block: ConvBlock, below: ConvBlock | None, at_output: Known,
     return at_input, pre_activation.on
 
 
+# a GroupNorm block's units: on beyond this many noise deviations (and the rounding bound) of 0,
+# where the mask rule has no margin of its own (the posterior rules)
+GROUP_NORM_MARGIN = 10.0
 # a train-mode block's fixed point (the off-units' normalised outputs, the input) converges
 # linearly: at most this many rounds, until a round moves the input by less than SETTLED
 BATCH_STATISTICS_ROUNDS = 40

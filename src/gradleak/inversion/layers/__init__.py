@@ -2,8 +2,8 @@
 Linear reading the features, the affine normalisation, the ReLU and the one-to-one activations
 (LeakyReLU, ELU), the conv (with its equations, null-space completion and least-violation point
 in modules of their own), the pre-activation residual block, identity and dropout, and the
-kinds the walk knows but cannot pass yet (max-pooling; GroupNorm, whose block inverse it does
-not compose yet), which say why. Importing this package registers them all."""
+Conv → GroupNorm → ReLU block with each step's statistics, and the kind the walk knows but
+cannot pass yet (max-pooling), which says why. Importing this package registers them all."""
 
 from gradleak.inversion.layers import (  # noqa: F401
     conv,

@@ -19,13 +19,19 @@ point: the conv's own output there, from each round's input and statistics. Its 
 are projected onto what GroupNorm makes exact (each group's r̂ has mean 0 and mean square
 1 − ε/σ²), which keeps them in the right basin; the plain fixed point finishes the solve.
 
-The walk through a conv stack does not compose this inverse yet (a first block's image needs
-the statistics inside the frame solve), so it refuses a GroupNorm there with that reason.
+The walk through a conv stack (`inversion.conv_recovery`) hands the conv's output (y at the
+on-units) and the gradient reaching it on to the conv's inverse, which gives the input with its
+noise estimate. Under a network's first block the weight gradient alone leaves the image
+short of equations; there the image, the σ_g and the μ_g are one least squares with the
+on-units' outputs (`fit(jointly=True)`: the FedAvg walk's; the RL frame solve does not read
+per-step statistics yet).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
@@ -57,12 +63,14 @@ PROJECTED_UNTIL = 1e-3
 
 @dataclass(frozen=True)
 class GroupNormFit:
-    """What the block inverse found: the conv's input (with the gradient reaching it), each
+    """What the block inverse found: the conv's input (with the gradient reaching it), what is
+    known at the conv's output (y = μ_g + σ_g r̂ at the on-units, the gradient reaching it), each
     step's group statistics (NaN for a group with no unit on: nothing reads them), how many
     rounds the fixed point took, whether it settled within `ROUNDS`, and the weight-gradient
     equations' relative residual."""
 
     input: Known
+    output: Known
     mean: torch.Tensor  # (N, G)
     sd: torch.Tensor  # (N, G)
     rounds: int
@@ -79,29 +87,25 @@ class GroupNormBlock(LayerInverse):
 
     def __init__(self, layer: ConvLayer, norm: nn.GroupNorm,
                  projected_until: float | None = PROJECTED_UNTIL) -> None:
-        weight = None if norm.weight is None else norm.weight.detach()
-        if weight is not None and bool((weight == 0).any()):
-            raise ConfigError(f"{layer.name}: its GroupNorm has γ = 0 on channels "
-                              f"{(weight == 0).nonzero().flatten().tolist()[:5]}, whose output "
-                              "then says nothing of the conv's")
-        why = undetermined_scale(layer.conv, norm)
+        why = unsolvable(layer.conv, norm)
         if why is not None:
             raise ConfigError(f"{layer.name}: {why}")
         self.layer, self.norm, self.projected_until = layer, norm, projected_until
 
-    @classmethod
-    def refusal(cls, module: nn.Module) -> str | None:
-        return ("GroupNorm: its block inverse (layers.group_norm) gives a Conv → GroupNorm → "
-                "ReLU block's input and statistics where the conv's weight gradient determines "
-                "that input, but the conv-stack walk does not compose it yet")
-
     def invert(self, at_output: Known, gradient_of: GradientOf) -> Known:
-        return self.fit(at_output, gradient_of).input
+        """What is known at the GroupNorm's input (the conv's output), from the ReLU's output
+        and the conv's weight gradient."""
+        return self.fit(at_output, gradient_of).output
 
     @torch.no_grad()
-    def fit(self, at_output: Known, gradient_of: GradientOf) -> GroupNormFit:
+    def fit(self, at_output: Known, gradient_of: GradientOf, jointly: bool = False
+            ) -> GroupNormFit:
         """`at_output`: the block's output a = relu(o) and the gradient reaching it, for N
-        steps; units are on where a > 0 (or where `at_output.on` says)."""
+        steps; units are on where a > 0 (or where `at_output.on` says). `jointly`: solve the
+        input, the σ_g and the μ_g from the weight gradient and the on-units' outputs at once
+        (`joint_solve`: a network's input under its first block, which the weight gradient
+        alone leaves short of equations); otherwise the input is eliminated first
+        (`eliminated_solve`: a block the weight gradient determines)."""
         layer, norm = self.layer, self.norm
         a = at_output.value.double()
         on = at_output.on if at_output.on is not None else a > 0
@@ -124,18 +128,14 @@ class GroupNormBlock(LayerInverse):
         weight_gradient = gradient_of(f"{layer.name}.weight").double()
         rhs = group_rhs(weight_gradient, gamma, grouping)
         previous, project, done = None, self.projected_until is not None, False
+        solve: Callable[..., Solve] = eliminated_solve
+        if jointly:  # the outputs' equations are the same every round
+            solve = partial(joint_solve, outputs=[output_equations(layer, known[step], on[step],
+                                                                   grouping)
+                                                  for step in range(len(a))])
         for rounds in range(1, ROUNDS + 1):
             folded = delta - (first + rhat * second) / gamma
-            operator = TapOperator.of(layer, folded)
-            per_group = solve_least_squares(operator, rhs)  # (N, Q', G·C_in)
-            residual = rhs - operator.apply(per_group)
-            scales = null_vectors(residual, groups, live)  # (N, G)
-            columns = (per_group.unflatten(2, (groups, -1)) * scales[:, None, :, None]).sum(2)
-            unscaled = full_map(layer, columns)
-            scale, mean = output_fit(convolve(layer, unscaled, bias=False),
-                                     layer.conv.bias, known, on, scales, grouping)
-            sd = scale[:, None] * scales
-            x = scale[:, None, None, None] * unscaled
+            x, sd, mean, residual = solve(layer, folded, rhs, known, on, live, grouping)
             output = (convolve(layer, x) - grouping.spread(mean)) / grouping.spread(sd)
             update = torch.where(on, known, torch.minimum(output, boundary))
             if project:
@@ -154,12 +154,119 @@ class GroupNormBlock(LayerInverse):
         upstream = torch.nn.grad.conv2d_input(x.shape, conv.weight.detach().double(), delta_y,
                                               stride=conv.stride, padding=conv.padding)
         nan = torch.tensor(float("nan"), dtype=torch.float64)
-        fit_residual = (residual.unflatten(2, (groups, -1)) * scales[:, None, :, None]).sum(2)
-        target = (rhs.unflatten(2, (groups, -1)) * scales[:, None, :, None]).sum(2)
-        return GroupNormFit(Known(x, torch.zeros_like(x), upstream),
+        spread = grouping.spread(sd)
+        output = Known(torch.where(on, grouping.spread(mean) + spread * known, 0.0),
+                       at_output.noise.double() * spread / gamma.abs(), delta_y,
+                       on=on)
+        return GroupNormFit(Known(x, torch.zeros_like(x), upstream), output,
                             torch.where(live, mean, nan), torch.where(live, sd, nan), rounds, done,
-                            fit_residual.flatten(1).norm(dim=1)
-                            / target.flatten(1).norm(dim=1).clamp_min(1e-300))
+                            residual)
+
+
+Solve = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def eliminated_solve(layer: ConvLayer, folded: torch.Tensor, rhs: torch.Tensor,
+                     known: torch.Tensor, on: torch.Tensor, live: torch.Tensor,
+                     grouping: Grouping) -> Solve:
+    """The input (N, C_in, H, W), the σ_g and μ_g (N, G) and the weight-gradient equations'
+    relative residual (N,) for one δ_fold: the input eliminated per group, the σ_g up to scale
+    from the null vector, the scale and μ_g from the on-units' outputs."""
+    operator = TapOperator.of(layer, folded)
+    per_group = solve_least_squares(operator, rhs)  # (N, Q', G·C_in)
+    residual = rhs - operator.apply(per_group)
+    scales = null_vectors(residual, grouping.groups, live)  # (N, G)
+    columns = (per_group.unflatten(2, (grouping.groups, -1)) * scales[:, None, :, None]).sum(2)
+    unscaled = full_map(layer, columns)
+    scale, mean = output_fit(convolve(layer, unscaled, bias=False), layer.conv.bias, known, on,
+                             scales, grouping)
+    missed = (residual.unflatten(2, (grouping.groups, -1)) * scales[:, None, :, None]).sum(2)
+    target = (rhs.unflatten(2, (grouping.groups, -1)) * scales[:, None, :, None]).sum(2)
+    return (scale[:, None, None, None] * unscaled, scale[:, None] * scales, mean,
+            missed.flatten(1).norm(dim=1) / target.flatten(1).norm(dim=1).clamp_min(1e-300))
+
+
+def joint_solve(layer: ConvLayer, folded: torch.Tensor, rhs: torch.Tensor, known: torch.Tensor,
+                on: torch.Tensor, live: torch.Tensor, grouping: Grouping,
+                outputs: list[tuple[torch.Tensor, torch.Tensor]]) -> Solve:
+    """As `eliminated_solve`, by one least squares per step in (input, σ, μ): D(δ_fold) x_i =
+    Σ_g σ_g ∇W_g[:, i]/γ for every input channel i, and conv(x) − σ_g r̂ − μ_g = −b at the
+    on-units, each set of rows scaled to unit weight; by the normal equations, the outputs'
+    part (`output_equations`, per step) given."""
+    conv, groups = layer.conv, grouping.groups
+    count, in_channels = len(folded), conv.in_channels
+    operator = TapOperator.of(layer, folded)
+    gram = operator.gram()  # (N, Q', Q') DᵀD
+    pixels = gram.shape[-1]
+    size = in_channels * pixels
+    x = folded.new_zeros(count, in_channels, *layer.input_shape)
+    sd, mean = folded.new_ones(count, groups), folded.new_zeros(count, groups)
+    residual = folded.new_zeros(count)
+    crossed = operator.adjoint(rhs)  # (N, Q', G·C_in): Dᵀ ∇W_g[:, i]/γ
+    for step in range(count):
+        targets = rhs[step].unflatten(1, (groups, in_channels))  # (R, G, C_in)
+        weight = 1 / targets.norm().clamp_min(1e-300) ** 2
+        normal = folded.new_zeros(size + 2 * groups, size + 2 * groups)
+        for i in range(in_channels):
+            block = slice(i * pixels, (i + 1) * pixels)
+            normal[block, block] = weight * gram[step]
+            normal[block, size:size + groups] = -weight * crossed[step].unflatten(
+                1, (groups, in_channels))[:, :, i]
+        normal[size:size + groups, size:size + groups] = weight * torch.einsum(
+            "rgc,rhc->gh", targets, targets)
+        normal[size:, :size] = normal[:size, size:].T
+        outputs_normal, outputs_rhs = outputs[step]
+        normal += outputs_normal
+        used = torch.cat([torch.ones(size, dtype=torch.bool), live[step], live[step]])
+        matrix = normal[used][:, used]
+        factor, info = torch.linalg.cholesky_ex(matrix)
+        if int(info) == 0:
+            solution = torch.cholesky_solve(outputs_rhs[used][:, None], factor)[:, 0]
+        else:  # singular: the minimum-norm solution
+            solution = torch.linalg.lstsq(matrix, outputs_rhs[used][:, None],
+                                          driver="gelsd").solution[:, 0]
+        full = torch.zeros(len(used), dtype=torch.float64)
+        full[used] = solution
+        columns = full[:size].view(in_channels, pixels).T
+        x[step] = full_map(layer, columns[None])[0]
+        sd[step, live[step]] = full[size:size + groups][live[step]]
+        mean[step, live[step]] = full[size + groups:][live[step]]
+        fitted = operator.take(step).apply(columns[None])[0]  # (R, C_in)
+        wanted = (targets * full[size:size + groups][None, :, None]).sum(1)
+        residual[step] = (fitted - wanted).norm() / wanted.norm().clamp_min(1e-300)
+    return x, sd, mean, residual
+
+
+def output_equations(layer: ConvLayer, known: torch.Tensor, on: torch.Tensor,
+                     grouping: Grouping) -> tuple[torch.Tensor, torch.Tensor]:
+    """The normal equations (AᵀA, Aᵀb) of one step's on-unit outputs, conv(x) − σ_g r̂ − μ_g =
+    −b, rows scaled by 1/√(units on), over (input laid out (channel, pixel), σ, μ)."""
+    conv, groups = layer.conv, grouping.groups
+    pixels = int(covered_pixels(layer).sum())
+    size = conv.in_channels * pixels
+    basis = torch.eye(size, dtype=torch.float64).view(size, conv.in_channels, pixels)
+    forward = convolve(layer, full_map(layer, basis.transpose(1, 2)), bias=False)
+    units = on.flatten()
+    membership = torch.eye(groups, dtype=torch.float64).repeat_interleave(
+        grouping.channels // groups, 0)[:, None, :].expand(-1, on[0].numel(), -1)
+    membership = membership.reshape(-1, groups)[units]
+    rows = torch.cat([forward.flatten(1).T[units], -known.flatten()[units, None] * membership,
+                      -membership], 1)
+    bias = torch.zeros(conv.out_channels, dtype=torch.float64) if conv.bias is None \
+        else conv.bias.detach().double()
+    target = -bias[:, None].expand(-1, on[0].numel()).flatten()[units]
+    scale = 1 / max(int(units.sum()), 1)
+    return scale * rows.T @ rows, scale * rows.T @ target
+
+
+def unsolvable(conv: nn.Conv2d, norm: nn.GroupNorm) -> str | None:
+    """Why the block inverse cannot solve this Conv → GroupNorm block (None: it can)."""
+    weight = None if norm.weight is None else norm.weight.detach()
+    if weight is not None and bool((weight == 0).any()):
+        return (f"its GroupNorm has γ = 0 on channels "
+                f"{(weight == 0).nonzero().flatten().tolist()[:5]}, whose output then says "
+                "nothing of the conv's")
+    return undetermined_scale(conv, norm)
 
 
 def undetermined_scale(conv: nn.Conv2d, norm: nn.GroupNorm) -> str | None:
