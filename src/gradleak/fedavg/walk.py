@@ -11,9 +11,10 @@ on it (its Linear layers' updates are rank one), not assumed.
 
 BatchNorm is inverted in the mode the client trained it in: eval mode is a known affine map; in
 train mode the image was normalised by its own statistics, which the running buffers' change
-gives (`set_batch_statistics`), and the walk carries the gradient through them. GroupNorm's statistics, the image's own, are solved with each block
-(`inversion.layers.group_norm`). What the walk cannot pass (max-pooling, a residual addition,
-convolutions whose gradients do not determine their input) is refused, naming it, before any work: there the optimisation methods
+gives (`set_batch_statistics`), and the walk carries the gradient through them. GroupNorm's
+statistics, the image's own, are solved with each block (`inversion.layers.group_norm`). What
+the walk cannot pass (max-pooling, a residual addition, convolutions whose gradients do not
+determine their input) is refused, naming it, before any work: there the optimisation methods
 are what the audit has.
 """
 
@@ -35,6 +36,7 @@ from gradleak.inversion.conv_blocks import ConvBlock, conv_blocks, deepest_input
 from gradleak.inversion.conv_recovery import (
     BATCH_STATISTICS_ROUNDS,
     SETTLED,
+    output_shape,
     recover_conv_inputs,
     top_descent,
 )
@@ -298,9 +300,8 @@ def first_conv_input(walk: Walk, gradient_of: Callable[[str], torch.Tensor]
         gradient_of(first.bias_source[0]))
     equations = first_conv_equations(network, output, noise, upstream, weight_gradient,
                                      bias_gradient=bias)
-    a, c = (t.double().reshape(1, *walk.shape) for t in walk.affine)
-    low, high = torch.minimum(c, a + c), torch.maximum(c, a + c)
-    bounds = Bounds(low, high)
+    bounds = input_box(walk)
+    low, high = bounds.low, bounds.high
     start = (low + high) / 2
     if equations.colour is not None:
         start = bounds.clip(equations.colour[:, :, None, None].expand_as(start))
@@ -329,11 +330,16 @@ def first_block_counts(block: ConvBlock) -> tuple[int, int]:
     weight gradient's entries and, a ReLU leaving about half its units on, half its outputs,
     against the pixels and two statistics a group."""
     conv, (height, width) = block.conv, block.input_shape
-    out_height, out_width = ((size + 2 * conv.padding[i] - conv.kernel_size[i]) // conv.stride[i]
-                             + 1 for i, size in enumerate((height, width)))
-    equations = conv.weight.numel() + conv.out_channels * out_height * out_width // 2
+    channels, out_height, out_width = output_shape(block)
+    equations = conv.weight.numel() + channels * out_height * out_width // 2
     assert block.group_norm is not None
     return equations, conv.in_channels * height * width + 2 * block.group_norm.num_groups
+
+
+def input_box(walk: Walk) -> Bounds:
+    """The box the input transform maps the image's [0, 1] to."""
+    a, c = (t.double().reshape(1, *walk.shape) for t in walk.affine)
+    return Bounds(torch.minimum(c, a + c), torch.maximum(c, a + c))
 
 
 def grouped_first_input(walk: Walk, at_output: Known, gradient_of: Callable[[str], torch.Tensor]
@@ -347,9 +353,7 @@ def grouped_first_input(walk: Walk, at_output: Known, gradient_of: Callable[[str
     fit = GroupNormBlock(first, first.group_norm).fit(replace(relu_output, on=on), gradient_of,
                                                       jointly=True)
     model_input = fit.input.value
-    a, c = (t.double().reshape(1, *walk.shape) for t in walk.affine)
-    model_input = torch.minimum(torch.maximum(model_input, torch.minimum(c, a + c)),
-                                torch.maximum(c, a + c))
+    model_input = input_box(walk).clip(model_input)
     outputs = fit.output.value * on
     missed = (convolve(first, model_input) * on - outputs).flatten(1).norm(dim=1) \
         / outputs.flatten(1).norm(dim=1).clamp_min(1e-300)
