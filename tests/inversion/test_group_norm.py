@@ -4,7 +4,7 @@ gradient's precision; the blocks whose input scale GroupNorm normalises away are
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -18,7 +18,8 @@ from gradleak.fedavg.forward import identity
 from gradleak.fedavg.walk import plan_walk
 from gradleak.inversion.conv_recovery import recover_conv_inputs
 from gradleak.inversion.layers import Known
-from gradleak.inversion.layers.group_norm import GroupNormBlock, GroupNormFit
+from gradleak.inversion.layers.gauss_newton import gauss_newton
+from gradleak.inversion.layers.group_norm import BlockEquations, GroupNormBlock, GroupNormFit
 
 
 @dataclass(frozen=True)
@@ -116,7 +117,46 @@ def test_an_input_its_weight_gradient_leaves_short_comes_back_with_the_outputs()
     fit = GroupNormBlock(layer, norm).fit(at_output, {"conv.weight": weight_gradient}.__getitem__,
                                           jointly=True)
     assert float(relative(fit.input.value, x).max()) <= 1e-10
-    assert fit.settled
+    assert float(fit.residual.max()) <= 1e-10
+
+
+def test_the_blocks_equations_bring_back_an_input_shrunk_towards_zero() -> None:
+    """The block's equations in its input alone hold at the true input, and from the input
+    shrunk 100× (where the first solve can land when the conv's bias varies little within a
+    group: GroupNorm then normalises the scale nearly away) Gauss-Newton on them returns it."""
+    layer, norm, head = block(4)
+    x = F.relu(torch.randn(2, 8, 8, 8, dtype=torch.float64) * 0.5 + 0.1)
+    at_output, weight_gradient = one_step_each(layer, norm, head, x)
+    on = at_output.value > 0
+    equations = BlockEquations(layer, norm, at_output.value, on, at_output.gradient,
+                               weight_gradient)
+    assert float(equations.residual(x).abs().max()) <= 1e-14
+    found, steps = gauss_newton(equations.residual, 0.01 * x)
+    assert float(relative(found, x).max()) <= 1e-10
+    assert bool((steps > 1).all())
+
+
+def test_units_on_by_less_than_the_walk_could_call_are_found_by_the_weight_gradient() -> None:
+    """A unit on by a hair that the walk's margin left off takes its δ_o out of the weight
+    gradient; at the true input the units whose contributions explain the miss are exactly
+    those (not the off units offered beside them), and the fit given them as undecided
+    returns the input."""
+    layer, norm, head = block(4)
+    x = F.relu(torch.randn(1, 8, 8, 8, dtype=torch.float64) * 0.5 + 0.1)
+    at_output, weight_gradient = one_step_each(layer, norm, head, x)
+    a = at_output.value
+    positive = a[a > 0].sort().values
+    margin = float(positive[3])  # the four smallest on-units fall below it
+    on = a > margin
+    dropped = (a > 0) & ~on
+    off = (a == 0) & (torch.arange(a.numel()).reshape(a.shape) % 7 == 0)
+    equations = BlockEquations(layer, norm, a, on, at_output.gradient, weight_gradient)
+    assert torch.equal(equations.missing_units(x, dropped | off), dropped)
+    fit = GroupNormBlock(layer, norm).fit(replace(at_output, on=on),
+                                          {"conv.weight": weight_gradient}.__getitem__,
+                                          undecided=a.abs() <= margin)
+    assert float(relative(fit.input.value, x).max()) <= 1e-10
+    assert torch.equal(fit.output.on, a > 0)
 
 
 @pytest.mark.parametrize(("groups", "bias", "match"), [

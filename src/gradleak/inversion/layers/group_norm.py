@@ -14,10 +14,13 @@ channel c of group g and every input channel i, read σ_g · ∇W[c, i] / γ_c =
 linear and homogeneous in the input x and the σ_g. Eliminating x (one least squares on the
 shared matrix D per group, `layers.conv_equations`) leaves a G×G quadratic form in σ whose null
 vector gives the σ_g up to one scale; the conv's outputs at the on-units, y = μ_g + σ_g r̂,
-give that scale and the μ_g by a least squares in G + 1 unknowns. The off-units' r̂ is a fixed
-point: the conv's own output there, from each round's input and statistics. Its first rounds
-are projected onto what GroupNorm makes exact (each group's r̂ has mean 0 and mean square
-1 − ε/σ²), which keeps them in the right basin; the plain fixed point finishes the solve.
+give that scale and the μ_g by a least squares in G + 1 unknowns. That solve takes r̂ at
+the off-units as given (a start: each group's mean made 0), so it is only a start: the block's
+equations in the input alone (`BlockEquations`: the outputs and the weight gradient, each
+step's statistics computed from the input as GroupNorm computes them) are then solved by
+Gauss-Newton (`layers.gauss_newton`). Those equations leave no weak direction for the input's
+scale (an input shrunk towards 0 leaves the weight gradient unexplained), which is where a
+fixed point on r̂ alone could settle.
 
 The walk through a conv stack (`inversion.conv_recovery`) hands the conv's output (y at the
 on-units) and the gradient reaching it on to the conv's inverse, which gives the input with its
@@ -29,11 +32,10 @@ per-step statistics yet).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from gradleak.errors import ConfigError
@@ -42,7 +44,6 @@ from gradleak.inversion.layers.base import (
     Known,
     LayerInverse,
     register_layer_inverse,
-    settled,
 )
 from gradleak.inversion.layers.conv_equations import (
     ConvLayer,
@@ -52,13 +53,12 @@ from gradleak.inversion.layers.conv_equations import (
     covered_pixels,
     solve_least_squares,
 )
+from gradleak.inversion.layers.gauss_newton import deviations, gauss_newton, per_step
 
-# the fixed point on the off-units' r̂: at most this many rounds, until a round moves the
-# input by less than SETTLED (relative); projected while a round still moves r̂ by more than
-# PROJECTED_UNTIL (measured: benchmarks/results/group_norm_block.md)
-ROUNDS = 200
-SETTLED = 1e-12
-PROJECTED_UNTIL = 1e-3
+# the units the weight gradient misses are kept on where they leave at most this fraction of
+# the block's residual; at most SELECTIONS rounds of them (each a solve)
+KEPT = 0.5
+SELECTIONS = 4
 
 
 @dataclass(frozen=True)
@@ -66,15 +66,14 @@ class GroupNormFit:
     """What the block inverse found: the conv's input (with the gradient reaching it), what is
     known at the conv's output (y = μ_g + σ_g r̂ at the on-units, the gradient reaching it), each
     step's group statistics (NaN for a group with no unit on: nothing reads them), how many
-    rounds the fixed point took, whether it settled within `ROUNDS`, and the weight-gradient
-    equations' relative residual."""
+    Gauss-Newton steps each step's solve took, and the weight gradient's relative miss at the
+    input found (the gradient's own precision where the solve holds)."""
 
     input: Known
     output: Known
     mean: torch.Tensor  # (N, G)
     sd: torch.Tensor  # (N, G)
-    rounds: int
-    settled: bool  # the fixed point stopped moving within ROUNDS
+    newton: torch.Tensor  # (N,) Gauss-Newton steps taken
     residual: torch.Tensor  # (N,)
 
 
@@ -85,12 +84,11 @@ class GroupNormBlock(LayerInverse):
     kinds = ("groupnorm",)
     module_types = (nn.GroupNorm,)
 
-    def __init__(self, layer: ConvLayer, norm: nn.GroupNorm,
-                 projected_until: float | None = PROJECTED_UNTIL) -> None:
+    def __init__(self, layer: ConvLayer, norm: nn.GroupNorm) -> None:
         why = unsolvable(layer.conv, norm)
         if why is not None:
             raise ConfigError(f"{layer.name}: {why}")
-        self.layer, self.norm, self.projected_until = layer, norm, projected_until
+        self.layer, self.norm = layer, norm
 
     def invert(self, at_output: Known, gradient_of: GradientOf) -> Known:
         """What is known at the GroupNorm's input (the conv's output), from the ReLU's output
@@ -98,10 +96,12 @@ class GroupNormBlock(LayerInverse):
         return self.fit(at_output, gradient_of).output
 
     @torch.no_grad()
-    def fit(self, at_output: Known, gradient_of: GradientOf, jointly: bool = False
-            ) -> GroupNormFit:
+    def fit(self, at_output: Known, gradient_of: GradientOf, jointly: bool = False,
+            undecided: torch.Tensor | None = None) -> GroupNormFit:
         """`at_output`: the block's output a = relu(o) and the gradient reaching it, for N
-        steps; units are on where a > 0 (or where `at_output.on` says). `jointly`: solve the
+        steps; units are on where a > 0 (or where `at_output.on` says); `undecided`: the units
+        too close to 0 to call, those the weight gradient misses added (`with_missing_units`).
+        `jointly`: solve the
         input, the σ_g and the μ_g from the weight gradient and the on-units' outputs at once
         (`joint_solve`: a network's input under its first block, which the weight gradient
         alone leaves short of equations); otherwise the input is eliminated first
@@ -116,10 +116,8 @@ class GroupNormBlock(LayerInverse):
                        else norm.bias.detach().double())
         gamma, beta = gamma[:, None, None], beta[:, None, None]
         grouping = Grouping(groups, channels)
-        known = torch.where(on, (a - beta) / gamma, 0.0)  # r̂ at the on-units
-        delta = at_output.gradient.double() * on
-        first = grouping.mean(gamma * delta)
-        second = grouping.mean(gamma * delta * known)
+        reaching = at_output.gradient.double()
+        known, delta, first, second = folding(a, reaching, on, gamma, beta, grouping)
         boundary = (-beta / gamma).expand_as(a)  # r̂ where o = 0
         live = grouping.total(on.double()) > 0  # (N, G) groups with a unit on
         off = grouping.total((~on).double())
@@ -127,28 +125,29 @@ class GroupNormBlock(LayerInverse):
         rhat = torch.where(on, known, torch.minimum(start, boundary))
         weight_gradient = gradient_of(f"{layer.name}.weight").double()
         rhs = group_rhs(weight_gradient, gamma, grouping)
-        previous, project, done = None, self.projected_until is not None, False
-        solve: Callable[..., Solve] = eliminated_solve
-        if jointly:  # the outputs' equations are the same every round
-            solve = partial(joint_solve, outputs=[output_equations(layer, known[step], on[step],
-                                                                   grouping)
-                                                  for step in range(len(a))])
-        for rounds in range(1, ROUNDS + 1):
-            folded = delta - (first + rhat * second) / gamma
-            x, sd, mean, residual = solve(layer, folded, rhs, known, on, live, grouping)
-            output = (convolve(layer, x) - grouping.spread(mean)) / grouping.spread(sd)
-            update = torch.where(on, known, torch.minimum(output, boundary))
-            if project:
-                update = torch.where(on, known, torch.minimum(
-                    grouping.standardised(update, on, known, norm.eps, sd), boundary))
-            moved = ((update - rhat).flatten(1).norm(dim=1)
-                     / rhat.flatten(1).norm(dim=1).clamp_min(1e-300))
-            project = project and bool((moved > (self.projected_until or 0.0)).any())
-            rhat = update
-            if previous is not None and settled(previous, x, SETTLED):
-                done = True
+        folded = delta - (first + rhat * second) / gamma
+        if jointly:
+            outputs = [output_equations(layer, known[step], on[step], grouping)
+                       for step in range(len(a))]
+            x = joint_solve(layer, folded, rhs, known, on, live, grouping, outputs)
+        else:
+            x = eliminated_solve(layer, folded, rhs, known, on, live, grouping)
+        equations = BlockEquations(layer, norm, a, on, reaching, weight_gradient)
+        x, newton = gauss_newton(equations.residual, x)
+        for _ in range(0 if undecided is None else SELECTIONS):
+            # units on by less than the walk could call, while the weight gradient misses some
+            x, wider, more = equations.with_missing_units(x, undecided & ~on & (a > 0))
+            if torch.equal(wider, on):
                 break
-            previous = x
+            on, newton = wider, newton + more
+            equations = BlockEquations(layer, norm, a, on, reaching, weight_gradient)
+        known, delta, first, second = folding(a, reaching, on, gamma, beta, grouping)
+        live = grouping.total(on.double()) > 0
+        y = convolve(layer, x)
+        mean, sd = grouping.statistics(y, norm.eps)
+        rhat = torch.where(on, known, (y - grouping.spread(mean)) / grouping.spread(sd))
+        folded = delta - (first + rhat * second) / gamma
+        residual = equations.weight_gradient_residual(x)
         delta_y = folded * gamma / grouping.spread(sd)
         conv = layer.conv
         upstream = torch.nn.grad.conv2d_input(x.shape, conv.weight.detach().double(), delta_y,
@@ -158,37 +157,40 @@ class GroupNormBlock(LayerInverse):
         output = Known(torch.where(on, grouping.spread(mean) + spread * known, 0.0),
                        at_output.noise.double() * spread / gamma.abs(), delta_y,
                        on=on)
-        return GroupNormFit(Known(x, torch.zeros_like(x), upstream), output,
-                            torch.where(live, mean, nan), torch.where(live, sd, nan), rounds, done,
+        return GroupNormFit(Known(x, deviations(equations.residual, x), upstream), output,
+                            torch.where(live, mean, nan), torch.where(live, sd, nan), newton,
                             residual)
 
 
-Solve = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+def folding(a: torch.Tensor, reaching: torch.Tensor, on: torch.Tensor, gamma: torch.Tensor,
+            beta: torch.Tensor, grouping: Grouping
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What δ_fold reads given which units are on: r̂ there (0 elsewhere), δ_o, and the group
+    means mean_g(γ δ_o) and mean_g(γ δ_o r̂)."""
+    known = torch.where(on, (a - beta) / gamma, 0.0)
+    delta = reaching * on
+    return known, delta, grouping.mean(gamma * delta), grouping.mean(gamma * delta * known)
 
 
 def eliminated_solve(layer: ConvLayer, folded: torch.Tensor, rhs: torch.Tensor,
                      known: torch.Tensor, on: torch.Tensor, live: torch.Tensor,
-                     grouping: Grouping) -> Solve:
-    """The input (N, C_in, H, W), the σ_g and μ_g (N, G) and the weight-gradient equations'
-    relative residual (N,) for one δ_fold: the input eliminated per group, the σ_g up to scale
-    from the null vector, the scale and μ_g from the on-units' outputs."""
+                     grouping: Grouping) -> torch.Tensor:
+    """The input (N, C_in, H, W) for one δ_fold: the input eliminated per group, the σ_g up
+    to scale from the null vector, the scale (and the μ_g) from the on-units' outputs."""
     operator = TapOperator.of(layer, folded)
     per_group = solve_least_squares(operator, rhs)  # (N, Q', G·C_in)
     residual = rhs - operator.apply(per_group)
     scales = null_vectors(residual, grouping.groups, live)  # (N, G)
     columns = (per_group.unflatten(2, (grouping.groups, -1)) * scales[:, None, :, None]).sum(2)
     unscaled = full_map(layer, columns)
-    scale, mean = output_fit(convolve(layer, unscaled, bias=False), layer.conv.bias, known, on,
-                             scales, grouping)
-    missed = (residual.unflatten(2, (grouping.groups, -1)) * scales[:, None, :, None]).sum(2)
-    target = (rhs.unflatten(2, (grouping.groups, -1)) * scales[:, None, :, None]).sum(2)
-    return (scale[:, None, None, None] * unscaled, scale[:, None] * scales, mean,
-            missed.flatten(1).norm(dim=1) / target.flatten(1).norm(dim=1).clamp_min(1e-300))
+    scale = output_fit(convolve(layer, unscaled, bias=False), layer.conv.bias, known, on, scales,
+                       grouping)
+    return scale[:, None, None, None] * unscaled
 
 
 def joint_solve(layer: ConvLayer, folded: torch.Tensor, rhs: torch.Tensor, known: torch.Tensor,
                 on: torch.Tensor, live: torch.Tensor, grouping: Grouping,
-                outputs: list[tuple[torch.Tensor, torch.Tensor]]) -> Solve:
+                outputs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     """As `eliminated_solve`, by one least squares per step in (input, σ, μ): D(δ_fold) x_i =
     Σ_g σ_g ∇W_g[:, i]/γ for every input channel i, and conv(x) − σ_g r̂ − μ_g = −b at the
     on-units, each set of rows scaled to unit weight; by the normal equations, the outputs'
@@ -200,8 +202,6 @@ def joint_solve(layer: ConvLayer, folded: torch.Tensor, rhs: torch.Tensor, known
     pixels = gram.shape[-1]
     size = in_channels * pixels
     x = folded.new_zeros(count, in_channels, *layer.input_shape)
-    sd, mean = folded.new_ones(count, groups), folded.new_zeros(count, groups)
-    residual = folded.new_zeros(count)
     crossed = operator.adjoint(rhs)  # (N, Q', G·C_in): Dᵀ ∇W_g[:, i]/γ
     for step in range(count):
         targets = rhs[step].unflatten(1, (groups, in_channels))  # (R, G, C_in)
@@ -229,12 +229,7 @@ def joint_solve(layer: ConvLayer, folded: torch.Tensor, rhs: torch.Tensor, known
         full[used] = solution
         columns = full[:size].view(in_channels, pixels).T
         x[step] = full_map(layer, columns[None])[0]
-        sd[step, live[step]] = full[size:size + groups][live[step]]
-        mean[step, live[step]] = full[size + groups:][live[step]]
-        fitted = operator.take(step).apply(columns[None])[0]  # (R, C_in)
-        wanted = (targets * full[size:size + groups][None, :, None]).sum(1)
-        residual[step] = (fitted - wanted).norm() / wanted.norm().clamp_min(1e-300)
-    return x, sd, mean, residual
+    return x
 
 
 def output_equations(layer: ConvLayer, known: torch.Tensor, on: torch.Tensor,
@@ -257,6 +252,133 @@ def output_equations(layer: ConvLayer, known: torch.Tensor, on: torch.Tensor,
     target = -bias[:, None].expand(-1, on[0].numel()).flatten()[units]
     scale = 1 / max(int(units.sum()), 1)
     return scale * rows.T @ rows, scale * rows.T @ target
+
+
+class BlockEquations:
+    """The block's equations in its input x alone, each step's statistics computed from x as
+    GroupNorm computes them: the block's output (o = a at the units on, relu(o) = a at the
+    others), and the conv's weight gradient Σ_p δ_y(p) patch_p(x)ᵀ with δ_y the gradient
+    GroupNorm sends back from δ_o (the gradient reaching a, at the units on). Each part is
+    relative to its observed size. Smooth in x but for the ReLU's kinks, so `gauss_newton`
+    solves them from the first solve's input, and they leave no weak direction for the scale
+    (an input shrunk towards 0 leaves the weight gradient unexplained)."""
+
+    def __init__(self, layer: ConvLayer, norm: nn.GroupNorm, a: torch.Tensor, on: torch.Tensor,
+                 reaching: torch.Tensor, weight_gradient: torch.Tensor) -> None:
+        self.layer, self.norm, self.a, self.on, self.reaching = layer, norm, a, on, reaching
+        self.weight_gradient = weight_gradient
+        self.output_size = a.flatten(1).norm(dim=1).clamp_min(1e-300)[:, None]
+        self.gradient_size = weight_gradient.flatten(1).norm(dim=1).clamp_min(1e-300)[:, None]
+        channels = norm.num_channels
+        self.gamma = (torch.ones(channels, dtype=torch.float64) if norm.weight is None
+                      else norm.weight.detach().double())[:, None, None]
+        self.beta = (torch.zeros(channels, dtype=torch.float64) if norm.bias is None
+                     else norm.bias.detach().double())[:, None, None]
+
+    def normalised(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(N, G, units) r̂ and (N, G, 1) σ_g at input x."""
+        y = convolve(self.layer, x)
+        grouped = y.reshape(len(y), self.norm.num_groups, -1)
+        sd = (grouped.var(2, unbiased=False, keepdim=True) + self.norm.eps).sqrt()
+        return (grouped - grouped.mean(2, keepdim=True)) / sd, sd
+
+    def patches(self, x: torch.Tensor) -> torch.Tensor:
+        """(N, C_in·k², positions) the conv's patches of x."""
+        conv = self.layer.conv
+        return F.unfold(x, conv.kernel_size, conv.dilation, conv.padding, conv.stride)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block's output o (before the ReLU) and the conv's weight gradient, per step."""
+        rhat, sd = self.normalised(x)
+        shape = self.a.shape
+        o = self.gamma * rhat.reshape(shape) + self.beta
+        delta = (self.gamma * self.reaching * self.on).reshape_as(rhat)
+        delta_y = (delta - delta.mean(2, keepdim=True)
+                   - rhat * (delta * rhat).mean(2, keepdim=True)) / sd
+        weight_gradient = torch.einsum("nol,nkl->nok", delta_y.reshape(*shape[:2], -1),
+                                       self.patches(x))
+        return o, weight_gradient.reshape(self.weight_gradient.shape)
+
+    def with_missing_units(self, x: torch.Tensor, candidates: torch.Tensor
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x solved again with the `candidates` the weight gradient misses at x turned on
+        (`missing_units`), kept for the steps where that leaves at most KEPT of the residual:
+        the input, the units on, the Gauss-Newton steps taken."""
+        chosen = self.missing_units(x, candidates)
+        steps = torch.zeros(len(x), dtype=torch.int64)
+        if not bool(chosen.any()):
+            return x, self.on, steps
+        wider = BlockEquations(self.layer, self.norm, self.a, self.on | chosen, self.reaching,
+                               self.weight_gradient)
+        found, steps = gauss_newton(wider.residual, x)
+        kept = (wider.residual(found).flatten(1).norm(dim=1)
+                <= KEPT * self.residual(x).flatten(1).norm(dim=1))
+        return (torch.where(per_step(kept, x), found, x),
+                torch.where(per_step(kept, chosen), self.on | chosen, self.on), steps)
+
+    def missing_units(self, x: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+        """Of the `candidates` (units off here), those whose δ_o the weight gradient misses at
+        x: one at a time, the unit whose contribution lowers the weight gradient's miss most,
+        while one does. A unit u = (c, p) contributes, δ_o there sent back through GroupNorm,
+        α_u (patch_p on row c − Σ patches/n on each row of its group − r̂_u Σ_q r̂_c'q
+        patch_q/n on each row c' of it), α_u = γ_c δ_o(u)/σ_g, n the group's units."""
+        chosen = torch.zeros(candidates.shape, dtype=torch.bool)
+        rhat, sd = self.normalised(x)
+        all_patches = self.patches(x)  # (N, K, L)
+        _, weight_gradients = self.forward(x)
+        channels = self.a.shape[1]
+        per_group = channels // self.norm.num_groups
+        n = rhat.shape[2]
+        member = torch.arange(channels) // per_group
+        same = (member[:, None] == member[None, :]).double()  # (C, C) same group
+        for step in range(len(x)):
+            pool = candidates[step].reshape(channels, -1).clone()
+            if not bool(pool.any()):
+                continue
+            miss = (self.weight_gradient[step] - weight_gradients[step]).reshape(channels, -1)
+            taps = all_patches[step]  # (K, L)
+            r = rhat[step].reshape(channels, -1)  # (C, L)
+            alpha = (self.gamma[:, 0] * self.reaching[step].reshape(channels, -1)
+                     / sd[step, :, 0].repeat_interleave(per_group)[:, None])  # (C, L)
+            total = taps.sum(1)  # (K,)
+            weighted = r @ taps.T  # (C, K) Σ_q r̂_cq patch_q
+            along_weighted = weighted @ taps  # (C, L)
+            norm2 = alpha.pow(2) * (
+                taps.pow(2).sum(0)[None] - 2 * (total @ taps)[None] / n
+                - 2 * r * along_weighted / n + per_group * float(total @ total) / n ** 2
+                + 2 * r * (same @ (weighted @ total))[:, None] / n ** 2
+                + r.pow(2) * (same @ weighted.pow(2).sum(1))[:, None] / n ** 2)
+            while bool(pool.any()):
+                first = same @ (miss @ total)  # (C,)
+                second = same @ (miss * weighted).sum(1)  # (C,)
+                inner = alpha * (miss @ taps - first[:, None] / n - r * second[:, None] / n)
+                score = torch.where(pool, 2 * inner - norm2, -torch.inf)
+                best = int(score.argmax())
+                if not float(score.reshape(-1)[best]) > 0:
+                    break
+                c, p = divmod(best, score.shape[1])
+                column = torch.zeros_like(miss)
+                rows = member == member[c]
+                column[rows] = -alpha[c, p] * (total / n + r[c, p] * weighted[rows] / n)
+                column[c] += alpha[c, p] * taps[:, p]
+                miss = miss - column
+                pool[c, p] = False
+                chosen[(step, c, *divmod(p, self.a.shape[-1]))] = True
+        return chosen
+
+    def residual(self, x: torch.Tensor) -> torch.Tensor:
+        """(N, R): the output rows, then the weight-gradient rows."""
+        o, weight_gradient = self.forward(x)
+        outputs = torch.where(self.on, o - self.a, F.relu(o) - self.a.clamp_min(0)).flatten(1)
+        return torch.cat([outputs / self.output_size,
+                          (weight_gradient - self.weight_gradient).flatten(1)
+                          / self.gradient_size], 1)
+
+    def weight_gradient_residual(self, x: torch.Tensor) -> torch.Tensor:
+        """(N,) the weight gradient's relative miss at x."""
+        _, weight_gradient = self.forward(x)
+        return ((weight_gradient - self.weight_gradient).flatten(1).norm(dim=1)
+                / self.gradient_size[:, 0])
 
 
 def unsolvable(conv: nn.Conv2d, norm: nn.GroupNorm) -> str | None:
@@ -322,20 +444,10 @@ class Grouping:
         """(N, C, 1, 1): each channel its group's mean over channels and positions."""
         return self.spread(values.reshape(len(values), self.groups, -1).mean(2))
 
-    def standardised(self, rhat: torch.Tensor, on: torch.Tensor, known: torch.Tensor,
-                     eps: float, sd: torch.Tensor) -> torch.Tensor:
-        """r̂ with its off-units moved (shifted, scaled about their mean) so that each group
-        has mean 0 and mean square 1 − ε/σ², as GroupNorm's own r̂ has."""
-        count = rhat.shape[1] // self.groups * rhat[0, 0].numel()
-        off = (~on).double()
-        off_count = self.total(off).clamp_min(1)
-        centre = -self.total(known) / off_count
-        values = torch.where(on, 0.0, rhat)
-        deviation = torch.where(on, 0.0, values - self.spread(self.total(values) / off_count))
-        wanted = (count * (1 - eps / sd.pow(2)) - self.total(known.pow(2))
-                  - off_count * centre.pow(2)).clamp_min(0.0)
-        stretch = (wanted / self.total(deviation.pow(2)).clamp_min(1e-300)).sqrt()
-        return self.spread(centre) + self.spread(stretch) * deviation
+    def statistics(self, values: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(N, G) each group's mean and GroupNorm's deviation √(variance + ε)."""
+        grouped = values.reshape(len(values), self.groups, -1)
+        return grouped.mean(2), (grouped.var(2, unbiased=False) + eps).sqrt()
 
 
 def null_vectors(residual: torch.Tensor, groups: int, live: torch.Tensor) -> torch.Tensor:
@@ -364,9 +476,9 @@ def full_map(layer: ConvLayer, columns: torch.Tensor) -> torch.Tensor:
 
 
 def output_fit(unscaled: torch.Tensor, bias: torch.Tensor | None, known: torch.Tensor,
-               on: torch.Tensor, scales: torch.Tensor, grouping: Grouping
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(N,) t and (N, G) μ from the conv's outputs at the on-units, t·u + b = μ_g + t·s_g·r̂,
+               on: torch.Tensor, scales: torch.Tensor, grouping: Grouping) -> torch.Tensor:
+    """(N,) t from the conv's outputs at the on-units, t·u + b = μ_g + t·s_g·r̂ (the μ_g
+    solved with it),
     where u is the conv (no bias) of the unscaled input and s the σ_g up to scale."""
     count, groups = len(unscaled), grouping.groups
     b = torch.zeros(unscaled.shape[1], dtype=torch.float64) if bias is None \
@@ -374,8 +486,7 @@ def output_fit(unscaled: torch.Tensor, bias: torch.Tensor | None, known: torch.T
     coefficient = unscaled - grouping.spread(scales) * known  # of t
     membership = torch.eye(groups, dtype=torch.float64).repeat_interleave(
         grouping.channels // groups, 0)  # (C, G)
-    scale, mean = torch.empty(count, dtype=torch.float64), torch.zeros(count, groups,
-                                                                      dtype=torch.float64)
+    scale = torch.empty(count, dtype=torch.float64)
     for step in range(count):
         units = on[step]
         rows = torch.cat([coefficient[step][units][:, None],
@@ -384,5 +495,4 @@ def output_fit(unscaled: torch.Tensor, bias: torch.Tensor | None, known: torch.T
         used = torch.cat([torch.ones(1, dtype=torch.bool), rows[:, 1:].abs().sum(0) > 0])
         solution = torch.linalg.lstsq(rows[:, used], target[:, None], driver="gelsd").solution
         scale[step] = solution[0, 0]
-        mean[step, used[1:]] = solution[1:, 0]
-    return scale, mean
+    return scale
