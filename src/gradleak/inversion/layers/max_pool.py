@@ -2,9 +2,9 @@
 goes back to that input alone (the switch). Given the switches, the input is known at them
 (the pooled values) and bounded by them elsewhere, and the gradient reaching the input is the
 output's scattered to them. The switches themselves are what one step's gradient does not hand
-over: below the pool the conv's weight gradient involves δ only at the switches, so finding
-them is a combinatorial fit (docs/fedavg.md: a constrained alternation reaches 78% of a
-template CNN's switches, not all). Until that is exact the walk stops above a max-pool.
+over directly: below the pool the conv's weight gradient involves δ only at the switches, so finding
+them is a combinatorial fit (docs/fedavg.md says how far it has come). Until it is part of the
+walk, the walk stops above a max-pool.
 """
 
 from __future__ import annotations
@@ -22,4 +22,4 @@ class MaxPool(LayerInverse):
     @classmethod
     def refusal(cls, module: nn.Module) -> str | None:
         return ("max-pooling: the gradient reaching its input is its output's at the argmax "
-                "switches, which one step's gradient does not determine")
+                "switches, which the walk does not find yet")
