@@ -101,21 +101,15 @@ class GroupNormBlock(LayerInverse):
         """`at_output`: the block's output a = relu(o) and the gradient reaching it, for N
         steps; units are on where a > 0 (or where `at_output.on` says); `undecided`: the units
         too close to 0 to call, those the weight gradient misses added (`with_missing_units`).
-        `jointly`: solve the
-        input, the σ_g and the μ_g from the weight gradient and the on-units' outputs at once
-        (`joint_solve`: a network's input under its first block, which the weight gradient
-        alone leaves short of equations); otherwise the input is eliminated first
-        (`eliminated_solve`: a block the weight gradient determines)."""
+        `jointly`: start from one least squares in the input, the σ_g and the μ_g with the
+        on-units' outputs (`joint_solve`: a network's input under its first block, which the
+        weight gradient alone leaves short of equations); otherwise the input is eliminated
+        first (`eliminated_solve`: a block the weight gradient determines)."""
         layer, norm = self.layer, self.norm
         a = at_output.value.double()
         on = at_output.on if at_output.on is not None else a > 0
-        channels, groups = norm.num_channels, norm.num_groups
-        gamma, beta = (torch.ones(channels, dtype=torch.float64) if norm.weight is None
-                       else norm.weight.detach().double(),
-                       torch.zeros(channels, dtype=torch.float64) if norm.bias is None
-                       else norm.bias.detach().double())
-        gamma, beta = gamma[:, None, None], beta[:, None, None]
-        grouping = Grouping(groups, channels)
+        gamma, beta = affine(norm)
+        grouping = Grouping(norm.num_groups, norm.num_channels)
         reaching = at_output.gradient.double()
         known, delta, first, second = folding(a, reaching, on, gamma, beta, grouping)
         boundary = (-beta / gamma).expand_as(a)  # r̂ where o = 0
@@ -160,6 +154,16 @@ class GroupNormBlock(LayerInverse):
         return GroupNormFit(Known(x, deviations(equations.residual, x), upstream), output,
                             torch.where(live, mean, nan), torch.where(live, sd, nan), newton,
                             residual)
+
+
+def affine(norm: nn.GroupNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    """GroupNorm's γ and β as (C, 1, 1) float64 (1 and 0 without the affine map)."""
+    channels = norm.num_channels
+    gamma = torch.ones(channels, dtype=torch.float64) if norm.weight is None \
+        else norm.weight.detach().double()
+    beta = torch.zeros(channels, dtype=torch.float64) if norm.bias is None \
+        else norm.bias.detach().double()
+    return gamma[:, None, None], beta[:, None, None]
 
 
 def folding(a: torch.Tensor, reaching: torch.Tensor, on: torch.Tensor, gamma: torch.Tensor,
@@ -269,11 +273,7 @@ class BlockEquations:
         self.weight_gradient = weight_gradient
         self.output_size = a.flatten(1).norm(dim=1).clamp_min(1e-300)[:, None]
         self.gradient_size = weight_gradient.flatten(1).norm(dim=1).clamp_min(1e-300)[:, None]
-        channels = norm.num_channels
-        self.gamma = (torch.ones(channels, dtype=torch.float64) if norm.weight is None
-                      else norm.weight.detach().double())[:, None, None]
-        self.beta = (torch.zeros(channels, dtype=torch.float64) if norm.bias is None
-                     else norm.bias.detach().double())[:, None, None]
+        self.gamma, self.beta = affine(norm)
 
     def normalised(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(N, G, units) r̂ and (N, G, 1) σ_g at input x."""
