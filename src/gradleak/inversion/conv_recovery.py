@@ -408,15 +408,14 @@ def invert_block(block: ConvBlock, below: ConvBlock | None, at_output: Known,
     # the inequalities that fill a null space take the input as a ReLU's output (≥ 0)
     floor = below if below is None or below.activation is None else None
     conv, gradient_of = Conv(block, floor), {f"{block.name}.weight": weight_gradient}.__getitem__
-    if block.group_norm is not None:  # the statistics first, then the conv as in any block
+    if block.group_norm is not None:
+        # the block's own equations (its outputs beside the weight gradient) give the conv's
+        # input, its noise and the gradient reaching it: closer than the conv's alone
         on, undecided = margin_states(relu_output, GROUP_NORM_MARGIN if rule.margin is None
                                       else rule.margin)
         fit = GroupNormBlock(block, block.group_norm).fit(replace(relu_output, on=on),
                                                           gradient_of, undecided=undecided)
-        # the block's own equations (its outputs beside the weight gradient) pin the input
-        # closer than the conv's alone: the value and its noise are theirs
-        return replace(conv.invert(fit.output, gradient_of), value=fit.input.value,
-                       noise=fit.input.noise), fit.output.on
+        return fit.input, fit.output.on
     activation = Relu(rule, block, weight_gradient) if block.activation is None \
         else block.activation
     pre_activation = activation.invert(relu_output)

@@ -151,7 +151,10 @@ class GroupNormBlock(LayerInverse):
         output = Known(torch.where(on, grouping.spread(mean) + spread * known, 0.0),
                        at_output.noise.double() * spread / gamma.abs(), delta_y,
                        on=on)
-        return GroupNormFit(Known(x, deviations(equations.residual, x), upstream), output,
+        # no null space was completed: the block's equations determine the input
+        found = Known(x, deviations(equations.residual, x), upstream,
+                      completed=torch.zeros(len(x), dtype=torch.bool))
+        return GroupNormFit(found, output,
                             torch.where(live, mean, nan), torch.where(live, sd, nan), newton,
                             residual)
 
