@@ -78,6 +78,35 @@ def test_a_writer_killed_mid_episode_resumes_from_its_last_commit(tmp_path: Path
         np.testing.assert_array_equal(done["episode_ids"][:], [0] * 5 + [1] * 3 + [2] * 4)
 
 
+@pytest.mark.slow
+def test_a_writer_killed_before_its_rows_are_flushed_resumes_intact(tmp_path: Path) -> None:
+    """Killed while an episode's rows are still unflushed: HDF5 had already written blocks
+    past the end of allocation its superblock records (an episode large enough that its cache
+    evicts them), and a resume that handed out space from that stale end wrote over them
+    ("addr overflow" on the next resize)."""
+    out = tmp_path / "x.h5"
+    run_killed(out, """
+        import h5py
+        w = writer(path)
+        w.append_episode(*episode(0, 5))
+        w.append_episode(*episode(1, 3))
+        h5py.File.flush = kill
+        w.append_episode(*episode(2, 200_000))
+    """)
+    partial = tmp_path / "x.h5.partial"
+    recorded_end = int.from_bytes(partial.read_bytes()[28:36], "little")  # superblock v3's EOA
+    assert recorded_end < partial.stat().st_size  # the state a kill mid-episode leaves
+    resumed = writer(out, resume=True)
+    assert (resumed.num_rows, resumed.num_episodes) == (8, 2)
+    resumed.append_episode(*episode(2, 4))
+    resumed.close()
+    resumed.finish()
+    with h5py.File(out, "r") as done:
+        assert done.attrs["num_rows"] == 12 and done.attrs["complete"]
+        expected = np.concatenate([episode(n, length)[1] for n, length in ((0, 5), (1, 3), (2, 4))])
+        np.testing.assert_array_equal(done[GRADIENTS][:], expected)
+
+
 def test_a_partial_without_a_commit_marker_is_refused_not_guessed(tmp_path: Path) -> None:
     out = tmp_path / "x.h5"
     w = writer(out)

@@ -2,19 +2,19 @@
 
 The partial file is written in HDF5's single-writer/multiple-reader (SWMR) mode. Without it,
 HDF5 writes metadata in any order, so a capture killed between two flushes could leave a file
-whose metadata points past its end: resuming it failed with "addr overflow" and then crashed
-inside the library (seen once in CI). SWMR orders metadata writes so that the
-file on disk is consistent at every instant. After each episode its rows are flushed, then the
-episode's end is appended to `committed_rows` (the commit marker) and flushed; `--resume` keeps
-the rows the marker counts, drops the rest, and continues with the next episode. `finish`
-removes the marker and writes `num_rows` / `num_episodes` / `complete` (attributes cannot
-change under SWMR).
+whose metadata points past its end. SWMR orders metadata writes so that the file on disk is
+consistent at every instant, except for the superblock's end of allocation, which can lag behind
+blocks the writer had already written past it; a resume moves it to the file's end before it
+writes, so that new space never lands on those blocks. After each episode its rows are flushed,
+then the episode's end is appended to `committed_rows` (the commit marker) and flushed;
+`--resume` keeps the rows the marker counts, drops the rest, and continues with the next
+episode. `finish` removes the marker and writes `num_rows` / `num_episodes` / `complete`
+(attributes cannot change under SWMR).
 """
 
 from __future__ import annotations
 
 import contextlib
-
 import ctypes
 import json
 import os
@@ -326,7 +326,7 @@ def _open_killed_writer(path: Path) -> h5py.File:
     did not close leaves a flag in the superblock that makes HDF5 refuse the file ("already open
     for write"); the caller holds the capture's lock, so no writer is alive, and the flag is
     cleared the way `h5clear -s` does it (through a file-access property the HDF5 library
-    reads but h5py does not expose)."""
+    reads but h5py does not expose). Its end of allocation is then moved to the file's end."""
     fapl = h5py.h5p.create(h5py.h5p.FILE_ACCESS)
     fapl.set_libver_bounds(h5py.h5f.LIBVER_LATEST, h5py.h5f.LIBVER_LATEST)
     hdf5 = ctypes.CDLL(h5py.h5p.__file__)  # resolves to the HDF5 library h5py itself loaded
@@ -336,7 +336,17 @@ def _open_killed_writer(path: Path) -> h5py.File:
         raise CaptureFileError(f"cannot clear {path}'s HDF5 writer flag with this HDF5 library: "
                                f"run `h5clear -s {path}`, then resume")
     try:
-        return h5py.File(h5py.h5f.open(os.fsencode(path), h5py.h5f.ACC_RDWR, fapl=fapl))
+        handle = h5py.File(h5py.h5f.open(os.fsencode(path), h5py.h5f.ACC_RDWR, fapl=fapl))
     except OSError as err:
         raise CaptureFileError(f"{path} cannot be reopened to resume ({err}); start again "
                                "with --overwrite") from None
+    # The superblock's end of allocation can lag behind what the killed writer had already
+    # written past it (chunk-index blocks among it); new space handed out from there would
+    # overwrite them ("addr overflow" on the next read). Move it to the file's end first, as
+    # `h5clear --increment=0` does.
+    hdf5.H5Fincrement_filesize.argtypes = [ctypes.c_int64, ctypes.c_uint64]
+    if hdf5.H5Fincrement_filesize(handle.id.id, 0) < 0:
+        handle.close()
+        raise CaptureFileError(f"cannot move {path}'s HDF5 end of allocation to its end: run "
+                               f"`h5clear --increment=0 {path}`, then resume")
+    return handle
