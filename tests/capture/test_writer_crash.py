@@ -60,10 +60,9 @@ def killed_before_the_third_commit(path: Path) -> None:
     """)
 
 
-@pytest.mark.slow
-def test_a_writer_killed_mid_episode_resumes_from_its_last_commit(tmp_path: Path) -> None:
-    out = tmp_path / "x.h5"
-    killed_before_the_third_commit(out)
+def resumes_with_two_episodes_then_finishes(out: Path) -> None:
+    """The resumed writer holds the two committed episodes, takes the third again and finishes
+    a file identical to one never killed."""
     resumed = writer(out, resume=True)
     assert (resumed.num_rows, resumed.num_episodes) == (8, 2)
     resumed.append_episode(*episode(2, 4))
@@ -76,6 +75,13 @@ def test_a_writer_killed_mid_episode_resumes_from_its_last_commit(tmp_path: Path
         expected = np.concatenate([episode(n, length)[1] for n, length in ((0, 5), (1, 3), (2, 4))])
         np.testing.assert_array_equal(done[GRADIENTS][:], expected)
         np.testing.assert_array_equal(done["episode_ids"][:], [0] * 5 + [1] * 3 + [2] * 4)
+
+
+@pytest.mark.slow
+def test_a_writer_killed_mid_episode_resumes_from_its_last_commit(tmp_path: Path) -> None:
+    out = tmp_path / "x.h5"
+    killed_before_the_third_commit(out)
+    resumes_with_two_episodes_then_finishes(out)
 
 
 @pytest.mark.slow
@@ -96,15 +102,7 @@ def test_a_writer_killed_before_its_rows_are_flushed_resumes_intact(tmp_path: Pa
     partial = tmp_path / "x.h5.partial"
     recorded_end = int.from_bytes(partial.read_bytes()[28:36], "little")  # superblock v3's EOA
     assert recorded_end < partial.stat().st_size  # the state a kill mid-episode leaves
-    resumed = writer(out, resume=True)
-    assert (resumed.num_rows, resumed.num_episodes) == (8, 2)
-    resumed.append_episode(*episode(2, 4))
-    resumed.close()
-    resumed.finish()
-    with h5py.File(out, "r") as done:
-        assert done.attrs["num_rows"] == 12 and done.attrs["complete"]
-        expected = np.concatenate([episode(n, length)[1] for n, length in ((0, 5), (1, 3), (2, 4))])
-        np.testing.assert_array_equal(done[GRADIENTS][:], expected)
+    resumes_with_two_episodes_then_finishes(out)
 
 
 def test_a_partial_without_a_commit_marker_is_refused_not_guessed(tmp_path: Path) -> None:
