@@ -151,10 +151,33 @@ def test_units_on_by_less_than_the_walk_could_call_are_found_by_the_weight_gradi
     dropped = (a > 0) & ~on
     off = (a == 0) & (torch.arange(a.numel()).reshape(a.shape) % 7 == 0)
     equations = BlockEquations(layer, norm, a, on, at_output.gradient, weight_gradient)
-    assert torch.equal(equations.missing_units(x, dropped | off), dropped)
+    assert torch.equal(equations.flipped_units(x, dropped | off, 1), dropped)
     fit = GroupNormBlock(layer, norm).fit(replace(at_output, on=on),
                                           {"conv.weight": weight_gradient}.__getitem__,
                                           undecided=a.abs() <= margin)
+    assert float(relative(fit.input.value, x).max()) <= 1e-10
+    assert torch.equal(fit.output.on, a > 0)
+
+
+def test_units_called_on_that_are_off_are_taken_off_by_the_weight_gradient() -> None:
+    """The mirror: units off in truth that the walk called on (their estimates noise just past
+    its margin) put a δ_o into the weight gradient that is not there; at the true input the
+    units whose contributions the miss has no room for are exactly those (not the truly-on
+    units doubted beside them), and the fit given them as doubtful returns the input."""
+    layer, norm, head = block(4)
+    x = F.relu(torch.randn(1, 8, 8, 8, dtype=torch.float64) * 0.5 + 0.1)
+    at_output, weight_gradient = one_step_each(layer, norm, head, x)
+    a = at_output.value
+    spurious = torch.zeros_like(a, dtype=torch.bool)
+    spurious.view(-1)[(a == 0).view(-1).nonzero()[[5, 300]]] = True
+    weakest = a[a > 0].sort().values[3]
+    on = (a > 0) | spurious
+    doubtful = spurious | ((a > 0) & (a <= weakest))
+    equations = BlockEquations(layer, norm, a, on, at_output.gradient, weight_gradient)
+    assert torch.equal(equations.flipped_units(x, doubtful, -1), spurious)
+    fit = GroupNormBlock(layer, norm).fit(replace(at_output, on=on),
+                                          {"conv.weight": weight_gradient}.__getitem__,
+                                          doubtful=doubtful)
     assert float(relative(fit.input.value, x).max()) <= 1e-10
     assert torch.equal(fit.output.on, a > 0)
 

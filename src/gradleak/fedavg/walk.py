@@ -53,7 +53,6 @@ from gradleak.inversion.layers.base import Known, settled
 from gradleak.inversion.layers.conv_equations import convolve
 from gradleak.inversion.layers.group_norm import GroupNormBlock
 from gradleak.inversion.layers.linear import Linear
-from gradleak.inversion.layers.relu import margin_states
 from gradleak.names import TRAINING_FREE
 from gradleak.victims.roles import StackRoles, discover_stack
 
@@ -350,9 +349,8 @@ def grouped_first_input(walk: Walk, at_output: Known, gradient_of: Callable[[str
     on every unit), its statistics solved with it."""
     first = walk.blocks[0]
     relu_output = AffineNorm(first).invert(at_output)
-    on, undecided = margin_states(relu_output, FIRST_BLOCK_MARGIN)
-    fit = GroupNormBlock(first, first.group_norm).fit(replace(relu_output, on=on), gradient_of,
-                                                      jointly=True, undecided=undecided)
+    fit = GroupNormBlock(first, first.group_norm).fit_by_margin(relu_output, gradient_of,
+                                                                FIRST_BLOCK_MARGIN, jointly=True)
     model_input = fit.input.value
     model_input = input_box(walk).clip(model_input)
     outputs = fit.output.value * fit.output.on

@@ -48,7 +48,7 @@ from gradleak.inversion.layers.conv_equations import convolve
 from gradleak.inversion.layers.group_norm import GroupNormBlock
 from gradleak.inversion.layers.linear import Linear
 from gradleak.inversion.layers.null_space import completions_shared
-from gradleak.inversion.layers.relu import MaskRule, Relu, margin_states
+from gradleak.inversion.layers.relu import MaskRule, Relu
 from gradleak.inversion.network import Network
 
 # Why these three: the margins suit exact and float16/bfloat16-rounded gradients (no single one
@@ -411,10 +411,8 @@ def invert_block(block: ConvBlock, below: ConvBlock | None, at_output: Known,
     if block.group_norm is not None:
         # the block's own equations (its outputs beside the weight gradient) give the conv's
         # input, its noise and the gradient reaching it: closer than the conv's alone
-        on, undecided = margin_states(relu_output, GROUP_NORM_MARGIN if rule.margin is None
-                                      else rule.margin)
-        fit = GroupNormBlock(block, block.group_norm).fit(replace(relu_output, on=on),
-                                                          gradient_of, undecided=undecided)
+        fit = GroupNormBlock(block, block.group_norm).fit_by_margin(
+            relu_output, gradient_of, GROUP_NORM_MARGIN if rule.margin is None else rule.margin)
         return fit.input, fit.output.on
     activation = Relu(rule, block, weight_gradient) if block.activation is None \
         else block.activation

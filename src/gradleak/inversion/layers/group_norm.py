@@ -32,7 +32,7 @@ per-step statistics yet).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -54,11 +54,16 @@ from gradleak.inversion.layers.conv_equations import (
     solve_least_squares,
 )
 from gradleak.inversion.layers.gauss_newton import deviations, gauss_newton, per_step
+from gradleak.inversion.layers.relu import margin_states
 
 # the units the weight gradient misses are kept on where they leave at most this fraction of
 # the block's residual; at most SELECTIONS rounds of them (each a solve)
 KEPT = 0.5
 SELECTIONS = 4
+# a unit on by less than this many times the margin is doubtful: the weight gradient may take
+# it off (an estimate's noise can pass the margin: one at 1.0003 times it, off in truth, left
+# a user's 24 → 48-channel CNN's image 0.04 off)
+DOUBT = 4.0
 
 
 @dataclass(frozen=True)
@@ -95,12 +100,23 @@ class GroupNormBlock(LayerInverse):
         and the conv's weight gradient."""
         return self.fit(at_output, gradient_of).output
 
+    def fit_by_margin(self, at_output: Known, gradient_of: GradientOf, threshold: float,
+                      jointly: bool = False) -> GroupNormFit:
+        """`fit` with the units on beyond `threshold` noise deviations of 0 (and the rounding
+        bound), those within it undecided, those on by less than DOUBT times it doubtful."""
+        on, undecided = margin_states(at_output, threshold)
+        doubtful = on & ~margin_states(at_output, DOUBT * threshold)[0]
+        return self.fit(replace(at_output, on=on), gradient_of, jointly, undecided, doubtful)
+
     @torch.no_grad()
     def fit(self, at_output: Known, gradient_of: GradientOf, jointly: bool = False,
-            undecided: torch.Tensor | None = None) -> GroupNormFit:
+            undecided: torch.Tensor | None = None, doubtful: torch.Tensor | None = None
+            ) -> GroupNormFit:
         """`at_output`: the block's output a = relu(o) and the gradient reaching it, for N
         steps; units are on where a > 0 (or where `at_output.on` says); `undecided`: the units
-        too close to 0 to call, those the weight gradient misses added (`with_missing_units`).
+        too close to 0 to call, those the weight gradient misses added; `doubtful`: units on
+        by a small margin, those whose δ the weight gradient has no room for taken off
+        (`with_units_flipped`).
         `jointly`: start from one least squares in the input, the σ_g and the μ_g with the
         on-units' outputs (`joint_solve`: a network's input under its first block, which the
         weight gradient alone leaves short of equations); otherwise the input is eliminated
@@ -128,13 +144,22 @@ class GroupNormBlock(LayerInverse):
             x = eliminated_solve(layer, folded, rhs, known, on, live, grouping)
         equations = BlockEquations(layer, norm, a, on, reaching, weight_gradient)
         x, newton = gauss_newton(equations.residual, x)
-        for _ in range(0 if undecided is None else SELECTIONS):
-            # units on by less than the walk could call, while the weight gradient misses some
-            x, wider, more = equations.with_missing_units(x, undecided & ~on & (a > 0))
-            if torch.equal(wider, on):
+        nothing = torch.zeros_like(on)
+        adding = nothing if undecided is None else undecided
+        removing = nothing if doubtful is None else doubtful
+        for _ in range(SELECTIONS if bool(adding.any() or removing.any()) else 0):
+            # units the margin could not call: the weight gradient says which it has no room
+            # for (on but off in truth), then which it misses (off but on in truth); each
+            # direction tried on its own, so a wrong pick in one does not cost the other
+            changed = False
+            for sign in (-1, 1):
+                candidates = removing & on if sign < 0 else adding & ~on & (a > 0)
+                x, flipped, more = equations.with_units_flipped(x, candidates, sign)
+                if not torch.equal(flipped, on):
+                    on, newton, changed = flipped, newton + more, True
+                    equations = BlockEquations(layer, norm, a, on, reaching, weight_gradient)
+            if not changed:
                 break
-            on, newton = wider, newton + more
-            equations = BlockEquations(layer, norm, a, on, reaching, weight_gradient)
         known, delta, first, second = folding(a, reaching, on, gamma, beta, grouping)
         live = grouping.total(on.double()) > 0
         y = convolve(layer, x)
@@ -302,30 +327,36 @@ class BlockEquations:
                                        self.patches(x))
         return o, weight_gradient.reshape(self.weight_gradient.shape)
 
-    def with_missing_units(self, x: torch.Tensor, candidates: torch.Tensor
+    def with_units_flipped(self, x: torch.Tensor, candidates: torch.Tensor, sign: int
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x solved again with the `candidates` the weight gradient misses at x turned on
-        (`missing_units`), kept for the steps where that leaves at most KEPT of the residual:
-        the input, the units on, the Gauss-Newton steps taken."""
-        chosen = self.missing_units(x, candidates)
+        """x solved again with the `candidates` the weight gradient at x asks to flip flipped
+        (`flipped_units`: `sign` 1 turns units on, −1 off), kept for the steps where that
+        leaves at most KEPT of the residual: the input, the units on, the Gauss-Newton steps
+        taken."""
+        chosen = self.flipped_units(x, candidates, sign)
         steps = torch.zeros(len(x), dtype=torch.int64)
         if not bool(chosen.any()):
             return x, self.on, steps
-        wider = BlockEquations(self.layer, self.norm, self.a, self.on | chosen, self.reaching,
+        flipped = self.on | chosen if sign > 0 else self.on & ~chosen
+        wider = BlockEquations(self.layer, self.norm, self.a, flipped, self.reaching,
                                self.weight_gradient)
         found, steps = gauss_newton(wider.residual, x)
         kept = (wider.residual(found).flatten(1).norm(dim=1)
                 <= KEPT * self.residual(x).flatten(1).norm(dim=1))
         return (torch.where(per_step(kept, x), found, x),
-                torch.where(per_step(kept, chosen), self.on | chosen, self.on), steps)
+                torch.where(per_step(kept, flipped), flipped, self.on), steps)
 
-    def missing_units(self, x: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
-        """Of the `candidates` (units off here), those whose δ_o the weight gradient misses at
-        x: one at a time, the unit whose contribution lowers the weight gradient's miss most,
-        while one does. A unit u = (c, p) contributes, δ_o there sent back through GroupNorm,
-        α_u (patch_p on row c − Σ patches/n on each row of its group − r̂_u Σ_q r̂_c'q
-        patch_q/n on each row c' of it), α_u = γ_c δ_o(u)/σ_g, n the group's units."""
+    def flipped_units(self, x: torch.Tensor, candidates: torch.Tensor, sign: int
+                      ) -> torch.Tensor:
+        """Of the `candidates`, those whose δ_o the weight gradient's miss at x asks to add
+        (`sign` 1, units off here) or to take away (−1, units on here): one at a time, the
+        unit whose contribution lowers the miss most, while one does. A unit u = (c, p)
+        contributes, δ_o there sent back through GroupNorm, α_u (patch_p on row c − Σ
+        patches/n on each row of its group − r̂_u Σ_q r̂_c'q patch_q/n on each row c' of it),
+        α_u = γ_c δ_o(u)/σ_g, n the group's units."""
         chosen = torch.zeros(candidates.shape, dtype=torch.bool)
+        if not bool(candidates.any()):
+            return chosen
         rhat, sd = self.normalised(x)
         all_patches = self.patches(x)  # (N, K, L)
         _, weight_gradients = self.forward(x)
@@ -355,7 +386,7 @@ class BlockEquations:
                 first = same @ (miss @ total)  # (C,)
                 second = same @ (miss * weighted).sum(1)  # (C,)
                 inner = alpha * (miss @ taps - first[:, None] / n - r * second[:, None] / n)
-                score = torch.where(pool, 2 * inner - norm2, -torch.inf)
+                score = torch.where(pool, 2 * sign * inner - norm2, -torch.inf)
                 best = int(score.argmax())
                 if not float(score.reshape(-1)[best]) > 0:
                     break
@@ -364,7 +395,7 @@ class BlockEquations:
                 rows = member == member[c]
                 column[rows] = -alpha[c, p] * (total / n + r[c, p] * weighted[rows] / n)
                 column[c] += alpha[c, p] * taps[:, p]
-                miss = miss - column
+                miss = miss - sign * column
                 pool[c, p] = False
                 chosen[(step, c, *divmod(p, self.a.shape[-1]))] = True
         return chosen
