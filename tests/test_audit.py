@@ -479,7 +479,8 @@ def test_the_demo_runs_its_defense_stages_on_a_clock_that_says_the_budget_is_spe
     from gradleak.presets import load_preset
     from gradleak.training.loop import Budget
 
-    preset = load_preset("cpu-quick", ["attack.ig.iterations=2"])
+    preset = load_preset("cpu-quick", ["attack.ig.iterations=2",
+                                       "attack.defense_aware.iterations=8"])
     config = replace(audit_config(random_capture, tmp_path, preset), max_windows=2,
                      training_free_windows=1, optimisation_windows=1,
                      attackers={"TRACE": str(trained_attackers["trace"])})
