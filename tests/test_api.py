@@ -10,7 +10,7 @@ import gymnasium as gym
 import numpy as np
 import pytest
 import torch
-from helpers import smooth_frame
+from helpers import SHORT_AUDIT, smooth_frame
 
 import gradleak
 from gradleak.errors import ConfigError
@@ -26,23 +26,19 @@ def test_the_public_names_are_listed_and_load() -> None:
     assert callable(gradleak.audit)  # a function, not a module of the same name
 
 
-SHORT_FINISH = ["attack.defense_aware.iterations=8"]
-
-
 @pytest.mark.slow
 def test_the_documented_audit_example_runs(random_capture: Path, tmp_path: Path, capsys) -> None:
     code = re.search(r"## Audit a capture\n\n```python\n(.*?)```", API.read_text(),
                      re.S).group(1)
-    # the defense-aware finish at 8 L-BFGS iterations a stage, not 80: the example's plumbing
-    # in a minute and a half, not four
+    # the example's plumbing at a fraction of its cost (helpers.SHORT_AUDIT)
     code = code.replace("runs/mine/heldout.h5", str(random_capture)).replace(
         "runs/mine/audit", str(tmp_path / "audit")).replace(
-        "budget_minutes=10)", f"budget_minutes=10, overrides={SHORT_FINISH})")
+        "budget_minutes=10)", f"budget_minutes=10, overrides={SHORT_AUDIT})")
     exec(compile(code, str(API), "exec"), {})  # noqa: S102 (our own documentation)
     printed = capsys.readouterr().out
     verdict = gradleak.audit(random_capture, out=tmp_path / "audit",
                              defenses=["quant:8", "prune:0.1"], budget_minutes=10,
-                             overrides=SHORT_FINISH)  # resumed
+                             overrides=SHORT_AUDIT)  # resumed
     assert verdict.headline[0] in printed and str(verdict.report) in printed
     assert verdict.report.is_file() and verdict.results.is_file()
     assert verdict.frames_psnr == verdict.details["frames"]["psnr"]
@@ -102,7 +98,7 @@ def test_readmes_own_model_example_audits_a_policy_gradleak_has_not_seen(tmp_pat
     # a minute of budget: the stages it does not pay for are named in the verdict, not run;
     # two episodes of 8 steps: the audit's windows are 8 steps long
     code = code.replace("runs/mine", str(tmp_path)).replace(
-        "budget_minutes=10", f"budget_minutes=1, overrides={SHORT_FINISH}").replace(
+        "budget_minutes=10", f"budget_minutes=1, overrides={SHORT_AUDIT}").replace(
         "steps=256", "steps=16")
     namespace = {"model": OwnPolicy(), "env": SmoothScenes()}
     exec(compile(code, str(README), "exec"), namespace)  # noqa: S102 (our own documentation)

@@ -10,17 +10,24 @@ from pathlib import Path
 
 import h5py
 import pytest
-from helpers import CHROMIUM, TINY, render_in_chromium, screenshot_size
+from helpers import (
+    CHROMIUM,
+    SHORT_AUDIT,
+    TINY,
+    as_flags,
+    render_in_chromium,
+    screenshot_size,
+)
 
 from gradleak.cli import main
-from gradleak.evaluation.verdict import condition_holds, parse_condition
 from gradleak.errors import ConfigError
+from gradleak.evaluation.verdict import condition_holds, parse_condition
 
 HOSTILE = "<script>alert('x')</script>&\"'"
 HOSTILE_FILE = "<img src=x onerror=alert(1)>.h5"  # a file name holds no slash
 DEFENSES = "quant:4;dpsgd:eps=1;agg:2"
-FAST = ["--set", "attack.ig.iterations=3", "--set", "attack.dlg.iterations=3",
-        "--max-windows", "3", "--training-free-windows", "1", "--optimisation-windows", "1"]
+FAST = [*as_flags(SHORT_AUDIT), "--max-windows", "3", "--training-free-windows", "1",
+        "--optimisation-windows", "1"]
 
 
 def audit_argv(capture: Path, attackers: dict[str, Path], out: Path, *extra: str) -> list[str]:
@@ -319,7 +326,7 @@ def test_without_attackers_the_reference_is_the_held_out_frames(random_capture: 
                                                                 capsys) -> None:
     assert main(["audit", "--capture", str(random_capture), "--defenses", "noise:0.01",
                  "--optimisation", "", "--training-free-windows", "1", "--out", str(tmp_path / "a"),
-                 "--json"]) == 0
+                 "--json", *as_flags(SHORT_AUDIT)]) == 0
     verdict = json.loads(capsys.readouterr().out)
     clean = json.loads((tmp_path / "a" / "results.json").read_text())["stages"][
         "defense none"]["result"]
@@ -479,8 +486,7 @@ def test_the_demo_runs_its_defense_stages_on_a_clock_that_says_the_budget_is_spe
     from gradleak.presets import load_preset
     from gradleak.training.loop import Budget
 
-    preset = load_preset("cpu-quick", ["attack.ig.iterations=2",
-                                       "attack.defense_aware.iterations=8"])
+    preset = load_preset("cpu-quick", SHORT_AUDIT)
     config = replace(audit_config(random_capture, tmp_path, preset), max_windows=2,
                      training_free_windows=1, optimisation_windows=1,
                      attackers={"TRACE": str(trained_attackers["trace"])})

@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from helpers import TINY
+from helpers import SHORT_AUDIT, TINY, as_flags
 
 from gradleak.cli import main
 
@@ -77,8 +76,7 @@ def test_demo_runs_end_to_end_and_reports_heldout_recovery(capsys, tmp_path: Pat
     out = tmp_path / "demo"
     data = run_json(capsys, "demo", "--out", str(out), *TINY, "--set",
                     "capture.steps_train=40", "--set", "capture.steps_heldout=40",
-                    "--set", "attack.ig.iterations=3",
-                    "--set", "attack.defense_aware.iterations=8")
+                    *as_flags(SHORT_AUDIT))
     recovery = data["action_recovery_heldout"]
     assert recovery["odd-sign"]["n"] == 40 and recovery["odd-sign"]["accuracy"] >= 0.9
     assert recovery["sign-aware"]["oracle_advantage_sign"] is True

@@ -115,6 +115,8 @@ def test_the_attack_with_the_prior_puts_its_guess_back_through_the_equations(
 
 
 @pytest.mark.slow
+# one other θ0 is enough (a second capture parameter refits the module's prior: 22 s)
+@pytest.mark.parametrize("float32_capture", ["ppo"], indirect=True)
 def test_a_prior_fitted_against_another_theta0_is_refused(fitted: RefinerFit,
                                                           float32_capture: Path) -> None:
     with CaptureFile(float32_capture) as capture:

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 import user_models
+from helpers import SHORT_AUDIT, as_flags
 
 import gradleak
 from gradleak.capture.record import record
@@ -101,8 +102,7 @@ def test_an_audit_of_stacked_frames_runs_whole_and_names_what_cannot_run(capture
     out = tmp_path / "audit"
     assert main(["audit", "--capture", str(captures["heldout"]), "--train",
                  str(captures["train"]), "--defenses", "quant:8", "--out", str(out),
-                 "--set", "attack.ig.iterations=3", "--set", "attack.dlg.iterations=3",
-                 "--training-free-windows", "1", "--json"]) == 0
+                 *as_flags(SHORT_AUDIT), "--training-free-windows", "1", "--json"]) == 0
     verdict = json.loads(capsys.readouterr().out)
     assert verdict["frames"]["psnr"] > 0 and verdict["closed_form"]["advantages"] == 1.0
     assert "square RGB" in verdict["not_applicable"]["learned attackers"]
