@@ -181,9 +181,11 @@ TINY = ["--set", "env.doomnav.frame_size=32", "--set", "env.doomnav.max_steps=20
         "--set", "attack.lti_fit.max_train_windows=32", "--set", "attack.lti_fit.max_val_windows=4"]
 
 # An audit's plumbing at a fraction of its cost (each attack's quality has its own tests): the
-# defense-aware finish as one softplus stage of 8 L-BFGS iterations, IG and DLG 3 iterations
-SHORT_AUDIT = ["attack.defense_aware.iterations=8", "attack.defense_aware.sharpness=30",
-               "attack.ig.iterations=3", "attack.dlg.iterations=3"]
+# training-free frame solve with one reweighting round (not 4), the defense-aware finish as one
+# softplus stage of 8 L-BFGS iterations, IG and DLG 3 iterations
+SHORT_AUDIT = ["attack.training_free.solve.rounds=1", "attack.defense_aware.iterations=8",
+               "attack.defense_aware.sharpness=30", "attack.ig.iterations=3",
+               "attack.dlg.iterations=3"]
 
 
 def as_flags(overrides: list[str]) -> list[str]:

@@ -95,10 +95,10 @@ def test_readmes_own_model_example_audits_a_policy_gradleak_has_not_seen(tmp_pat
     code = re.search(r"## Audit your own model\n.*?```python\n(.*?)```", README.read_text(),
                      re.S).group(1)
     assert "budget_minutes=10" in code and "steps=256" in code
-    # a minute of budget: the stages it does not pay for are named in the verdict, not run;
+    # half a minute of budget: the stages it does not pay for are named in the verdict, not run;
     # two episodes of 8 steps: the audit's windows are 8 steps long
     code = code.replace("runs/mine", str(tmp_path)).replace(
-        "budget_minutes=10", f"budget_minutes=1, overrides={SHORT_AUDIT}").replace(
+        "budget_minutes=10", f"budget_minutes=0.5, overrides={SHORT_AUDIT}").replace(
         "steps=256", "steps=16")
     namespace = {"model": OwnPolicy(), "env": SmoothScenes()}
     exec(compile(code, str(README), "exec"), namespace)  # noqa: S102 (our own documentation)
