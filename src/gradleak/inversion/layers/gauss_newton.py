@@ -2,13 +2,13 @@
 
 `residual` maps the unknowns (N, ...) to residuals (N, R) whose row n depends on unknown n
 alone. Each step's Jacobian is reached only through products, J v and Jᵀ u, both by reverse
-mode from one forward pass at that step's point (`Linearisation`); its damped normal equations are solved by conjugate gradients to a tolerance that tightens as the
-residual falls (inexact Newton: loose while far, tight near the solution, where the
-convergence is then quadratic), and each step is halved until the residual falls. A problem
-stops when its residual is below `floor`, or when a step no longer takes off a fraction
-`STALLED` of it (the data's own precision reached). `deviations` then says how far the
-solution moves with the data's noise: the residual left, taken as that noise, sent through
-the normal equations a few times.
+mode from one forward pass at that step's point (`Linearisation`); its damped normal equations
+are solved by conjugate gradients to a tolerance that tightens as the residual falls (inexact
+Newton: loose while far, tight near the solution, where the convergence is then quadratic),
+and each step is halved until the residual falls. A problem stops when its residual is below
+`floor`, or when a step no longer takes off a fraction `STALLED` of it (the data's own
+precision reached). `deviations` then says how far the solution moves with the data's noise:
+the residual left, taken as that noise, sent through the normal equations a few times.
 """
 
 from __future__ import annotations
@@ -116,10 +116,9 @@ def conjugate_gradients(normal: Callable[[torch.Tensor], torch.Tensor], rhs: tor
 class Linearisation:
     """The residual's Jacobian J at x as products, from one forward pass: Jᵀ u by reverse mode,
     and J v by reverse mode through Jᵀ u (linear in u, so its gradient with respect to u is J v).
-    Forward mode would be the direct way, but every product would redo the forward pass, and
-    PyTorch's forward mode takes a Python path for each operation that mixes a dual tensor with
-    a plain one (the blocks' constants): ~0.5 ms an operation, which made the conjugate
-    gradients' products 95% of a GroupNorm fit."""
+    Forward mode is the direct way to J v, but it redoes the forward pass for every product, and
+    PyTorch's forward mode takes a slow Python path for each operation that mixes a dual tensor
+    with a plain one (the blocks' constants)."""
 
     def __init__(self, residual: Residual, x: torch.Tensor) -> None:
         self.x = x.detach().requires_grad_(True)
