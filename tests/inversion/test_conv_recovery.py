@@ -18,7 +18,7 @@ from gradleak.errors import ConfigError
 from gradleak.inversion.conv_blocks import block_forward, conv_blocks, deepest_inputs
 from gradleak.inversion.conv_recovery import (
     CONSISTENT,
-    DEEPEST_RULE,
+    DEEPEST_RULES,
     MASK_RULES,
     ConvInputs,
     Run,
@@ -35,7 +35,7 @@ from gradleak.inversion.layers.conv import (
 from gradleak.inversion.layers.conv_equations import as_map
 from gradleak.inversion.layers.linear import linear_input_with_noise
 from gradleak.inversion.layers.null_space import KnownOutputs
-from gradleak.inversion.layers.relu import MaskRule, posterior_on
+from gradleak.inversion.layers.relu import MaskRule, likelier_on, posterior_on
 from gradleak.victims import create_victim
 from gradleak.victims.base import victim_at_theta0
 
@@ -174,7 +174,7 @@ def test_a_step_a_rule_pauses_is_walked_on_by_the_next_and_the_result_is_unchang
     are those of walking every rule on every step."""
     observation, _ = trained_statistics
     rounded = float16_rounded(observation)
-    found = observed_conv_inputs(rounded, deepest_rule=None)
+    found = observed_conv_inputs(rounded, deepest_rules=())
     first = MASK_RULES[0].label
     assert first in found.rules and set(found.rules) - {first}
     expected = every_rule_on_every_step(rounded)
@@ -188,12 +188,12 @@ def test_a_paused_walk_no_rule_makes_consistent_is_finished(trained_statistics) 
     observation, _ = trained_statistics
     rounded = float16_rounded(observation)
     alone = MASK_RULES[:1]
-    found = observed_conv_inputs(rounded, rules=alone, deepest_rule=None)
+    found = observed_conv_inputs(rounded, rules=alone, deepest_rules=())
     expected = every_rule_on_every_step(rounded, alone)
     for name, inputs in expected.items():
         assert float((found.inputs[name] - inputs).abs().max()) <= 1e-12 * float(
             inputs.abs().max())
-    assert found.rules == ["posterior"] * len(found.rules)
+    assert found.rules == [MASK_RULES[0].label] * len(found.rules)
 
 
 def test_a_step_every_rule_pauses_is_finished_by_the_first(trained_statistics) -> None:
@@ -203,7 +203,7 @@ def test_a_step_every_rule_pauses_is_finished_by_the_first(trained_statistics) -
     observation, _ = trained_statistics
     rounded = float16_rounded(observation)
     twice = (MASK_RULES[0], MASK_RULES[0])
-    found = observed_conv_inputs(rounded, rules=twice, deepest_rule=None)
+    found = observed_conv_inputs(rounded, rules=twice, deepest_rules=())
     expected = every_rule_on_every_step(rounded, MASK_RULES[:1])
     for name, inputs in expected.items():
         assert float((found.inputs[name] - inputs).abs().max()) <= 1e-12 * float(
@@ -369,8 +369,8 @@ def test_the_noise_aware_rule_keeps_the_masks_the_margins_lose_under_added_noise
     truth = true_inputs(observation, images, ["encoder.3"])["encoder.3"]
 
     def median_error(rules: tuple[MaskRule, ...] = MASK_RULES,
-                     deepest_rule: MaskRule | None = None) -> float:
-        found = observed_conv_inputs(noisy, rules=rules, deepest_rule=deepest_rule)
+                     deepest_rules: tuple[MaskRule, ...] = ()) -> float:
+        found = observed_conv_inputs(noisy, rules=rules, deepest_rules=deepest_rules)
         return float(relative_error(found.inputs["encoder.3"], truth).median())
 
     margins = [median_error((MaskRule(margin),)) for margin in (10.0, 20.0)]
@@ -378,7 +378,32 @@ def test_the_noise_aware_rule_keeps_the_masks_the_margins_lose_under_added_noise
     assert posterior <= 0.5 * min(margins)
     assert median_error() <= posterior + 1e-9
     # deciding the deepest block's units again, where no walk is consistent, never loses
-    assert median_error(deepest_rule=DEEPEST_RULE) <= median_error() + 1e-9
+    assert median_error(deepest_rules=DEEPEST_RULES) <= median_error() + 1e-9
+
+
+def test_the_odds_rule_keeps_the_prior_where_the_fitted_delta_is_within_its_noise() -> None:
+    """Units whose δ, if on, would be a tenth of the fit's noise: the fitted δ alone (nearer its
+    on-value than 0) calls nearly half of the off ones on; the odds rule keeps their prior.
+    Units whose δ is ten deviations: both rules read the fit. The deviation is read off the
+    decided units (posterior 0 or 1), whose fitted δ has the same noise."""
+    generator = torch.Generator().manual_seed(0)
+    shape, noise = (2, 4, 32, 32), 0.5
+    full = torch.where(torch.rand(shape, generator=generator) < 0.5, 0.1, 10.0).double() * noise
+    on = torch.rand(shape, generator=generator) < 0.3
+    decided = torch.rand(shape, generator=generator) < 0.3
+    probability = torch.where(decided, on.double(), torch.full(shape, 0.3, dtype=torch.float64))
+    fitted = full * on + noise * torch.randn(shape, generator=generator, dtype=torch.float64)
+    log_odds = torch.log(probability) - torch.log1p(-probability)
+    by_odds = likelier_on(fitted, full, log_odds, probability)
+    nearer = (fitted - full).abs() < fitted.abs()
+    weak, strong = ~decided & (full < noise), ~decided & (full > noise)
+
+    def wrong(called: torch.Tensor, units: torch.Tensor) -> float:
+        return float((called != on)[units].double().mean())
+
+    assert wrong(nearer, weak & ~on) > 0.4 and wrong(by_odds, weak) == wrong(
+        torch.zeros_like(on), weak)  # the prior (0.3: off) on every weak unit
+    assert wrong(by_odds, strong) < 1e-3 and wrong(nearer, strong) < 1e-3
 
 
 def test_the_posterior_calls_a_unit_near_zero_off_and_one_four_deviations_up_on() -> None:
@@ -433,7 +458,7 @@ def test_only_the_steps_the_first_walk_leaves_inconsistent_are_walked_again(
     errors = relative_error(found.inputs["encoder.3"], truth)
     exact = [row for row in range(10) if row not in noisy]
     assert float(errors[exact].max()) <= 1e-4
-    assert [found.rules[row] for row in exact] == ["posterior"] * len(exact)
+    assert [found.rules[row] for row in exact] == [MASK_RULES[0].label] * len(exact)
     assert float(errors[noisy].min()) > 1e-3  # the noisy rows are their own, not an exact one's
     victim = victim_at_theta0(observation).double()
     blocks = conv_blocks(victim)
@@ -644,12 +669,12 @@ def test_the_deepest_block_decided_again_only_where_it_brings_the_features_close
     noisy = replace(observation, gradients=(gradients + 0.01 * np.sqrt((gradients ** 2).mean())
                                             * noise).astype(np.float32))
     blocks = conv_blocks(victim_at_theta0(observation).double())
-    walked = observed_conv_inputs(noisy, deepest_rule=None)
+    walked = observed_conv_inputs(noisy, deepest_rules=())
     found = observed_conv_inputs(noisy)
     before, after = (f.inconsistency(blocks, "encoder.3") for f in (walked, found))
     changed = ~torch.all((found.inputs["encoder.3"] == walked.inputs["encoder.3"]).flatten(1), 1)
     assert bool(changed.any()) and not bool(changed.all())
     assert bool((after[changed] < before[changed]).all())
     assert torch.equal(after[~changed], before[~changed])
-    assert all((", posterior ×4 at encoder.3" in label) == bool(moved)
+    assert all((" ×4 at encoder.3" in label) == bool(moved)
                for label, moved in zip(found.rules, changed.tolist()))

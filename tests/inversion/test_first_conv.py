@@ -126,15 +126,15 @@ def test_without_a_prior_the_solve_fits_both_sets_and_errs_only_in_their_null_sp
 
 @pytest.mark.slow
 def test_the_solve_errs_only_in_the_computed_null_space(unprioritised) -> None:
-    """The computed row space of each frame's equations: the unprioritised solve has the true
-    input's row-space part (P x̂ = P x, P the row-space projector) on the first two frames
-    where it converged, so its error lies wholly in the null space, and a frame moved along
+    """The computed row space of a frame's equations: the unprioritised solve has the true
+    input's row-space part (P x̂ = P x, P the row-space projector) on the first frame where it
+    converged, so its error lies wholly in the null space, and a frame moved along
     the row space breaks the equations; the rank is below the unknowns and the per-pixel
     leverages are in [0, 1] and add up to it."""
     equations, solution, x = unprioritised
     converged = torch.stack(list(equations.residuals(solution).values())).amax(0) <= 1e-10
     assert int(converged.sum()) >= 2
-    for frame in map(int, torch.nonzero(converged).flatten()[:2]):
+    for frame in map(int, torch.nonzero(converged).flatten()[:1]):
         space = equation_space(equations, frame, x.shape)
         assert 0 < space.rank < space.unknowns == x[0].numel()
         assert equation_rank(equations, frame, x.shape) == space.rank  # eigenvalues alone

@@ -7,7 +7,7 @@ import torch
 
 from gradleak.errors import ConfigError
 from gradleak.inversion.conv_recovery import (
-    DEEPEST_RULE,
+    DEEPEST_RULES,
     MASK_RULES,
     ConvInputs,
     recover_conv_inputs,
@@ -19,7 +19,7 @@ from gradleak.victims.base import victim_at_theta0
 
 def observed_conv_inputs(observation: Observation, down_to: str | None = None,
                          rules: tuple[MaskRule, ...] = MASK_RULES,
-                         deepest_rule: MaskRule | None = DEEPEST_RULE) -> ConvInputs:
+                         deepest_rules: tuple[MaskRule, ...] = DEEPEST_RULES) -> ConvInputs:
     """`recover_conv_inputs` on what the server holds: the observation's gradients and θ0."""
     victim = victim_at_theta0(observation).double()
 
@@ -30,4 +30,4 @@ def observed_conv_inputs(observation: Observation, down_to: str | None = None,
             raise ConfigError(f"recovery through the conv stack needs the gradient of {name}: "
                               "capture with --components including 'cnn' and 'fc'") from None
 
-    return recover_conv_inputs(gradient_of, victim, down_to, rules, deepest_rule)
+    return recover_conv_inputs(gradient_of, victim, down_to, rules, deepest_rules)

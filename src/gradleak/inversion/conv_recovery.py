@@ -51,15 +51,19 @@ from gradleak.inversion.layers.null_space import completions_shared
 from gradleak.inversion.layers.relu import MaskRule, Relu
 from gradleak.inversion.network import Network
 
-# Why these three: the margins suit exact and float16/bfloat16-rounded gradients (no single one
+# Why these: the margins suit exact and float16/bfloat16-rounded gradients (no single one
 # every step; see `recover_conv_inputs`), the posterior suits added noise, whose deviation the
-# fit's residual estimates well. The first is walked on every step, the others only where it
-# is not consistent to float32 rounding (`CONSISTENT`): on exact gradients one walk, not three.
-MASK_RULES = (MaskRule(None, rounds=1), MaskRule(10.0), MaskRule(20.0))
+# fit's residual estimates well, its ambiguous units settled by the fitted δ alone or by their
+# odds times its evidence (neither is better on every step: docs/training-free.md). The first
+# is walked on every step, the others only where it is not consistent to float32 rounding
+# (`CONSISTENT`): on exact gradients one walk, not four.
+MASK_RULES = (MaskRule(None, rounds=1), MaskRule(10.0), MaskRule(20.0),
+              MaskRule(None, rounds=1, odds=False))
 # The deepest block's on-units, whichever rule walked the blocks above: the frame solve reads
 # that block's input, and there the posterior with four alternations of a channel-robust input
-# and its fitted δ decides best
-DEEPEST_RULE = MaskRule(None, rounds=4)
+# and its fitted δ decides best, its ambiguous units by their odds or, on some steps under
+# coarse quantisation, by the fitted δ alone (each kept where the features say it is better)
+DEEPEST_RULES = (MaskRule(None, rounds=4),)
 # a step whose deepest map reproduces the features to this relative error is taken as exact
 CONSISTENT = 1e-4
 # and one further off than this went wrong above the deepest block, where re-deciding that
@@ -189,7 +193,7 @@ class Descent:
 @torch.no_grad()
 def recover_conv_inputs(gradient_of: GradientOf, network: Network, down_to: str | None = None,
                         rules: tuple[MaskRule, ...] = MASK_RULES,
-                        deepest_rule: MaskRule | None = DEEPEST_RULE) -> ConvInputs:
+                        deepest_rules: tuple[MaskRule, ...] = DEEPEST_RULES) -> ConvInputs:
     """Walk down from the FC layer to the input of conv `down_to` (default: as far as the
     gradients determine it). `network` holds θ0 and is in eval mode; the gradients in any float
     dtype (read once, as given), the arithmetic in float64.
@@ -199,8 +203,8 @@ def recover_conv_inputs(gradient_of: GradientOf, network: Network, down_to: str 
     exact from the FC gradient whatever the masks, say which run went right: per step the run
     whose deepest map, passed forward through the blocks above, is nearest them is kept (the
     attacker's own criterion; it matches the oracle's choice). The first rule is walked on every
-    step, the others only on the steps it leaves inconsistent. Then `deepest_rule` (None: none)
-    decides the deepest block's units again where no walk was consistent
+    step, the others only on the steps it leaves inconsistent. Then each of `deepest_rules`
+    decides the deepest block's units again where no walk was consistent, kept where better
     (`resettle_deepest`)."""
     read: dict[str, torch.Tensor] = {}
 
@@ -213,11 +217,11 @@ def recover_conv_inputs(gradient_of: GradientOf, network: Network, down_to: str 
         raise ConfigError("recovery through the conv stack needs at least one mask rule")
     with completions_shared():
         found = walk_every_rule(once, network, down_to, rules)
-        if deepest_rule is None:
-            return found
         blocks = conv_blocks(network)
-        return resettle_deepest(once, blocks, checked_deepest(network, blocks, down_to), found,
-                                deepest_rule)
+        for rule in deepest_rules:
+            found = resettle_deepest(once, blocks, checked_deepest(network, blocks, down_to),
+                                     found, rule)
+        return found
 
 
 def walk_every_rule(once: GradientOf, network: Network, down_to: str | None,

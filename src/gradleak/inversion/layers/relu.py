@@ -31,10 +31,15 @@ class MaskRule:
 
     margin: float | None = None
     rounds: int = 3
+    # the posterior rule's ambiguous units: by their odds times the fitted δ's evidence
+    # (`likelier_on`), or, False, by whether the fitted δ is nearer the on-value than 0
+    odds: bool = True
 
     @property
     def label(self) -> str:
-        return "posterior" if self.margin is None else f"margin {self.margin:g}"
+        if self.margin is not None:
+            return f"margin {self.margin:g}"
+        return "posterior" if self.odds else "posterior, nearer"
 
 
 def margin_states(at_output: Known, threshold: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,7 +76,7 @@ class Relu(LayerInverse):
         full, relu = at_output.gradient, at_output.value  # δ where the unit is on
         if self.rule.margin is None:
             return posterior_mask(self.conv, full, relu, deviations(at_output),
-                                  self.weight_gradient, self.rule.rounds)
+                                  self.weight_gradient, self.rule.rounds, self.rule.odds)
         sure, undecided = margin_states(at_output, self.rule.margin)
         mask = sure.clone()
         rows = undecided.flatten(1).any(1).nonzero().flatten()
@@ -90,25 +95,51 @@ DECIDED = 1e-3
 
 
 def posterior_mask(block: ConvLayer, full: torch.Tensor, relu: torch.Tensor,
-                   deviation: torch.Tensor, weight_gradient: torch.Tensor, rounds: int = 1
-                   ) -> torch.Tensor:
+                   deviation: torch.Tensor, weight_gradient: torch.Tensor, rounds: int = 1,
+                   odds: bool = True) -> torch.Tensor:
     """On where the posterior says so; the ambiguous units by the δ fitted to the weight
-    gradient given the channel-robust input (the margins' alternation flips off-units on
-    under noise: docs/training-free.md)."""
+    gradient given the channel-robust input: with `odds`, by their posterior odds times that
+    δ's evidence (`likelier_on`), else where it is nearer the on-value than 0 (which calls on
+    the off units whose δ would be within the fit's noise; under coarse quantisation, whose
+    errors are not Gaussian, it is still the better rule on some steps)."""
     probability = posterior_on(relu, deviation)
     mask = probability > 0.5
     ambiguous = (probability > DECIDED) & (probability < 1 - DECIDED)
+    log_odds = torch.log(probability) - torch.log1p(-probability)
     rows = ambiguous.flatten(1).any(1).nonzero().flatten()
     for _ in range(rounds):
         if not len(rows):
             break
         inputs = robust_input(block, (full * mask)[rows], weight_gradient[rows])
-        fitted = nearer_on(block, inputs, full[rows], weight_gradient[rows])
-        settled = torch.where(ambiguous[rows], fitted, mask[rows])
+        fitted = fitted_output_gradient(block, inputs, weight_gradient[rows])
+        on = likelier_on(fitted, full[rows], log_odds[rows], probability[rows]) if odds \
+            else (fitted - full[rows]).abs() < fitted.abs()
+        settled = torch.where(ambiguous[rows], on, mask[rows])
         moved = (settled != mask[rows]).flatten(1).any(1)
         mask[rows] = settled
         rows = rows[moved]  # a step whose units all stayed is settled
     return mask
+
+
+def likelier_on(fitted: torch.Tensor, full: torch.Tensor, log_odds: torch.Tensor,
+                probability: torch.Tensor) -> torch.Tensor:
+    """(N, C, h, w) where on is the likelier state: the unit's prior log-odds plus the log
+    likelihood ratio of its fitted δ, Gaussian about `full` (on) or 0 (off) with the fit's
+    deviation. That deviation is read per step and channel off the units the posterior decided
+    (their fitted δ against their known state; a channel with none takes its step's), so a unit
+    whose δ would be within the fit's noise keeps its prior."""
+    decided_off, decided_on = probability < DECIDED, probability > 1 - DECIDED
+    residual = torch.where(decided_off, fitted, torch.where(decided_on, fitted - full, torch.nan))
+    spread = MAD_TO_DEVIATION * torch.nanmedian(residual.abs().flatten(2), 2).values
+    of_step = MAD_TO_DEVIATION * torch.nanmedian(residual.abs().flatten(1), 1).values
+    spread = torch.where(torch.isnan(spread), of_step[:, None], spread)[..., None, None]
+    evidence = (fitted ** 2 - (fitted - full) ** 2) / (2 * spread ** 2)
+    evidence = torch.nan_to_num(evidence, nan=0.0)  # a step with no decided unit: the prior
+    return log_odds + evidence > 0
+
+
+# a Gaussian's standard deviation over the median absolute deviation from its centre
+MAD_TO_DEVIATION = 1.4826
 
 
 def settle_masks(block: ConvLayer, full: torch.Tensor, surely_on: KnownOutputs,
