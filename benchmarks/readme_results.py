@@ -418,6 +418,17 @@ def exact_speed() -> tuple[str, str]:
             f"medians of {data['repeats']})", "; ".join(parts))
 
 
+def mask_rules() -> tuple[str, str]:
+    data = load("mask_rules.json")
+    by_defense: dict[str, dict[str, float]] = {}
+    for row in data["rows"]:
+        by_defense.setdefault(row["defense"], {})[row["rules"]] = row["psnr"]
+    parts = [f"{defense} {' → '.join(db(psnr) for psnr in rules.values())}"
+             for defense, rules in by_defense.items()]
+    return (f"the training-free attack's ReLU decisions, {' → '.join(by_defense['none'])} "
+            f"({data['victim']}, {data['frames']} held-out steps; PSNR)", "; ".join(parts))
+
+
 def layer_ablation() -> tuple[str, str]:
     data = load("layer_ablation.json")
     rows = ", ".join(f"{row['input']} {db(row['psnr'])}" for row in data["rows"])
@@ -848,7 +859,7 @@ ROWS: dict[str, Callable[[], tuple[str, str]]] = {
     "exact_refiner.json": exact_refiner,
     **({"exact_solve_sweep.json": exact_solve_sweep}
        if (RESULTS / "exact_solve_sweep.json").exists() else {}),
-    "exact_speed.json": exact_speed,
+    "exact_speed.json": exact_speed, "mask_rules.json": mask_rules,
     "fedavg_controls.json": fedavg_controls,
     "flower_audit.json": flower_audit, "fedavg_span.json": fedavg_span,
     "fedavg_separation.json": fedavg_separation, "fedavg_separate.json": fedavg_separate,
