@@ -35,7 +35,7 @@ from gradleak.inversion.layers.conv import (
 from gradleak.inversion.layers.conv_equations import as_map
 from gradleak.inversion.layers.linear import linear_input_with_noise
 from gradleak.inversion.layers.null_space import KnownOutputs
-from gradleak.inversion.layers.relu import MaskRule, likelier_on, posterior_on
+from gradleak.inversion.layers.relu import MaskRule, likelier_on, nearer_on, posterior_on
 from gradleak.victims import create_victim
 from gradleak.victims.base import victim_at_theta0
 
@@ -395,7 +395,7 @@ def test_the_odds_rule_keeps_the_prior_where_the_fitted_delta_is_within_its_nois
     fitted = full * on + noise * torch.randn(shape, generator=generator, dtype=torch.float64)
     log_odds = torch.log(probability) - torch.log1p(-probability)
     by_odds = likelier_on(fitted, full, log_odds, probability)
-    nearer = (fitted - full).abs() < fitted.abs()
+    nearer = nearer_on(fitted, full)
     weak, strong = ~decided & (full < noise), ~decided & (full > noise)
 
     def wrong(called: torch.Tensor, units: torch.Tensor) -> float:

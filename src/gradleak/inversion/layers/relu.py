@@ -113,7 +113,7 @@ def posterior_mask(block: ConvLayer, full: torch.Tensor, relu: torch.Tensor,
         inputs = robust_input(block, (full * mask)[rows], weight_gradient[rows])
         fitted = fitted_output_gradient(block, inputs, weight_gradient[rows])
         on = likelier_on(fitted, full[rows], log_odds[rows], probability[rows]) if odds \
-            else (fitted - full[rows]).abs() < fitted.abs()
+            else nearer_on(fitted, full[rows])
         settled = torch.where(ambiguous[rows], on, mask[rows])
         moved = (settled != mask[rows]).flatten(1).any(1)
         mask[rows] = settled
@@ -151,14 +151,13 @@ def settle_masks(block: ConvLayer, full: torch.Tensor, surely_on: KnownOutputs,
     mask = sure.clone()
     for _ in range(rounds):
         a = solve_input(block, full * mask, weight_gradient, surely_on)
-        mask = torch.where(undecided, nearer_on(block, a, full, weight_gradient), sure)
+        fitted = fitted_output_gradient(block, a, weight_gradient)
+        mask = torch.where(undecided, nearer_on(fitted, full), sure)
     return mask
 
 
-def nearer_on(block: ConvLayer, inputs: torch.Tensor, full: torch.Tensor,
-              weight_gradient: torch.Tensor) -> torch.Tensor:
-    """Where the δ fitted to the weight gradient given `inputs` is nearer its on-value than 0."""
-    fitted = fitted_output_gradient(block, inputs, weight_gradient)
+def nearer_on(fitted: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """Where the fitted δ is nearer its on-value `full` than 0."""
     return (fitted - full).abs() < fitted.abs()
 
 
